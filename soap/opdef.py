@@ -1,0 +1,175 @@
+"""The shape of an op-registry entry: iteration dims, boxes, regions.
+
+The registry (`soap/registry.py`) holds one entry (`OpDef`) per op kind. An entry names the op's
+*iteration dims* (`DimSpec`): the output dims plus any reduction dims, each with its SOAP kind.
+A part of an op is a `Box`: one half-open index range per iteration dim, aligned with `dims(op)`.
+For a box the entry returns
+
+- `output_region(op, box, i)`: the part of output `i` the box produces (a `Region`: one range per tensor
+  axis). When the box covers only part of a dim whose `out_axis` is None, the part holds partial sums of
+  that region, which consumers must add up;
+- `input_regions(op, box)`: the part of each input it reads, halos included, clipped to the tensor;
+- `param_regions(op, box)`: the part of each parameter it reads.
+
+The simulator derives communication from these regions; the runtime's kernels compute a part from exactly
+these regions. One definition, two users. Pure Python: this module must not import torch, the simulator,
+the search or the runtime.
+
+The helpers below the classes (`input_shape`, `window_range`, `clip_range`, `part_boxes`) are shared by
+the registry entries and the runtime kernels, so that both derive halos and part boxes the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from soap.graph import Operator
+
+Range = tuple[int, int]
+Box = tuple[Range, ...]
+Region = tuple[Range, ...]
+
+
+class DimKind(StrEnum):
+    SAMPLE = "sample"
+    ATTRIBUTE = "attribute"
+    PARAMETER = "parameter"
+    REDUCTION = "reduction"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DimSpec:
+    """One iteration dim of an op.
+
+    `out_axis` is the axis of output 0 this dim indexes, or None when splitting it leaves partial sums
+    (a reduction dim, or the sample dim of a loss). `splittable` is False where the op kind cannot be
+    split along the dim at all (the normalized axis of a softmax, the time axis of an LSTM).
+    """
+
+    name: str
+    kind: DimKind
+    size: int
+    out_axis: int | None
+    splittable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise ValueError(f"dim {self.name!r} has negative size {self.size}")
+
+
+def full_region(shape: tuple[int, ...]) -> Region:
+    return tuple((0, s) for s in shape)
+
+
+def full_box(dims: tuple[DimSpec, ...]) -> Box:
+    return tuple((0, d.size) for d in dims)
+
+
+def region_numel(region: Region) -> int:
+    return math.prod(hi - lo for lo, hi in region)
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    """The overlap of two regions of the same tensor, or None when they do not overlap."""
+    out = []
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
+        lo, hi = max(alo, blo), min(ahi, bhi)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def split_range(size: int, degree: int, index: int) -> Range:
+    """The `index`-th of `degree` equal chunks of [0, size); `degree` divides `size`."""
+    step = size // degree
+    return (index * step, (index + 1) * step)
+
+
+class OpDef:
+    """Base of all registry entries. Subclasses set `kind` and implement `dims` and the region functions.
+
+    The defaults cover ops whose output 0 is indexed by the dims with an `out_axis`, and whose other
+    outputs (if any) the subclass maps itself.
+    """
+
+    kind: str = ""
+    doc: str = ""
+    # True where the op's output exists on every device at no cost (buffers each process holds).
+    everywhere: bool = False
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        raise NotImplementedError
+
+    def check(self, op: Operator, degrees: Mapping[str, int]) -> str | None:
+        """Why this combination of degrees is not allowed for `op`, or None when it is.
+
+        The default allows any degree on a splittable dim; entries whose regions stop being boxes for
+        some degrees (reshape) override it. Degrees must already divide their dims.
+        """
+        dims = {d.name: d for d in self.dims(op)}
+        for name, degree in degrees.items():
+            if degree > 1 and not dims[name].splittable:
+                return f"{self.kind} cannot be split along {name!r}"
+        return None
+
+    def output_region(self, op: Operator, box: Box, index: int = 0) -> Region:
+        if index != 0:
+            raise NotImplementedError(f"{self.kind} has no output {index}")
+        region = list(full_region(op.outputs[0].shape))
+        for d, rng in zip(self.dims(op), box, strict=True):
+            if d.out_axis is not None:
+                region[d.out_axis] = rng
+        return tuple(region)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        raise NotImplementedError
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        return {name: full_region(p.shape) for name, p in op.params.items()}
+
+    def buffer_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        """The part of each buffer (running statistics) the part reads and updates, keyed by local name."""
+        return {}
+
+    def reduced(self, op: Operator, box: Box) -> bool:
+        """Whether the part holds partial sums (it covers a proper subrange of a dim with no out_axis)."""
+        return any(d.out_axis is None and (hi - lo) != d.size
+                   for d, (lo, hi) in zip(self.dims(op), box, strict=True))
+
+
+def input_shape(op: Operator, index: int) -> tuple[int, ...]:
+    """The shape of tensor input `index`, from the ``input_shapes`` attr capture records on every op."""
+    shapes = op.attrs.get("input_shapes")
+    if shapes is None or index >= len(shapes):
+        raise ValueError(f"op {op.name!r} ({op.kind}) lacks attr 'input_shapes' for input {index}; "
+                         f"capture records one shape per tensor input")
+    return tuple(int(s) for s in shapes[index])
+
+
+def window_range(out_range: Range, *, kernel: int, stride: int, padding: int, dilation: int = 1) -> Range:
+    """The input rows a sliding window (convolution, pooling) reads for output rows `out_range`.
+
+    Not clipped: it runs from -padding up to past the end where the window overlaps the padding.
+    """
+    lo, hi = out_range
+    if hi <= lo:
+        return (lo * stride - padding, lo * stride - padding)
+    return (lo * stride - padding, (hi - 1) * stride - padding + (kernel - 1) * dilation + 1)
+
+
+def clip_range(rng: Range, size: int) -> Range:
+    """`rng` clipped to [0, size); an empty result keeps lo <= hi."""
+    lo = min(max(rng[0], 0), size)
+    return (lo, max(min(rng[1], size), lo))
+
+
+def part_boxes(dims: tuple[DimSpec, ...], degrees: Mapping[str, int]) -> list[Box]:
+    """The boxes of all parts for `degrees` (a degree per dim name, missing = 1), in row-major part order."""
+    counts = [degrees.get(d.name, 1) for d in dims]
+    return [tuple(split_range(d.size, g, i) for d, g, i in zip(dims, counts, idx, strict=True))
+            for idx in itertools.product(*(range(g) for g in counts))]

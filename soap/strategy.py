@@ -1,0 +1,183 @@
+"""`Strategy` (op name -> ParallelConfig) and the strategy file (format ``soapflow.strategy/1``).
+
+File layout (JSON, human-editable)::
+
+    {"format": "soapflow.strategy/1", "model": "mlp", "fingerprint": "<sha256>", "batch_size": 64,
+     "topology": "cpu-2", "num_devices": 2, "predicted_iteration_time_ms": 1.23,
+     "ops": {"fc1": {"degrees": {"out_features": 2}, "devices": [0, 1]}, ...}}
+
+An op missing from the file defaults to data parallel (with a warning); a fingerprint mismatch warns and
+the file still applies by op name; a config that does not fit the graph raises `StrategyError` naming the
+op and the reason. Must not import torch, the simulator, the search or the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from soap.config import ConfigError, ParallelConfig, validate
+from soap.graph import OperatorGraph
+
+FORMAT = "soapflow.strategy/1"
+
+
+class StrategyError(ValueError):
+    """A strategy (or strategy file) that does not fit the graph or the topology."""
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """Immutable mapping op name -> ParallelConfig."""
+
+    configs: Mapping[str, ParallelConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "configs", MappingProxyType(dict(self.configs)))
+
+    def __getitem__(self, op: str) -> ParallelConfig:
+        return self.configs[op]
+
+    def __contains__(self, op: object) -> bool:
+        return op in self.configs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.configs)
+
+    def __len__(self) -> int:
+        return len(self.configs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Strategy) and dict(self.configs) == dict(other.configs)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, v.key()) for k, v in self.configs.items())))
+
+    def items(self):
+        return self.configs.items()
+
+    def with_config(self, op: str, cfg: ParallelConfig) -> Strategy:
+        configs = dict(self.configs)
+        configs[op] = cfg
+        return Strategy(configs)
+
+    def devices_used(self) -> set[int]:
+        return {d for cfg in self.configs.values() for d in cfg.devices}
+
+
+def validate_strategy(graph: OperatorGraph, strategy: Strategy, num_devices: int) -> None:
+    """Raise `StrategyError` for the first op whose config is missing or does not fit."""
+    for op in graph:
+        if op.name not in strategy:
+            raise StrategyError(f"strategy has no config for op {op.name!r}")
+        try:
+            validate(op, strategy[op.name], num_devices)
+        except ConfigError as exc:
+            raise StrategyError(str(exc)) from None
+    extra = [name for name in strategy if name not in graph]
+    if extra:
+        raise StrategyError(f"strategy names op(s) the graph lacks: {', '.join(extra[:5])}")
+
+
+def strategy_to_dict(strategy: Strategy, graph: OperatorGraph, *, topology: str, num_devices: int,
+                     model: str = "", predicted_ms: float | None = None) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "model": model or graph.name,
+        "fingerprint": graph.fingerprint,
+        "batch_size": graph.batch_size,
+        "topology": topology,
+        "num_devices": num_devices,
+        "predicted_iteration_time_ms": predicted_ms,
+        "ops": {op.name: strategy[op.name].to_dict() for op in graph if op.name in strategy},
+    }
+
+
+def save_strategy(path: str | os.PathLike, strategy: Strategy, graph: OperatorGraph, *, topology: str,
+                  num_devices: int, model: str = "", predicted_ms: float | None = None) -> None:
+    """Write the strategy file atomically (temporary file in the same folder, then rename)."""
+    doc = strategy_to_dict(strategy, graph, topology=topology, num_devices=num_devices, model=model,
+                           predicted_ms=predicted_ms)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_strategy_doc(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check the envelope of a strategy file (JSON, format, ops mapping)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise StrategyError(f"cannot read strategy file {str(path)!r}: {exc.strerror}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StrategyError(f"strategy file {str(path)!r} is not JSON: {exc.msg} "
+                            f"(line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(doc, dict):
+        raise StrategyError(f"strategy file {str(path)!r} must hold a JSON object")
+    if doc.get("format") != FORMAT:
+        raise StrategyError(f"strategy file {str(path)!r} has format {doc.get('format')!r}; "
+                            f"this soapflow reads {FORMAT!r}")
+    if not isinstance(doc.get("ops"), dict):
+        raise StrategyError(f"strategy file {str(path)!r} has no 'ops' object")
+    return doc
+
+
+def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices: int, *,
+                       default: Strategy | None = None, source: str = "strategy") -> Strategy:
+    """Build and validate a Strategy for `graph` from a strategy document.
+
+    `default` supplies configs for ops the document leaves out (data parallel, normally), with a
+    warning; without it a missing op is an error.
+    """
+    if doc.get("fingerprint") and doc["fingerprint"] != graph.fingerprint:
+        warnings.warn(f"{source} was made for a different graph (fingerprint mismatch); "
+                      f"applying it by op name", stacklevel=2)
+    if doc.get("num_devices") not in (None, num_devices):
+        warnings.warn(f"{source} was made for {doc['num_devices']} devices, the topology has {num_devices}",
+                      stacklevel=2)
+    configs: dict[str, ParallelConfig] = {}
+    for name, entry in doc["ops"].items():
+        if name not in graph:
+            raise StrategyError(f"{source}: op {name!r} does not exist in model {graph.name!r}")
+        if not isinstance(entry, dict) or not isinstance(entry.get("devices"), list):
+            raise StrategyError(f"{source}: op {name!r} needs {{'degrees': {{...}}, 'devices': [...]}}")
+        degrees = entry.get("degrees", {})
+        if not isinstance(degrees, dict) or not all(isinstance(v, int) for v in degrees.values()):
+            raise StrategyError(f"{source}: op {name!r} has degrees {degrees!r}; expected {{dim: integer}}")
+        try:
+            cfg = ParallelConfig(degrees=degrees, devices=tuple(entry["devices"]))
+        except (ValueError, TypeError) as exc:
+            raise StrategyError(f"{source}: op {name!r}: {exc}") from None
+        try:
+            validate(graph[name], cfg, num_devices)
+        except ConfigError as exc:
+            raise StrategyError(f"{source}: {exc}") from None
+        configs[name] = cfg
+    missing = [op.name for op in graph if op.name not in configs]
+    if missing:
+        if default is None:
+            raise StrategyError(f"{source} has no config for op(s): {', '.join(missing[:5])}")
+        warnings.warn(f"{source} has no config for {len(missing)} op(s) ({', '.join(missing[:3])}"
+                      f"{', ...' if len(missing) > 3 else ''}); they run data parallel", stacklevel=2)
+        for name in missing:
+            configs[name] = default[name]
+    return Strategy({op.name: configs[op.name] for op in graph})
+
+
+def load_strategy(path: str | os.PathLike, graph: OperatorGraph, num_devices: int, *,
+                  default: Strategy | None = None) -> Strategy:
+    return strategy_from_dict(read_strategy_doc(path), graph, num_devices, default=default,
+                              source=f"strategy file {str(path)!r}")

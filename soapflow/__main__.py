@@ -1,0 +1,5 @@
+import sys
+
+from soapflow.cli import main
+
+sys.exit(main())
