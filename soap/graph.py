@@ -8,6 +8,7 @@ producer and every op, inputs included, gets a `ParallelConfig` in a strategy.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -184,7 +185,8 @@ class OperatorGraph:
         self.ops: tuple[Operator, ...] = tuple(ops)
         self._index: dict[str, int] = {}
         consumers: dict[str, list[tuple[str, int, int]]] = {}
-        for i, op in enumerate(self.ops):
+        ops = list(self.ops)
+        for i, op in enumerate(ops):
             if op.name in self._index:
                 raise ValueError(f"duplicate operator name {op.name!r}")
             for slot, ref in enumerate(op.inputs):
@@ -195,7 +197,12 @@ class OperatorGraph:
                     raise ValueError(f"operator {op.name!r} reads output {ref.index} of {ref.op!r}, "
                                      f"which has {len(self.ops[j].outputs)}")
                 consumers.setdefault(ref.op, []).append((op.name, slot, ref.index))
+            if op.inputs and "input_shapes" not in op.attrs:
+                # The registry clips input regions to the input tensors, so every op carries their shapes.
+                shapes = [list(ops[self._index[r.op]].outputs[r.index].shape) for r in op.inputs]
+                ops[i] = op = dataclasses.replace(op, attrs={**_thaw(op.attrs), "input_shapes": shapes})
             self._index[op.name] = i
+        self.ops = tuple(ops)
         self._consumers = {k: tuple(v) for k, v in consumers.items()}
         self._fingerprint: str | None = None
 
