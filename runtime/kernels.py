@@ -1,0 +1,429 @@
+"""Partitioned kernels: compute one part of one op with plain torch calls.
+
+Owns `compute_part` (every registry kind but `input`, `constant` and `opaque`, which the runtime feeds
+itself) and `run_opaque` (the whole-op call of an `opaque` op). A part receives exactly the tensors of the
+regions its registry entry names (`input_regions`, `param_regions`, `buffer_regions`) and returns its
+outputs shaped as `output_region`; halos, padding, masks and partial sums are derived from the same entry,
+so the simulator's regions and the runtime's computation cannot disagree. Everything here is
+autograd-friendly: no in-place op touches an input or a parameter (batchnorm's running statistics, which
+are buffers, are the one thing updated in place).
+
+Imports `soap` and torch; must not import the simulator or the search.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from soap.graph import Operator
+from soap.opdef import Box, Range, Region, input_shape
+from soap.registry import op_def
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Context:
+    """What a kernel needs besides its regions: the mode, the part's buffers, the training step."""
+
+    training: bool
+    buffers: Mapping[str, Tensor] = field(default_factory=dict)
+    step: int = 0
+
+
+Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor], _Context],
+                  tuple[Tensor, ...]]
+
+
+def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
+                 training: bool = True, buffers: Mapping[str, Tensor] | None = None,
+                 step: int = 0) -> tuple[Tensor, ...]:
+    """The outputs of part `box` of `op`, each shaped as `output_region(op, box, i)`.
+
+    `inputs` holds one tensor per entry of `input_regions(op, box)` (None where that is None), `params`
+    the slices `param_regions(op, box)` names, `buffers` the slices `buffer_regions(op, box)` names
+    (batchnorm's running statistics; updated in place in training; with momentum None also
+    `num_batches_tracked`, already counting this batch). Where the box covers part of a dim without an
+    output axis the outputs are partial sums. `training` switches dropout and batchnorm; `step` varies the
+    dropout mask from one training step to the next.
+    """
+    kernel = _KERNELS.get(op.kind)
+    if kernel is None:
+        raise ValueError(f"op {op.name!r}: kind {op.kind!r} has no partitioned kernel "
+                         f"(the runtime feeds input and constant ops and calls run_opaque for opaque ones)")
+    ctx = _Context(training=training, buffers=dict(buffers or {}), step=step)
+    outputs = kernel(op, box, inputs, params, ctx)
+    entry = op_def(op.kind)
+    for i, out in enumerate(outputs):
+        expected = _shape(entry.output_region(op, box, i))
+        assert tuple(out.shape) == expected, (op.name, i, tuple(out.shape), expected)
+    return outputs
+
+
+def run_opaque(op: Operator, module: torch.nn.Module | None, inputs: Sequence[Tensor],
+               params: Mapping[str, Tensor] | None = None) -> tuple[Tensor, ...]:
+    """Run an `opaque` op whole: call `module` (the leaf submodule at `op.module`) when `attrs["target"]`
+    is ``module``, else the function the qualified name in `target` names.
+
+    The arguments follow `attrs["args"]` and `attrs["kwargs"]`, encoded as capture writes them (see
+    docs/op_kinds.md): ``{"input": i}`` is tensor input i, ``{"param": name}`` the parameter `name` of
+    `params`, ``{"dtype": name}`` a torch dtype, ``{"device": None}`` the inputs' device, ``{"torch": name}``
+    an attribute of torch (a layout or memory format), anything else a literal; with no `args` the inputs
+    are passed in order. Tensor outputs come back as a tuple, in order.
+    """
+    target = op.attrs.get("target", "module")
+    fn: Callable[..., Any]
+    if target == "module":
+        if module is None:
+            raise ValueError(f"opaque op {op.name!r} calls its module, but none was given")
+        fn = module
+    else:
+        fn = _resolve(str(target))
+    device = inputs[0].device if inputs else None
+
+    def unrepresentable(text: str) -> Any:
+        raise ValueError(f"opaque op {op.name!r} has an argument capture could not encode: {text}")
+
+    bound: dict[str, Callable[[Any], Any]] = {
+        "input": lambda i: inputs[int(i)], "param": lambda name: (params or {})[str(name)],
+        "dtype": lambda name: getattr(torch, str(name)), "device": lambda _: device,
+        "torch": lambda name: getattr(torch, str(name)), "repr": unrepresentable,
+    }
+
+    def fill(template: Any) -> Any:
+        if isinstance(template, Mapping) and len(template) == 1 and next(iter(template)) in bound:
+            key, value = next(iter(template.items()))
+            return bound[key](value)
+        if isinstance(template, (list, tuple)):
+            return [fill(t) for t in template]
+        return template
+
+    args = fill(op.attrs["args"]) if "args" in op.attrs else list(inputs)
+    kwargs = {k: fill(v) for k, v in op.attrs.get("kwargs", {}).items()}
+    result = fn(*args, **kwargs)
+    if isinstance(result, Tensor):
+        return (result,)
+    return tuple(r for r in _flatten(result) if isinstance(r, Tensor))
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
+
+
+def _resolve(qualified: str) -> Callable[..., Any]:
+    """The object a dotted name names: the longest importable module prefix, then attributes."""
+    parts = qualified.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ValueError(f"cannot resolve function {qualified!r}")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _shape(region: Region) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in region)
+
+
+def _pair(value: int | Sequence[int]) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    a, b = value
+    return (int(a), int(b))
+
+
+def _pads(need: Range, have: Range) -> tuple[int, int]:
+    """Rows to add before and after `have` (what was read, clipped to the tensor) to cover `need`."""
+    if have[1] <= have[0]:
+        return (need[1] - need[0], 0)
+    return (have[0] - need[0], need[1] - have[1])
+
+
+def _pad_window(x: Tensor, need: tuple[Range, Range], have: tuple[Range, Range], value: float) -> Tensor:
+    """x (the clipped input region) padded on the sides where the window ran past the tensor border."""
+    top, bottom = _pads(need[0], have[0])
+    left, right = _pads(need[1], have[1])
+    if top == bottom == left == right == 0:
+        return x
+    return F.pad(x, (left, right, top, bottom), value=value)
+
+
+# ---------------------------------------------------------------- layers with weights
+
+
+def _conv2d(op, box, inputs, params, ctx):
+    entry = op_def(op.kind)
+    (region,) = entry.input_regions(op, box)
+    x = _pad_window(inputs[0], entry.needed_window(op, box), (region[2], region[3]), 0.0)
+    weight = params["weight"]
+    # a part holds whole groups or lies inside one: its group count follows from the channel counts
+    groups = x.shape[1] // weight.shape[1]
+    return (F.conv2d(x, weight, params.get("bias"), stride=_pair(op.attrs.get("stride", 1)), padding=0,
+                     dilation=_pair(op.attrs.get("dilation", 1)), groups=groups),)
+
+
+def _linear(op, box, inputs, params, ctx):
+    return (F.linear(inputs[0], params["weight"], params.get("bias")),)
+
+
+def _matmul(op, box, inputs, params, ctx):
+    return (torch.matmul(inputs[0], inputs[1]),)
+
+
+def _batchnorm(op, box, inputs, params, ctx):
+    mean, var = ctx.buffers.get("running_mean"), ctx.buffers.get("running_var")
+    momentum = op.attrs.get("momentum", 0.1)
+    if momentum is None and ctx.training and "num_batches_tracked" in ctx.buffers:
+        momentum = 1.0 / float(ctx.buffers["num_batches_tracked"])
+    return (F.batch_norm(inputs[0], mean, var, params.get("weight"), params.get("bias"),
+                         training=ctx.training or mean is None, momentum=momentum or 0.0,
+                         eps=float(op.attrs.get("eps", 1e-5))),)
+
+
+def _layernorm(op, box, inputs, params, ctx):
+    shape = [int(s) for s in op.attrs["normalized_shape"]]
+    return (F.layer_norm(inputs[0], shape, params.get("weight"), params.get("bias"),
+                         eps=float(op.attrs.get("eps", 1e-5))),)
+
+
+def _embedding(op, box, inputs, params, ctx):
+    idx, weight = inputs[0], params["weight"]
+    lo, hi = box[-1]
+    vocab = op.params["weight"].shape[0]
+    pad = op.attrs.get("padding_idx")
+    if pad is not None:
+        pad = int(pad) + vocab if int(pad) < 0 else int(pad)
+        pad = pad - lo if lo <= pad < hi else None
+    if (lo, hi) == (0, vocab):
+        return (F.embedding(idx, weight, padding_idx=pad),)
+    inside = (idx >= lo) & (idx < hi)
+    local = torch.where(inside, idx - lo, torch.zeros_like(idx))
+    return (F.embedding(local, weight, padding_idx=pad) * inside.unsqueeze(-1).to(weight.dtype),)
+
+
+def _lstm(op, box, inputs, params, ctx):
+    x = inputs[0]
+    layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+    has_bias = "bias_ih_l0" in params
+    flat = []
+    for k in range(layers):
+        flat += [params[f"weight_ih_l{k}"], params[f"weight_hh_l{k}"]]
+        if has_bias:
+            flat += [params[f"bias_ih_l{k}"], params[f"bias_hh_l{k}"]]
+    h0 = x.new_zeros(layers, x.shape[0], hidden)
+    out, h_n, c_n = torch.lstm(x, (h0, h0), flat, has_bias, layers, 0.0, ctx.training, False, True)
+    return (out, h_n, c_n)
+
+
+def _attention(op, box, inputs, params, ctx):
+    q, k, v = inputs
+    mask = None
+    if op.attrs.get("is_causal", False):
+        # the part's query rows are global rows [lo, hi); causal is top-left aligned, as in torch
+        lo, hi = box[2]
+        rows = torch.arange(lo, hi, device=q.device)
+        mask = rows[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
+    return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=op.attrs.get("scale")),)
+
+
+# ---------------------------------------------------------------- pooling
+
+
+def _pool2d(op, box, inputs, params, ctx):
+    entry = op_def(op.kind)
+    a = op.attrs
+    (region,) = entry.input_regions(op, box)
+    need, have = entry.needed_window(op, box), (region[2], region[3])
+    kernel = _pair(a["kernel"])
+    stride = _pair(a.get("stride") or a["kernel"])
+    if a.get("mode", "max") == "max":
+        # -inf padding never wins a max, so the explicit pad acts like torch's implicit one
+        x = _pad_window(inputs[0], need, have, -math.inf)
+        return (F.max_pool2d(x, kernel, stride, 0, _pair(a.get("dilation", 1))),)
+    x = _pad_window(inputs[0], need, have, 0.0)
+    total = F.avg_pool2d(x, kernel, stride, 0, divisor_override=1)
+    if a.get("divisor_override"):
+        return (total / float(a["divisor_override"]),)
+    # torch divides by the window's overlap with [-padding, size + padding) (count_include_pad) or with
+    # the tensor itself; count that overlap the same way, over the part's global rows and columns
+    size = input_shape(op, 0)[2:]
+    padding = _pair(a.get("padding", 0))
+    masks = []
+    for (lo, hi), n, p in zip(need, size, padding, strict=True):
+        rows = torch.arange(lo, hi, device=x.device)
+        first, last = (-p, n + p) if a.get("count_include_pad", True) else (0, n)
+        masks.append((rows >= first) & (rows < last))
+    inside = (masks[0][:, None] & masks[1][None, :]).to(x.dtype)[None, None]
+    count = F.avg_pool2d(inside, kernel, stride, 0, divisor_override=1)
+    return (total / count,)
+
+
+def _adaptive_pool2d(op, box, inputs, params, ctx):
+    size = op.outputs[0].shape[2:]
+    if op.attrs.get("mode", "avg") == "max":
+        return (F.adaptive_max_pool2d(inputs[0], size),)
+    return (F.adaptive_avg_pool2d(inputs[0], size),)
+
+
+# ---------------------------------------------------------------- pointwise and shape ops
+
+_UNARY: dict[str, Callable[[Tensor, Mapping[str, Any]], Tensor]] = {
+    "relu": lambda x, a: F.relu(x),
+    "gelu": lambda x, a: F.gelu(x, approximate=a.get("approximate") or "none"),
+    "tanh": lambda x, a: torch.tanh(x),
+    "sigmoid": lambda x, a: torch.sigmoid(x),
+    "silu": lambda x, a: F.silu(x),
+    "neg": lambda x, a: -x,
+    "exp": lambda x, a: torch.exp(x),
+    "identity": lambda x, a: x,
+    "scale": lambda x, a: x * a["scalar"],
+    "add_scalar": lambda x, a: x + a["scalar"],
+    "pow_scalar": lambda x, a: x ** a["scalar"],
+    "rsub_scalar": lambda x, a: a["scalar"] - x,
+}
+
+
+def _elementwise(op, box, inputs, params, ctx):
+    fn = op.attrs["fn"]
+    if fn not in _UNARY:
+        raise ValueError(f"op {op.name!r}: unknown elementwise fn {fn!r}; known: {', '.join(_UNARY)}")
+    return (_UNARY[fn](inputs[0], op.attrs),)
+
+
+def _binary(op, box, inputs, params, ctx):
+    operands = list(inputs)
+    if "other" in params:
+        operands.insert(int(op.attrs.get("param_operand", 1)), params["other"])
+    a, b = operands
+    fn = op.attrs["fn"]
+    if fn == "add":
+        return (a + b,)
+    if fn == "sub":
+        return (a - b,)
+    if fn == "mul":
+        return (a * b,)
+    if fn == "div":
+        return (a / b,)
+    if fn == "masked_fill":
+        # masked_fill broadcasts the mask to a only; the registry's regions broadcast both ways
+        return (torch.where(b, torch.as_tensor(op.attrs["value"], dtype=a.dtype, device=a.device), a),)
+    raise ValueError(f"op {op.name!r}: unknown binary fn {fn!r}")
+
+
+def _reduce(op, box, inputs, params, ctx):
+    entry = op_def(op.kind)
+    axes = entry.reduce_axes(op)
+    y = torch.sum(inputs[0], dim=axes, keepdim=bool(op.attrs.get("keepdim", False)))
+    if op.attrs.get("fn", "sum") == "mean":
+        shape = input_shape(op, 0)
+        y = y / math.prod(shape[a] for a in axes)
+    return (y,)
+
+
+def _concat(op, box, inputs, params, ctx):
+    return (torch.cat(list(inputs), dim=op_def(op.kind).axis(op)),)
+
+
+def _split(op, box, inputs, params, ctx):
+    sizes = [int(s) for s in op.attrs["sizes"]]
+    return tuple(torch.split(inputs[0], sizes, dim=op_def(op.kind).axis(op)))
+
+
+def _slice(op, box, inputs, params, ctx):
+    x, axis = inputs[0], op_def(op.kind).axis(op)
+    # the region starts at the first selected row, so the part takes every step-th row from 0
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(0, None, int(op.attrs.get("step") or 1))
+    y = x[tuple(index)]
+    return (y.select(axis, 0) if op.attrs.get("squeeze", False) else y,)
+
+
+def _reshape(op, box, inputs, params, ctx):
+    return (inputs[0].reshape(_shape(op_def(op.kind).output_region(op, box, 0))),)
+
+
+def _transpose(op, box, inputs, params, ctx):
+    return (inputs[0].permute([int(p) for p in op.attrs["perm"]]),)
+
+
+def _softmax(op, box, inputs, params, ctx):
+    fn = F.log_softmax if op.attrs.get("log", False) else F.softmax
+    return (fn(inputs[0], dim=int(op.attrs["axis"])),)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in [0, 2**32)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def dropout_keep(region: Region, shape: Sequence[int], *, p: float, seed: int, step: int,
+                 device: torch.device | str = "cpu") -> Tensor:
+    """The keep mask (bool) of `region` of a tensor of `shape`: a hash of each element's global flat
+    index, the seed and the step, so every split of the tensor draws the same mask."""
+    strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
+    flat = torch.zeros((), dtype=torch.int64, device=device)
+    for a, ((lo, hi), stride) in enumerate(zip(region, strides, strict=True)):
+        view = [1] * len(region)
+        view[a] = hi - lo
+        flat = flat + (torch.arange(lo, hi, dtype=torch.int64, device=device) * stride).view(view)
+    key = (seed * 0x9E3779B1 + step * 0x85EBCA6B + 0x632BE5AB) & _M32
+    h = _mix32((flat & _M32) ^ key)
+    h = _mix32(h ^ (((flat >> 32) + key) & _M32))
+    return h >= round(p * 2**32)
+
+
+def _dropout(op, box, inputs, params, ctx):
+    x, p = inputs[0], float(op.attrs.get("p", 0.5))
+    if not ctx.training or p == 0.0:
+        return (x,)
+    if p >= 1.0:
+        return (x * 0.0,)
+    keep = dropout_keep(tuple(box), op.outputs[0].shape, p=p, seed=int(op.attrs.get("seed") or 0),
+                        step=ctx.step, device=x.device)
+    return (x * keep.to(x.dtype) / (1.0 - p),)
+
+
+def _loss(op, box, inputs, params, ctx):
+    logits, target = inputs
+    a = op.attrs
+    if a["fn"] == "cross_entropy":
+        total = F.cross_entropy(logits, target, reduction="sum",
+                                label_smoothing=float(a.get("label_smoothing") or 0.0))
+    elif a["fn"] == "mse":
+        total = F.mse_loss(logits, target, reduction="sum")
+    else:
+        raise ValueError(f"op {op.name!r}: unknown loss fn {a['fn']!r}")
+    if a.get("reduction", "mean") == "mean":
+        # every part divides by the full count, so the parts' values sum to the global mean
+        dims = op_def(op.kind).dims(op)
+        total = total / math.prod(d.size for d in dims if d.name != "classes")
+    return (total,)
+
+
+_KERNELS: dict[str, Kernel] = {
+    "conv2d": _conv2d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
+    "layernorm": _layernorm, "embedding": _embedding, "lstm": _lstm, "attention": _attention,
+    "pool2d": _pool2d, "adaptive_pool2d": _adaptive_pool2d, "elementwise": _elementwise, "binary": _binary,
+    "reduce": _reduce, "concat": _concat, "split": _split, "slice": _slice, "reshape": _reshape,
+    "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss,
+}

@@ -1,0 +1,796 @@
+"""The op registry: one `OpDef` entry per op kind (see `soap/opdef.py` for what an entry answers).
+
+Owns the iteration dims of every kind in `docs/op_kinds.md` and how a part's box maps to the regions of
+its outputs, inputs, parameters and buffers. Shapes of inputs come from the ``input_shapes`` attr that
+capture records on every op (an `Operator` holds only its output specs).
+
+Pure Python: must not import torch, the simulator, the search or the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from soap.graph import Operator
+from soap.opdef import (
+    Box,
+    DimKind,
+    DimSpec,
+    OpDef,
+    Range,
+    Region,
+    clip_range,
+    full_region,
+    input_shape,
+    part_boxes,
+    window_range,
+)
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(entry: OpDef) -> OpDef:
+    assert entry.kind and entry.kind not in REGISTRY, entry.kind
+    REGISTRY[entry.kind] = entry
+    return entry
+
+
+def op_def(kind: str) -> OpDef:
+    try:
+        return REGISTRY[kind]
+    except KeyError:
+        raise ValueError(f"unknown op kind {kind!r}; known: {', '.join(sorted(REGISTRY))}") from None
+
+
+def dims_of(op: Operator) -> tuple[DimSpec, ...]:
+    return op_def(op.kind).dims(op)
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def axis_name(axis: int) -> str:
+    """The dim name of an output axis that has no better name: `sample` for axis 0, else `d{axis}`."""
+    return "sample" if axis == 0 else f"d{axis}"
+
+
+def axis_dims(shape: Sequence[int], *, fixed: Sequence[int] = (), first: int = 0) -> list[DimSpec]:
+    """One dim per axis of `shape` (output axis = position), named by `axis_name(first + position)`.
+
+    Axes in `fixed` (positions) are not splittable. Axis 0 is of kind sample, the others attribute.
+    """
+    out = []
+    for a, size in enumerate(shape):
+        name = axis_name(first + a)
+        kind = DimKind.SAMPLE if first + a == 0 else DimKind.ATTRIBUTE
+        out.append(DimSpec(name=name, kind=kind, size=size, out_axis=a, splittable=a not in fixed))
+    return out
+
+
+def _norm_axis(axis: int, ndim: int) -> int:
+    return axis + ndim if axis < 0 else axis
+
+
+def _pair(value: int | Sequence[int]) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    a, b = value
+    return (int(a), int(b))
+
+
+def broadcast_region(in_shape: Sequence[int], out_region: Region) -> Region:
+    """The region of a broadcasting operand of shape `in_shape` read for `out_region` of the result.
+
+    The operand's axes align with the result's trailing axes; an axis of size 1 is read whole.
+    """
+    lead = len(out_region) - len(in_shape)
+    return tuple((0, 1) if size == 1 else out_region[lead + a] for a, size in enumerate(in_shape))
+
+
+class _AxisOp(OpDef):
+    """Ops whose iteration dims are exactly the axes of output 0 (`sample`, `d1`, ...), all splittable
+    unless `fixed_axes` says otherwise, and whose one input has the output's shape."""
+
+    def fixed_axes(self, op: Operator) -> tuple[int, ...]:
+        return ()
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = op.outputs[0].shape
+        fixed = [_norm_axis(a, len(shape)) for a in self.fixed_axes(op)]
+        return tuple(axis_dims(shape, fixed=fixed))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (tuple(box),)
+
+
+# ---------------------------------------------------------------- sources
+
+
+class Input(OpDef):
+    """A tensor of the example batch. attrs: `position`, `role` (`input` or `target`).
+
+    dims: `sample` (axis 0), `d1`.. (attribute), all splittable. Reads nothing.
+    """
+
+    kind = "input"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return ()
+
+
+class Constant(OpDef):
+    """A buffer of the model (attr `fqn`); every process holds it, so it exists on every device for free.
+
+    dims: `d0`, `d1`.. (attribute), none splittable.
+    """
+
+    kind = "constant"
+    everywhere = True
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(DimSpec(name=f"d{a}", kind=DimKind.ATTRIBUTE, size=s, out_axis=a, splittable=False)
+                     for a, s in enumerate(op.outputs[0].shape))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return ()
+
+
+# ---------------------------------------------------------------- layers with weights
+
+
+class Conv2d(OpDef):
+    """y[N, Co, Ho, Wo] = conv2d(x[N, Ci, H, W], weight[Co, Ci/groups, kh, kw]) + bias[Co].
+
+    attrs: `stride`, `padding`, `dilation` ([h, w] each), `groups`.
+    dims: `sample`; `out_channels` (parameter: shards weight rows and bias; with groups > 1 only in
+    chunks that hold whole groups or lie inside one); `height`, `width` (attribute: the input region is
+    the window range clipped to the tensor, so neighbours' rows are read as a halo); `in_channels`
+    (reduction, splittable only when groups == 1: parts hold partial sums, the first chunk adds the bias).
+    """
+
+    kind = "conv2d"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, co, ho, wo = op.outputs[0].shape
+        groups = int(op.attrs.get("groups", 1))
+        ci = op.params["weight"].shape[1] * groups
+        return (
+            DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+            DimSpec(name="out_channels", kind=DimKind.PARAMETER, size=co, out_axis=1),
+            DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
+            DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3),
+            DimSpec(name="in_channels", kind=DimKind.REDUCTION, size=ci, out_axis=None,
+                    splittable=groups == 1),
+        )
+
+    def check(self, op: Operator, degrees: Mapping[str, int]) -> str | None:
+        reason = super().check(op, degrees)
+        groups = int(op.attrs.get("groups", 1))
+        degree = degrees.get("out_channels", 1)
+        if reason is None and groups > 1 and degree > 1:
+            per_group = op.outputs[0].shape[1] // groups
+            chunk = op.outputs[0].shape[1] // degree
+            if chunk % per_group and per_group % chunk:
+                reason = (f"conv2d with groups={groups} cannot split 'out_channels' {degree} ways: "
+                          f"chunks of {chunk} channels straddle groups of {per_group}")
+        return reason
+
+    def needed_window(self, op: Operator, box: Box) -> tuple[Range, Range]:
+        """The unclipped input rows and columns of the part; the kernel pads the clipped remainder."""
+        (kh, kw), a = op.params["weight"].shape[2:], op.attrs
+        sh, sw = _pair(a.get("stride", 1))
+        ph, pw = _pair(a.get("padding", 0))
+        dh, dw = _pair(a.get("dilation", 1))
+        return (window_range(box[2], kernel=kh, stride=sh, padding=ph, dilation=dh),
+                window_range(box[3], kernel=kw, stride=sw, padding=pw, dilation=dw))
+
+    def _in_channels(self, op: Operator, box: Box) -> Range:
+        groups = int(op.attrs.get("groups", 1))
+        if groups == 1:
+            return box[4]
+        per_out = op.outputs[0].shape[1] // groups
+        per_in = op.params["weight"].shape[1]
+        lo, hi = box[1]
+        return ((lo // per_out) * per_in, ((hi - 1) // per_out + 1) * per_in)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        h, w = input_shape(op, 0)[2:]
+        rows, cols = self.needed_window(op, box)
+        return ((box[0], self._in_channels(op, box), clip_range(rows, h), clip_range(cols, w)),)
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        cin_lo, cin_hi = box[4] if int(op.attrs.get("groups", 1)) == 1 else (0, op.params["weight"].shape[1])
+        kh, kw = op.params["weight"].shape[2:]
+        regions = {"weight": (box[1], (cin_lo, cin_hi), (0, kh), (0, kw))}
+        if "bias" in op.params and box[4][0] == 0:
+            regions["bias"] = (box[1],)
+        return regions
+
+
+class Linear(OpDef):
+    """y[N.., out] = x[N.., in] @ W[out, in]^T + b[out].
+
+    dims: `sample` (axis 0), `d1`.. (middle axes, attribute), `out_features` (parameter: shards W rows
+    and b), `in_features` (reduction: shards x columns and W columns; parts hold partial sums, and only
+    the part with the first `in_features` chunk adds the bias).
+    """
+
+    kind = "linear"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = op.outputs[0].shape
+        out = [DimSpec(name="sample", kind=DimKind.SAMPLE, size=shape[0], out_axis=0)]
+        out += [DimSpec(name=f"d{a}", kind=DimKind.ATTRIBUTE, size=shape[a], out_axis=a)
+                for a in range(1, len(shape) - 1)]
+        out.append(DimSpec(name="out_features", kind=DimKind.PARAMETER, size=shape[-1],
+                           out_axis=len(shape) - 1))
+        out.append(DimSpec(name="in_features", kind=DimKind.REDUCTION, size=op.params["weight"].shape[1],
+                           out_axis=None))
+        return tuple(out)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (tuple(box[:-2]) + (box[-1],),)
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        out_rng, in_rng = box[-2], box[-1]
+        regions = {"weight": (out_rng, in_rng)}
+        if "bias" in op.params and in_rng[0] == 0:
+            regions["bias"] = (out_rng,)
+        return regions
+
+
+class Matmul(OpDef):
+    """c[.., M, N] = a[.., M, K] @ b[.., K, N] (torch.matmul; leading axes broadcast, b may be 2-D).
+
+    dims: leading axes `sample`, `d1`..; `m`, `n` (attribute); `k` (reduction: parts hold partial sums).
+    Without leading axes `m` is of kind sample (the rows of a 2-D product are its batch).
+    """
+
+    kind = "matmul"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = op.outputs[0].shape
+        nd = len(shape)
+        out = axis_dims(shape[:-2])
+        out.append(DimSpec(name="m", kind=DimKind.SAMPLE if nd == 2 else DimKind.ATTRIBUTE,
+                           size=shape[-2], out_axis=nd - 2))
+        out.append(DimSpec(name="n", kind=DimKind.ATTRIBUTE, size=shape[-1], out_axis=nd - 1))
+        out.append(DimSpec(name="k", kind=DimKind.REDUCTION, size=input_shape(op, 0)[-1], out_axis=None))
+        return tuple(out)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        lead, m, n, k = tuple(box[:-3]), box[-3], box[-2], box[-1]
+        a_shape, b_shape = input_shape(op, 0), input_shape(op, 1)
+        return (broadcast_region(a_shape[:-2], lead) + (m, k),
+                broadcast_region(b_shape[:-2], lead) + (k, n))
+
+
+class BatchNorm(OpDef):
+    """y = batch_norm(x[N, C, ..]) with affine `weight`, `bias` [C] (either may be absent).
+
+    attrs: `eps`, `momentum`, `running_mean`, `running_var` (buffer fqns or None).
+    dims: `sample` (parts normalize with their local statistics, like DDP); `channels` (parameter:
+    shards weight, bias and the running statistics); the spatial axes `d2`.. are not splittable.
+    """
+
+    kind = "batchnorm"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = op.outputs[0].shape
+        out = [DimSpec(name="sample", kind=DimKind.SAMPLE, size=shape[0], out_axis=0),
+               DimSpec(name="channels", kind=DimKind.PARAMETER, size=shape[1], out_axis=1)]
+        out += [DimSpec(name=f"d{a}", kind=DimKind.ATTRIBUTE, size=shape[a], out_axis=a, splittable=False)
+                for a in range(2, len(shape))]
+        return tuple(out)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (tuple(box),)
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        return {name: (box[1],) for name in op.params}
+
+    def buffer_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        return {name: (box[1],) for name in ("running_mean", "running_var") if op.attrs.get(name)}
+
+
+class LayerNorm(_AxisOp):
+    """y = layer_norm(x, `normalized_shape`, weight, bias, `eps`); weight and bias optional.
+
+    dims: leading axes `sample`, `d1`.. splittable; the normalized (trailing) axes not splittable.
+    """
+
+    kind = "layernorm"
+
+    def fixed_axes(self, op: Operator) -> tuple[int, ...]:
+        nd = len(op.outputs[0].shape)
+        return tuple(range(nd - len(op.attrs["normalized_shape"]), nd))
+
+
+class Embedding(OpDef):
+    """y[N.., D] = weight[V, D][idx[N..]]. attrs: `padding_idx` (None or a row).
+
+    dims: `sample`, `d1`.. (the index axes); `embedding_dim` (parameter: shards weight columns);
+    `vocab` (reduction: a part holds weight rows [lo, hi) and gives 0 for ids outside them).
+    """
+
+    kind = "embedding"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = op.outputs[0].shape
+        out = axis_dims(shape[:-1])
+        out.append(DimSpec(name="embedding_dim", kind=DimKind.PARAMETER, size=shape[-1],
+                           out_axis=len(shape) - 1))
+        out.append(DimSpec(name="vocab", kind=DimKind.REDUCTION, size=op.params["weight"].shape[0],
+                           out_axis=None))
+        return tuple(out)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (tuple(box[:-2]),)
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        return {"weight": (box[-1], box[-2])}
+
+
+class LSTM(OpDef):
+    """out[N, T, H], h_n[L, N, H], c_n[L, N, H] = LSTM(x[N, T, I]) (batch first, zero initial state).
+
+    params: `weight_ih_l{k}`, `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}`; attrs: `hidden_size`,
+    `num_layers`. dims: `sample` (splittable; axis 0 of out, axis 1 of h_n and c_n); `seq` and `hidden`
+    not splittable (the recurrence runs along seq, every gate reads all of hidden).
+    """
+
+    kind = "lstm"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, t, h = op.outputs[0].shape
+        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+                DimSpec(name="seq", kind=DimKind.ATTRIBUTE, size=t, out_axis=1, splittable=False),
+                DimSpec(name="hidden", kind=DimKind.PARAMETER, size=h, out_axis=2, splittable=False))
+
+    def output_region(self, op: Operator, box: Box, index: int = 0) -> Region:
+        if index == 0:
+            return tuple(box)
+        layers = op.outputs[index].shape[0]
+        return ((0, layers), box[0], box[2])
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return ((box[0], box[1], (0, op.params["weight_ih_l0"].shape[1])),)
+
+
+class Attention(OpDef):
+    """o[N, heads, T, hd] = softmax(q k^T * scale (+ causal mask)) v, with q, k, v [N, heads, T, hd].
+
+    attrs: `is_causal` (top-left aligned, as torch), `scale` (None = 1/sqrt(hd)).
+    dims: `sample`, `heads` (attribute), `seq` (attribute: the part reads its rows of q and all of k and v),
+    `head_dim` (not splittable).
+    """
+
+    kind = "attention"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, heads, t, hd = op.outputs[0].shape
+        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+                DimSpec(name="heads", kind=DimKind.ATTRIBUTE, size=heads, out_axis=1),
+                DimSpec(name="seq", kind=DimKind.ATTRIBUTE, size=t, out_axis=2),
+                DimSpec(name="head_dim", kind=DimKind.ATTRIBUTE, size=hd, out_axis=3, splittable=False))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        q, k, v = (input_shape(op, i) for i in range(3))
+        n, h, s = box[0], box[1], box[2]
+        return ((n, h, s, (0, q[3])), (n, h, (0, k[2]), (0, k[3])), (n, h, (0, v[2]), (0, v[3])))
+
+
+# ---------------------------------------------------------------- pooling
+
+
+class Pool2d(OpDef):
+    """y[N, C, Ho, Wo] = max or average pooling of x[N, C, H, W].
+
+    attrs: `mode` (`max`/`avg`), `kernel`, `stride`, `padding`, `dilation` ([h, w] each), `ceil_mode`,
+    `count_include_pad`, `divisor_override` (optional).
+    dims: `sample`, `channels` (attribute), `height`, `width` (attribute: the input region is the window
+    range clipped to the tensor, so neighbours' rows are read as a halo).
+    """
+
+    kind = "pool2d"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, c, ho, wo = op.outputs[0].shape
+        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+                DimSpec(name="channels", kind=DimKind.ATTRIBUTE, size=c, out_axis=1),
+                DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
+                DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3))
+
+    def needed_window(self, op: Operator, box: Box) -> tuple[Range, Range]:
+        """The unclipped input rows and columns of the part; the kernel pads the clipped remainder."""
+        a = op.attrs
+        (kh, kw), (sh, sw) = _pair(a["kernel"]), _pair(a.get("stride") or a["kernel"])
+        (ph, pw), (dh, dw) = _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
+        return (window_range(box[2], kernel=kh, stride=sh, padding=ph, dilation=dh),
+                window_range(box[3], kernel=kw, stride=sw, padding=pw, dilation=dw))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        h, w = input_shape(op, 0)[2:]
+        rows, cols = self.needed_window(op, box)
+        return ((box[0], box[1], clip_range(rows, h), clip_range(cols, w)),)
+
+
+class AdaptivePool2d(OpDef):
+    """y[N, C, Ho, Wo] = adaptive max or average pooling of x[N, C, H, W]. attrs: `mode`, `output_size`.
+
+    dims: `sample`, `channels` (attribute); `d2`, `d3` (spatial) not splittable (windows overlap unevenly).
+    """
+
+    kind = "adaptive_pool2d"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, c, ho, wo = op.outputs[0].shape
+        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+                DimSpec(name="channels", kind=DimKind.ATTRIBUTE, size=c, out_axis=1),
+                DimSpec(name="d2", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2, splittable=False),
+                DimSpec(name="d3", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3, splittable=False))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        h, w = input_shape(op, 0)[2:]
+        return ((box[0], box[1], (0, h), (0, w)),)
+
+
+# ---------------------------------------------------------------- pointwise and shape ops
+
+
+class Elementwise(_AxisOp):
+    """y = fn(x) elementwise. attrs: `fn` in relu, gelu (`approximate`), tanh, sigmoid, silu, neg, exp,
+    identity, scale (x * `scalar`), add_scalar (x + `scalar`), pow_scalar (x ** `scalar`), rsub_scalar
+    (`scalar` - x).
+
+    dims: `sample`, `d1`.. all splittable.
+    """
+
+    kind = "elementwise"
+
+
+class Binary(OpDef):
+    """y = fn(a, b) with broadcasting. attrs: `fn` in add, sub, mul, div, masked_fill (`value`; b is the
+    bool mask), `param_operand` (0 or 1) when one operand is the parameter `other` (the op then has one
+    tensor input).
+
+    dims: the output axes `sample`, `d1`.., all splittable; an operand's broadcast axes are read whole.
+    """
+
+    kind = "binary"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return tuple(broadcast_region(input_shape(op, i), tuple(box)) for i in range(len(op.inputs)))
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        return {name: broadcast_region(p.shape, tuple(box)) for name, p in op.params.items()}
+
+
+class Reduce(OpDef):
+    """y = sum or mean of x over `axes` (empty = all axes), keeping them as size 1 when `keepdim`.
+
+    dims, named by input axis: axis 0 is `sample` (kind sample), the other kept axes `d{axis}`
+    (attribute), the other reduced axes `r{axis}` (reduction). A reduced dim has no output axis: a part
+    covering part of it holds partial sums, and for a mean every part divides by the full count.
+    """
+
+    kind = "reduce"
+
+    def reduce_axes(self, op: Operator) -> tuple[int, ...]:
+        """The reduced axes of the input, non-negative and sorted."""
+        nd = len(input_shape(op, 0))
+        axes = op.attrs.get("axes") or range(nd)
+        return tuple(sorted(_norm_axis(int(a), nd) for a in axes))
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = input_shape(op, 0)
+        axes = self.reduce_axes(op)
+        keepdim = bool(op.attrs.get("keepdim", False))
+        out, next_out = [], 0
+        for a, size in enumerate(shape):
+            reduced = a in axes
+            out_axis = None if reduced else (a if keepdim else next_out)
+            next_out += not reduced
+            name = "sample" if a == 0 else (f"r{a}" if reduced else f"d{a}")
+            kind = DimKind.SAMPLE if a == 0 else (DimKind.REDUCTION if reduced else DimKind.ATTRIBUTE)
+            out.append(DimSpec(name=name, kind=kind, size=size, out_axis=out_axis))
+        return tuple(out)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (tuple(box),)
+
+
+class Concat(OpDef):
+    """y = cat(x0, x1, .., dim=`axis`).
+
+    dims: the output axes `sample`, `d1`..; the concat axis is not splittable.
+    """
+
+    kind = "concat"
+
+    def axis(self, op: Operator) -> int:
+        return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape, fixed=(self.axis(op),)))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        axis = self.axis(op)
+        out = []
+        for i in range(len(op.inputs)):
+            region = list(box)
+            region[axis] = (0, input_shape(op, i)[axis])
+            out.append(tuple(region))
+        return tuple(out)
+
+
+class Split(OpDef):
+    """y0, y1, .. = split(x, `sizes`, dim=`axis`): one output per size.
+
+    dims: the axes of x (`sample`, `d1`..; output i has the same axes); the split axis is not splittable.
+    """
+
+    kind = "split"
+
+    def axis(self, op: Operator) -> int:
+        return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        axis = self.axis(op)
+        shape = list(op.outputs[0].shape)
+        shape[axis] = sum(int(s) for s in op.attrs["sizes"])
+        return tuple(axis_dims(shape, fixed=(axis,)))
+
+    def output_region(self, op: Operator, box: Box, index: int = 0) -> Region:
+        region = list(box)
+        region[self.axis(op)] = (0, int(op.attrs["sizes"][index]))
+        return tuple(region)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (tuple(box),)
+
+
+class Slice(OpDef):
+    """y = x[.., `start`:`stop`:`step`, ..] along `axis`; with `squeeze` the axis is dropped (x[.., start]).
+
+    dims: the output axes `sample`, `d1`..; the sliced axis (when kept) is not splittable.
+    """
+
+    kind = "slice"
+
+    def axis(self, op: Operator) -> int:
+        nd = len(op.outputs[0].shape) + bool(op.attrs.get("squeeze", False))
+        return _norm_axis(int(op.attrs["axis"]), nd)
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        fixed = () if op.attrs.get("squeeze", False) else (self.axis(op),)
+        return tuple(axis_dims(op.outputs[0].shape, fixed=fixed))
+
+    def read_range(self, op: Operator) -> Range:
+        """The rows of the sliced axis the op reads (first to last selected, step included)."""
+        axis, a = self.axis(op), op.attrs
+        start = int(a.get("start") or 0)
+        if start < 0:
+            start += input_shape(op, 0)[axis]
+        count = 1 if a.get("squeeze", False) else op.outputs[0].shape[axis]
+        step = int(a.get("step") or 1)
+        return (start, start + (count - 1) * step + 1) if count else (start, start)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        axis = self.axis(op)
+        region = list(box)
+        if op.attrs.get("squeeze", False):
+            region.insert(axis, self.read_range(op))
+        else:
+            region[axis] = self.read_range(op)
+        return (tuple(region),)
+
+
+def _suffix_products(shape: Sequence[int]) -> list[int]:
+    out = [1]
+    for s in reversed(shape):
+        out.append(out[-1] * s)
+    return out[::-1]
+
+
+def _range_as_box(rng: Range, radices: Sequence[int]) -> list[Range] | None:
+    """A range of flat indices over the mixed radix `radices` as a box (one range per digit), or None."""
+    lo, hi = rng
+    strides = _suffix_products(radices)
+    for t in range(len(radices) - 1, -1, -1):
+        s, c = strides[t + 1], radices[t]
+        if lo % s == 0 and hi % s == 0 and lo // (s * c) == (hi - 1) // (s * c):
+            box = [(d, d + 1) for d in ((lo // strides[j + 1]) % radices[j] for j in range(t))]
+            box.append(((lo // s) % c, ((hi - 1) // s) % c + 1))
+            box += [(0, radices[j]) for j in range(t + 1, len(radices))]
+            return box
+    return None
+
+
+def _box_as_range(box: Sequence[Range], radices: Sequence[int]) -> Range | None:
+    """A box over the mixed radix `radices` as one range of flat indices, or None when not contiguous."""
+    ranged = False
+    for (lo, hi), c in zip(box, radices, strict=True):
+        if ranged and (lo, hi) != (0, c):
+            return None
+        ranged = ranged or hi - lo > 1
+    strides = _suffix_products(radices)
+    first = sum(lo * strides[j + 1] for j, (lo, _) in enumerate(box))
+    last = sum((hi - 1) * strides[j + 1] for j, (_, hi) in enumerate(box))
+    return (first, last + 1)
+
+
+def reshape_region(in_shape: Sequence[int], out_shape: Sequence[int], out_region: Region) -> Region | None:
+    """The box of x[in_shape] holding exactly the elements of `out_region` of x.reshape(out_shape).
+
+    None when those elements do not form a box of the input. Axes are grouped between the flat strides
+    both shapes share; inside a group both shapes are refined to a common mixed radix (when one exists)
+    and the region is carried through it; a group without one moves only whole.
+    """
+    if math.prod(in_shape) == 0:
+        return full_region(tuple(in_shape))
+    out_s, in_s = _suffix_products(out_shape), _suffix_products(in_shape)
+    cuts = sorted(set(out_s) & set(in_s), reverse=True)
+    result: list[Range] = [(0, 1) if s == 1 else (0, 0) for s in in_shape]
+    for c_hi, c_lo in zip(cuts, cuts[1:], strict=False):
+        out_axes = [a for a in range(len(out_shape))
+                    if out_shape[a] > 1 and out_s[a] <= c_hi and out_s[a + 1] >= c_lo]
+        in_axes = [a for a in range(len(in_shape))
+                   if in_shape[a] > 1 and in_s[a] <= c_hi and in_s[a + 1] >= c_lo]
+        bounds = sorted({v for v in out_s + in_s if c_lo <= v <= c_hi}, reverse=True)
+        if any(b % nb for b, nb in zip(bounds, bounds[1:], strict=False)):
+            if any(out_region[a] != (0, out_shape[a]) for a in out_axes):
+                return None
+            for a in in_axes:
+                result[a] = (0, in_shape[a])
+            continue
+        # fine axes of the common radix, each named by its upper bound
+        fine: dict[int, Range] = {}
+        for a in out_axes:
+            spanned = [b for b in bounds if out_s[a + 1] < b <= out_s[a]]
+            radices = [b // nb for b, nb in zip(bounds, bounds[1:], strict=False) if b in spanned]
+            box = _range_as_box(out_region[a], radices)
+            if box is None:
+                return None
+            fine.update(zip(spanned, box, strict=True))
+        for a in in_axes:
+            spanned = [b for b in bounds if in_s[a + 1] < b <= in_s[a]]
+            radices = [b // nb for b, nb in zip(bounds, bounds[1:], strict=False) if b in spanned]
+            rng = _box_as_range([fine[b] for b in spanned], radices)
+            if rng is None:
+                return None
+            result[a] = rng
+    return tuple(result)
+
+
+class Reshape(OpDef):
+    """y = x.reshape(`shape`) (view, flatten, unflatten, squeeze, unsqueeze).
+
+    dims: the output axes `sample`, `d1`..; a split is allowed only where every part's output box holds
+    exactly the elements of a box of x (so the part reshapes its input region alone).
+    """
+
+    kind = "reshape"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape))
+
+    def check(self, op: Operator, degrees: Mapping[str, int]) -> str | None:
+        reason = super().check(op, degrees)
+        if reason is None and any(g > 1 for g in degrees.values()):
+            in_shape, out_shape = input_shape(op, 0), op.outputs[0].shape
+            for box in part_boxes(self.dims(op), degrees):
+                if reshape_region(in_shape, out_shape, box) is None:
+                    split = {k: g for k, g in degrees.items() if g > 1}
+                    return (f"reshape {list(in_shape)} -> {list(out_shape)} split {split} has a part "
+                            f"{list(box)} that is not a box of the input")
+        return reason
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        region = reshape_region(input_shape(op, 0), op.outputs[0].shape, tuple(box))
+        if region is None:
+            raise ValueError(f"op {op.name!r}: reshape part {list(box)} is not a box of its input")
+        return (region,)
+
+
+class Transpose(OpDef):
+    """y = x.permute(`perm`): output axis i is input axis perm[i].
+
+    dims: the output axes `sample`, `d1`.., all splittable.
+    """
+
+    kind = "transpose"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        perm = [_norm_axis(int(p), len(box)) for p in op.attrs["perm"]]
+        region: list[Range] = [(0, 0)] * len(box)
+        for out_axis, in_axis in enumerate(perm):
+            region[in_axis] = box[out_axis]
+        return (tuple(region),)
+
+
+class Softmax(_AxisOp):
+    """y = softmax(x, `axis`) (log_softmax when `log`).
+
+    dims: the output axes `sample`, `d1`..; `axis` is not splittable.
+    """
+
+    kind = "softmax"
+
+    def fixed_axes(self, op: Operator) -> tuple[int, ...]:
+        return (int(op.attrs["axis"]),)
+
+
+class Dropout(_AxisOp):
+    """y = x * mask / (1 - `p`) in training, x in evaluation; attrs `p`, `seed`.
+
+    dims: `sample`, `d1`.. all splittable: the mask is a hash of the global element index, the seed and
+    the step, so any split draws the unsplit mask.
+    """
+
+    kind = "dropout"
+
+
+class Loss(OpDef):
+    """The scalar mean (or sum, `reduction`) loss of logits against target. attrs: `fn`, `reduction`.
+
+    `cross_entropy`: logits (N, C, d2..), target (N, d2..) int64; `mse`: logits and target of one shape.
+    dims (none has an output axis: parts hold partial sums of the loss, each dividing by the full count):
+    `sample` (sample kind); `d1`.. (for mse) or `d2`.. (for cross entropy) attribute; `classes` (axis 1
+    of cross entropy) not splittable.
+    """
+
+    kind = "loss"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = input_shape(op, 0)
+        ce = op.attrs["fn"] == "cross_entropy"
+        out = []
+        for a, size in enumerate(shape):
+            if ce and a == 1:
+                out.append(DimSpec(name="classes", kind=DimKind.ATTRIBUTE, size=size, out_axis=None,
+                                   splittable=False))
+            else:
+                kind = DimKind.SAMPLE if a == 0 else DimKind.ATTRIBUTE
+                out.append(DimSpec(name=axis_name(a), kind=kind, size=size, out_axis=None))
+        return tuple(out)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        target = tuple(box[:1]) + tuple(box[2:]) if op.attrs["fn"] == "cross_entropy" else tuple(box)
+        return (tuple(box), target)
+
+
+class Opaque(OpDef):
+    """An op the registry does not know: it runs whole on one device. attrs: `target` (``module`` for a
+    leaf-module call, else a qualified function name), `args` (template, see docs/op_kinds.md).
+
+    dims: the axes of output 0 (`sample`, `d1`..), none splittable. Reads every input and parameter whole.
+    """
+
+    kind = "opaque"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = op.outputs[0].shape
+        return tuple(axis_dims(shape, fixed=range(len(shape))))
+
+    def output_region(self, op: Operator, box: Box, index: int = 0) -> Region:
+        return full_region(op.outputs[index].shape)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return tuple(full_region(input_shape(op, i)) for i in range(len(op.inputs)))
+
+
+for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), Embedding(),
+               LSTM(), Attention(), Pool2d(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(),
+               Split(), Slice(), Reshape(), Transpose(), Softmax(), Dropout(), Loss(), Opaque()):
+    register(_entry)

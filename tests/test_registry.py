@@ -1,0 +1,599 @@
+"""Property tests of the op registry and the partitioned kernels, one case per op kind (and variants).
+
+For every splittable dim (a few degrees, and pairs of dims) the parts' output regions tile each output,
+the parts computed from exactly the regions the registry names stitch back to the unsplit result and to a
+plain torch reference (values and gradients, float64), and dims that cannot be split are refused by
+`validate` with a message naming the op and the dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import compute_part, dropout_keep, run_opaque
+from soap.config import ConfigError, ParallelConfig, parts, validate
+from soap.graph import Operator, ParamSpec, TensorRef, TensorSpec
+from soap.opdef import Box, Region, full_box
+from soap.registry import REGISTRY, dims_of, op_def, reshape_region
+
+DTYPE = torch.float64
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One op to split: its full inputs, parameters and buffers, and a plain torch reference.
+
+    The output specs come from running the reference, so attrs and shapes cannot disagree.
+    `reference` None means there is no torch equivalent (dropout): the full-box part is the reference.
+    """
+
+    id: str
+    kind: str
+    inputs: tuple[torch.Tensor, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    params: Tensors = field(default_factory=dict)
+    buffers: Tensors = field(default_factory=dict)
+    reference: Callable[..., Any] | None = None
+    training: bool = True
+
+    def op(self) -> Operator:
+        outputs = self.reference_outputs() if self.reference is not None else (self.inputs[0],)
+        return Operator(
+            name=f"op_{self.id}", kind=self.kind,
+            inputs=tuple(TensorRef(op=f"x{i}") for i in range(len(self.inputs))),
+            outputs=tuple(TensorSpec(shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+                          for t in outputs),
+            params={k: ParamSpec(shape=tuple(v.shape), fqn=f"m.{k}") for k, v in self.params.items()},
+            attrs={**self.attrs, "input_shapes": [list(t.shape) for t in self.inputs]})
+
+    def reference_outputs(self, inputs=None, params=None) -> tuple[torch.Tensor, ...]:
+        assert self.reference is not None
+        out = self.reference(*(self.inputs if inputs is None else inputs),
+                             **(self.params if params is None else params))
+        return out if isinstance(out, tuple) else (out,)
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 17 * len(shape) + sum(shape))
+    return torch.randn(*shape, generator=g, dtype=DTYPE)
+
+
+def _ints(high: int, *shape: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, high, shape, generator=g)
+
+
+def _conv(case_id: str, x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups=1, bias=True) -> Case:
+    params = {"weight": _rand(*w_shape, seed=2)}
+    if bias:
+        params["bias"] = _rand(w_shape[0], seed=3)
+    pair = lambda v: [v, v] if isinstance(v, int) else list(v)  # noqa: E731
+    return Case(id=case_id, kind="conv2d", inputs=(_rand(*x_shape),), params=params,
+                attrs={"stride": pair(stride), "padding": pair(padding), "dilation": pair(dilation),
+                       "groups": groups},
+                reference=lambda x, weight, bias=None: F.conv2d(x, weight, bias, stride, padding, dilation,
+                                                                groups))
+
+
+def _pool(case_id: str, x_shape, *, mode, kernel, stride, padding=0, dilation=1, ceil_mode=False,
+          count_include_pad=True) -> Case:
+    if mode == "max":
+        ref = lambda x: F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=ceil_mode)  # noqa: E731
+    else:
+        ref = lambda x: F.avg_pool2d(x, kernel, stride, padding, ceil_mode=ceil_mode,  # noqa: E731
+                                     count_include_pad=count_include_pad)
+    return Case(id=case_id, kind="pool2d", inputs=(_rand(*x_shape),), reference=ref,
+                attrs={"mode": mode, "kernel": [kernel] * 2, "stride": [stride] * 2, "padding": [padding] * 2,
+                       "dilation": [dilation] * 2, "ceil_mode": ceil_mode,
+                       "count_include_pad": count_include_pad})
+
+
+def _lstm_case() -> Case:
+    torch.manual_seed(0)
+    module = torch.nn.LSTM(3, 6, num_layers=2, batch_first=True).to(DTYPE)
+    params = {k: v.detach().clone() for k, v in module.named_parameters()}
+
+    def ref(x, **weights):
+        out, (h, c) = torch.func.functional_call(module, weights, (x,))
+        return out, h, c
+
+    return Case(id="lstm", kind="lstm", inputs=(_rand(4, 5, 3),), params=params, reference=ref,
+                attrs={"hidden_size": 6, "num_layers": 2})
+
+
+def _cases() -> list[Case]:
+    mask = torch.rand(1, 1, 5, 5, generator=torch.Generator().manual_seed(4)) > 0.5
+    bn_buffers = {"running_mean": _rand(6, seed=5), "running_var": _rand(6, seed=6).abs() + 0.5}
+    cases = [
+        _conv("conv2d", (4, 4, 8, 8), (6, 4, 3, 3), padding=1),
+        _conv("conv2d-strided-dilated", (2, 4, 11, 10), (4, 4, 3, 3), stride=2, padding=2, dilation=2),
+        _conv("conv2d-alexnet", (2, 3, 35, 35), (4, 3, 11, 11), stride=4, padding=2, bias=False),
+        _conv("conv2d-grouped", (2, 8, 6, 6), (8, 2, 3, 3), padding=1, groups=4),
+        _conv("conv2d-1x1-pad", (2, 3, 4, 4), (4, 3, 1, 1), padding=1),
+        Case(id="linear", kind="linear", inputs=(_rand(4, 3, 8),),
+             params={"weight": _rand(6, 8, seed=2), "bias": _rand(6, seed=3)}, reference=F.linear),
+        Case(id="matmul", kind="matmul", inputs=(_rand(2, 3, 4, 6), _rand(2, 3, 6, 5, seed=1)),
+             reference=torch.matmul),
+        Case(id="matmul-broadcast", kind="matmul", inputs=(_rand(2, 1, 4, 6), _rand(3, 6, 4, seed=1)),
+             reference=torch.matmul),
+        Case(id="matmul-2d", kind="matmul", inputs=(_rand(4, 6), _rand(6, 2, seed=1)),
+             reference=torch.matmul),
+        Case(id="batchnorm-eval", kind="batchnorm", inputs=(_rand(4, 6, 3, 3),),
+             params={"weight": _rand(6, seed=2), "bias": _rand(6, seed=3)}, buffers=bn_buffers,
+             attrs={"eps": 1e-5, "momentum": 0.1, "running_mean": "bn.running_mean",
+                    "running_var": "bn.running_var"},
+             training=False,
+             reference=lambda x, weight, bias: F.batch_norm(x, bn_buffers["running_mean"],
+                                                            bn_buffers["running_var"], weight, bias,
+                                                            training=False, eps=1e-5)),
+        Case(id="batchnorm1d-train", kind="batchnorm", inputs=(_rand(4, 6),),
+             params={"weight": _rand(6, seed=2), "bias": _rand(6, seed=3)},
+             attrs={"eps": 1e-5, "momentum": 0.1, "running_mean": None, "running_var": None},
+             reference=lambda x, weight, bias: F.batch_norm(x, None, None, weight, bias, training=True)),
+        Case(id="layernorm", kind="layernorm", inputs=(_rand(4, 5, 8),),
+             params={"weight": _rand(8, seed=2), "bias": _rand(8, seed=3)},
+             attrs={"normalized_shape": [8], "eps": 1e-5},
+             reference=lambda x, weight, bias: F.layer_norm(x, [8], weight, bias, 1e-5)),
+        Case(id="embedding", kind="embedding", inputs=(_ints(12, 4, 6),), params={"weight": _rand(12, 6)},
+             attrs={"padding_idx": 0},
+             reference=lambda idx, weight: F.embedding(idx, weight, padding_idx=0)),
+        _lstm_case(),
+        Case(id="attention-causal", kind="attention",
+             inputs=(_rand(2, 3, 6, 4), _rand(2, 3, 6, 4, seed=1), _rand(2, 3, 6, 4, seed=2)),
+             attrs={"is_causal": True, "scale": None},
+             reference=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        Case(id="attention-cross", kind="attention",
+             inputs=(_rand(2, 2, 4, 4), _rand(2, 2, 5, 4, seed=1), _rand(2, 2, 5, 3, seed=2)),
+             attrs={"is_causal": False, "scale": 0.3},
+             reference=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=0.3)),
+        _pool("pool2d-max", (2, 3, 8, 8), mode="max", kernel=3, stride=2, padding=1),
+        _pool("pool2d-max-ceil-dilated", (2, 2, 9, 9), mode="max", kernel=2, stride=2, dilation=2,
+              ceil_mode=True),
+        _pool("pool2d-max-alexnet", (2, 2, 13, 13), mode="max", kernel=3, stride=2),
+        _pool("pool2d-avg", (2, 3, 8, 8), mode="avg", kernel=3, stride=2, padding=1),
+        _pool("pool2d-avg-exclude-pad", (2, 3, 8, 8), mode="avg", kernel=3, stride=1, padding=1,
+              count_include_pad=False),
+        _pool("pool2d-avg-ceil", (1, 2, 10, 10), mode="avg", kernel=3, stride=2, padding=1, ceil_mode=True),
+        Case(id="adaptive_pool2d-avg", kind="adaptive_pool2d", inputs=(_rand(2, 4, 7, 7),),
+             attrs={"mode": "avg", "output_size": [3, 3]},
+             reference=lambda x: F.adaptive_avg_pool2d(x, (3, 3))),
+        Case(id="adaptive_pool2d-max", kind="adaptive_pool2d", inputs=(_rand(2, 4, 7, 7),),
+             attrs={"mode": "max", "output_size": [2, 3]},
+             reference=lambda x: F.adaptive_max_pool2d(x, (2, 3))),
+        Case(id="binary-add-broadcast", kind="binary", inputs=(_rand(4, 1, 6), _rand(3, 1, seed=1)),
+             attrs={"fn": "add"}, reference=torch.add),
+        Case(id="binary-mul-param", kind="binary", inputs=(_rand(4, 5),), params={"other": _rand(5, seed=1)},
+             attrs={"fn": "mul", "param_operand": 1}, reference=lambda x, other: x * other),
+        Case(id="binary-sub-param-first", kind="binary", inputs=(_rand(4, 5),),
+             params={"other": _rand(4, 1, seed=1)}, attrs={"fn": "sub", "param_operand": 0},
+             reference=lambda x, other: other - x),
+        Case(id="binary-div", kind="binary", inputs=(_rand(4, 6), _rand(4, 6, seed=1).abs() + 1),
+             attrs={"fn": "div"}, reference=torch.div),
+        Case(id="binary-masked_fill", kind="binary", inputs=(_rand(2, 3, 5, 5), mask),
+             attrs={"fn": "masked_fill", "value": -1e9},
+             reference=lambda a, m: a.masked_fill(m, -1e9)),
+        Case(id="reduce-sum", kind="reduce", inputs=(_rand(4, 5, 6),), attrs={"fn": "sum", "axes": [1]},
+             reference=lambda x: x.sum(1)),
+        Case(id="reduce-mean-keepdim", kind="reduce", inputs=(_rand(4, 5, 6),),
+             attrs={"fn": "mean", "axes": [0, -1], "keepdim": True},
+             reference=lambda x: x.mean((0, -1), keepdim=True)),
+        Case(id="reduce-mean-all", kind="reduce", inputs=(_rand(4, 6),), attrs={"fn": "mean", "axes": []},
+             reference=lambda x: x.mean()),
+        Case(id="concat", kind="concat", inputs=(_rand(4, 2, 3), _rand(4, 5, 3, seed=1)), attrs={"axis": 1},
+             reference=lambda a, b: torch.cat([a, b], 1)),
+        Case(id="split", kind="split", inputs=(_rand(4, 6, 12),), attrs={"axis": -1, "sizes": [4, 4, 4]},
+             reference=lambda x: tuple(x.split(4, -1))),
+        Case(id="split-uneven", kind="split", inputs=(_rand(4, 5, 2),), attrs={"axis": 1, "sizes": [2, 3]},
+             reference=lambda x: tuple(x.split([2, 3], 1))),
+        Case(id="slice-step", kind="slice", inputs=(_rand(4, 7, 6),),
+             attrs={"axis": 1, "start": 1, "stop": 6, "step": 2, "squeeze": False},
+             reference=lambda x: x[:, 1:6:2]),
+        Case(id="slice-select-last", kind="slice", inputs=(_rand(4, 7, 6),),
+             attrs={"axis": 1, "start": -1, "stop": None, "step": 1, "squeeze": True},
+             reference=lambda x: x[:, -1]),
+        Case(id="reshape-heads", kind="reshape", inputs=(_rand(4, 6, 8),), attrs={"shape": [4, 6, 2, 4]},
+             reference=lambda x: x.reshape(4, 6, 2, 4)),
+        Case(id="reshape-flatten", kind="reshape", inputs=(_rand(4, 3, 2, 2),), attrs={"shape": [4, 12]},
+             reference=lambda x: x.reshape(4, 12)),
+        Case(id="reshape-no-common-radix", kind="reshape", inputs=(_rand(2, 4, 6),),
+             attrs={"shape": [2, 6, 4]}, reference=lambda x: x.reshape(2, 6, 4)),
+        Case(id="reshape-merge-batch", kind="reshape", inputs=(_rand(4, 3, 5),), attrs={"shape": [12, 5]},
+             reference=lambda x: x.reshape(12, 5)),
+        Case(id="transpose", kind="transpose", inputs=(_rand(4, 3, 5, 2),), attrs={"perm": [0, 2, 1, 3]},
+             reference=lambda x: x.permute(0, 2, 1, 3)),
+        Case(id="softmax", kind="softmax", inputs=(_rand(4, 5, 6),), attrs={"axis": -1, "log": False},
+             reference=lambda x: F.softmax(x, -1)),
+        Case(id="softmax-log", kind="softmax", inputs=(_rand(4, 5, 6),), attrs={"axis": 1, "log": True},
+             reference=lambda x: F.log_softmax(x, 1)),
+        Case(id="dropout", kind="dropout", inputs=(_rand(4, 6, 5),), attrs={"p": 0.3, "seed": 7}),
+        Case(id="loss-cross_entropy", kind="loss", inputs=(_rand(8, 5), _ints(5, 8)),
+             attrs={"fn": "cross_entropy", "reduction": "mean"}, reference=F.cross_entropy),
+        Case(id="loss-cross_entropy-nd", kind="loss", inputs=(_rand(4, 5, 6), _ints(5, 4, 6)),
+             attrs={"fn": "cross_entropy", "reduction": "mean"}, reference=F.cross_entropy),
+        Case(id="loss-mse", kind="loss", inputs=(_rand(8, 6), _rand(8, 6, seed=1)),
+             attrs={"fn": "mse", "reduction": "mean"}, reference=F.mse_loss),
+    ]
+    for fn, extra, ref in [
+        ("relu", {}, F.relu), ("gelu", {"approximate": "tanh"}, lambda x: F.gelu(x, approximate="tanh")),
+        ("tanh", {}, torch.tanh), ("sigmoid", {}, torch.sigmoid), ("silu", {}, F.silu),
+        ("neg", {}, torch.neg), ("exp", {}, torch.exp), ("identity", {}, lambda x: x * 1),
+        ("scale", {"scalar": 0.5}, lambda x: x * 0.5), ("add_scalar", {"scalar": 2.0}, lambda x: x + 2.0),
+        ("pow_scalar", {"scalar": 2.0}, lambda x: x ** 2.0),
+        ("rsub_scalar", {"scalar": 1.0}, lambda x: 1.0 - x),
+    ]:
+        cases.append(Case(id=f"elementwise-{fn}", kind="elementwise", inputs=(_rand(4, 6),),
+                          attrs={"fn": fn, **extra}, reference=ref))
+    return cases
+
+
+CASES = _cases()
+SOURCE_OPS = [
+    Operator(name="op_input", kind="input", outputs=(TensorSpec(shape=(8, 6)),),
+             attrs={"position": 0, "role": "input"}),
+    Operator(name="op_constant", kind="constant", outputs=(TensorSpec(shape=(1, 1, 4, 4)),),
+             attrs={"fqn": "mask"}),
+    Operator(name="op_opaque", kind="opaque", inputs=(TensorRef(op="x0"),),
+             outputs=(TensorSpec(shape=(4, 5)),),
+             attrs={"target": "torch.cumsum", "args": [{"input": 0}, 1], "input_shapes": [[4, 5]]}),
+]
+ALL_OPS = [c.op() for c in CASES] + SOURCE_OPS
+
+
+def test_every_kind_is_covered():
+    documented = {"input", "constant", "conv2d", "linear", "matmul", "batchnorm", "layernorm", "embedding",
+                  "lstm", "attention", "pool2d", "adaptive_pool2d", "elementwise", "binary", "reduce",
+                  "concat", "split", "slice", "reshape", "transpose", "softmax", "dropout", "loss", "opaque"}
+    assert set(REGISTRY) == documented
+    assert {op.kind for op in ALL_OPS} == documented
+    for kind, entry in REGISTRY.items():
+        assert entry.kind == kind and "dims" in (type(entry).__doc__ or ""), kind
+
+
+# ---------------------------------------------------------------- configs
+
+
+def _degree_sets(op: Operator) -> list[dict[str, int]]:
+    """A few degrees per splittable dim and a couple of pairs of dims, those the entry allows."""
+    dims = [d for d in dims_of(op) if d.splittable and d.size > 1]
+    out: list[dict[str, int]] = []
+    for d in dims:
+        out += [{d.name: g} for g in [g for g in (2, 3, 4, d.size) if d.size % g == 0 and g > 1][:3]]
+    for a, b in list(itertools.combinations(dims, 2))[:4]:
+        ga = next((g for g in (2, 3) if a.size % g == 0), None)
+        gb = next((g for g in (2, 3) if b.size % g == 0), None)
+        if ga and gb:
+            out.append({a.name: ga, b.name: gb})
+    unique = {tuple(sorted(d.items())): d for d in out}.values()
+    return [d for d in unique if op_def(op.kind).check(op, d) is None]
+
+
+def _parts(op: Operator, degrees: dict[str, int]) -> list[Box]:
+    n = math.prod(degrees.values())
+    cfg = ParallelConfig(degrees=degrees, devices=tuple(range(n)))
+    validate(op, cfg, num_devices=n)
+    return [box for box, _ in parts(op, cfg)]
+
+
+def _index(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in region)
+
+
+def _op_id(op: Operator) -> str:
+    return op.name.removeprefix("op_")
+
+
+# ---------------------------------------------------------------- (1) regions tile the outputs
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=_op_id)
+def test_output_regions_tile(op):
+    entry = op_def(op.kind)
+    dims = dims_of(op)
+    for degrees in [{}, *_degree_sets(op)]:
+        boxes = _parts(op, degrees)
+        repeats = math.prod(degrees.get(d.name, 1) for d in dims if d.out_axis is None)
+        for index, spec in enumerate(op.outputs):
+            count = np.zeros(spec.shape, dtype=np.int64)
+            by_rest: dict[tuple, set] = {}
+            for box in boxes:
+                region = entry.output_region(op, box, index)
+                assert len(region) == len(spec.shape)
+                assert all(0 <= lo < hi <= s for (lo, hi), s in zip(region, spec.shape, strict=True)), region
+                count[_index(region)] += 1
+                rest = tuple(rng for d, rng in zip(dims, box, strict=True) if d.out_axis is not None)
+                by_rest.setdefault(rest, set()).add(region)
+            assert (count == repeats).all(), (degrees, index)
+            # parts that differ only along dims without an output axis produce the same region
+            assert all(len(regions) == 1 for regions in by_rest.values()), degrees
+            assert entry.reduced(op, boxes[0]) == (repeats > 1)
+
+
+# ---------------------------------------------------------------- (2) parts stitch to the reference
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(t.is_floating_point())
+
+
+def _stitch(case: Case, op: Operator, boxes: list[Box], inputs, params, buffers) -> list[torch.Tensor]:
+    entry = op_def(op.kind)
+    outs = [torch.zeros(spec.shape, dtype=DTYPE) for spec in op.outputs]
+    for box in boxes:
+        regions = entry.input_regions(op, box)
+        assert len(regions) == len(inputs)
+        part_inputs = [None if r is None else x[_index(r)] for x, r in zip(inputs, regions, strict=True)]
+        part_params = {k: params[k][_index(r)] for k, r in entry.param_regions(op, box).items()}
+        part_buffers = {k: buffers[k][_index(r)] for k, r in entry.buffer_regions(op, box).items()}
+        results = compute_part(op, box, part_inputs, part_params, training=case.training,
+                               buffers=part_buffers)
+        assert len(results) == len(op.outputs)
+        for i, y in enumerate(results):
+            region = entry.output_region(op, box, i)
+            if region:
+                outs[i] = outs[i].index_put(_region_indices(region), y, accumulate=True)
+            else:
+                outs[i] = outs[i] + y
+    return outs
+
+
+def _region_indices(region: Region) -> tuple[torch.Tensor, ...]:
+    return torch.meshgrid(*[torch.arange(lo, hi) for lo, hi in region], indexing="ij")
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = float(want.detach().abs().max()) if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(scale, 1e-12), msg=what)
+
+
+def _grads(outs, leaves, seed: int = 9):
+    weights = [_rand(*o.shape, seed=seed + i) if o.ndim else torch.tensor(1.5, dtype=DTYPE)
+               for i, o in enumerate(outs)]
+    total = sum((o * w).sum() for o, w in zip(outs, weights, strict=True))
+    wanted = [t for t in leaves if t.requires_grad]
+    return torch.autograd.grad(total, wanted, allow_unused=True) if wanted else ()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_parts_stitch_to_reference(case):
+    op = case.op()
+    torch.manual_seed(0)
+    buffers = {k: v.clone() for k, v in case.buffers.items()}
+    inputs = [_leaf(x) for x in case.inputs]
+    params = {k: _leaf(v) for k, v in case.params.items()}
+    full = _stitch(case, op, [full_box(dims_of(op))], inputs, params, buffers)
+    if case.reference is not None:
+        ref = case.reference_outputs(inputs, params)
+        for i, (got, want) in enumerate(zip(full, ref, strict=True)):
+            _assert_close(got, want, f"{case.id}: full box, output {i}")
+    want_grads = _grads(full, [*inputs, *params.values()])
+    configs = _degree_sets(op)
+    assert configs or not any(d.splittable and d.size > 1 for d in dims_of(op))
+    local_stats = case.kind == "batchnorm" and case.training
+    for degrees in configs:
+        if local_stats and "sample" in degrees:
+            continue  # local statistics: tested against per-chunk batch norm below
+        outs = _stitch(case, op, _parts(op, degrees), inputs, params, buffers)
+        for i, (got, want) in enumerate(zip(outs, full, strict=True)):
+            _assert_close(got, want, f"{case.id} {degrees}: output {i}")
+        for j, (got, want) in enumerate(zip(_grads(outs, [*inputs, *params.values()]), want_grads,
+                                            strict=True)):
+            if want is not None:
+                _assert_close(got, want, f"{case.id} {degrees}: gradient {j}")
+
+
+def test_batchnorm_sample_split_uses_local_statistics():
+    case = next(c for c in CASES if c.id == "batchnorm1d-train")
+    op = case.op()
+    x, w, b = case.inputs[0], case.params["weight"], case.params["bias"]
+    outs = _stitch(case, op, _parts(op, {"sample": 2, "channels": 2}), [x], dict(case.params), {})
+    want = torch.cat([F.batch_norm(chunk, None, None, w, b, training=True) for chunk in x.chunk(2)])
+    _assert_close(outs[0], want, "batchnorm sample split")
+
+
+def test_batchnorm_updates_running_statistics_of_its_channels():
+    x = _rand(8, 4, 3, 3)
+    op = Operator(name="bn", kind="batchnorm", inputs=(TensorRef(op="x"),),
+                  outputs=(TensorSpec(shape=x.shape, dtype="float64"),),
+                  params={"weight": ParamSpec(shape=(4,), fqn="bn.weight"),
+                          "bias": ParamSpec(shape=(4,), fqn="bn.bias")},
+                  attrs={"eps": 1e-5, "momentum": 0.1, "running_mean": "bn.running_mean",
+                         "running_var": "bn.running_var", "input_shapes": [list(x.shape)]})
+    mean, var = torch.zeros(4, dtype=DTYPE), torch.ones(4, dtype=DTYPE)
+    entry = op_def("batchnorm")
+    for box in _parts(op, {"channels": 2}):
+        bufs = {k: {"running_mean": mean, "running_var": var}[k][_index(r)]
+                for k, r in entry.buffer_regions(op, box).items()}
+        sl = _index(entry.param_regions(op, box)["weight"])
+        compute_part(op, box, [x[_index(entry.input_regions(op, box)[0])]],
+                     {"weight": torch.ones(4, dtype=DTYPE)[sl], "bias": torch.zeros(4, dtype=DTYPE)[sl]},
+                     buffers=bufs)
+    want_mean, want_var = torch.zeros(4, dtype=DTYPE), torch.ones(4, dtype=DTYPE)
+    F.batch_norm(x, want_mean, want_var, training=True, momentum=0.1)
+    _assert_close(mean, want_mean, "running mean")
+    _assert_close(var, want_var, "running var")
+
+
+def test_dropout_mask_is_the_same_for_every_split_and_changes_per_step():
+    x = torch.ones(64, 50, dtype=DTYPE)
+    op = Operator(name="drop", kind="dropout", inputs=(TensorRef(op="x"),),
+                  outputs=(TensorSpec(shape=(64, 50), dtype="float64"),), attrs={"p": 0.25, "seed": 3})
+    full = compute_part(op, ((0, 64), (0, 50)), [x], {})[0]
+    dropped = float((full == 0).double().mean())
+    assert abs(dropped - 0.25) < 0.03
+    assert set(full.unique().tolist()) == {0.0, 1 / 0.75}
+    top = compute_part(op, ((0, 32), (10, 50)), [x[:32, 10:]], {})[0]
+    assert torch.equal(top, full[:32, 10:])
+    other_step = compute_part(op, ((0, 64), (0, 50)), [x], {}, step=1)[0]
+    assert not torch.equal(other_step, full)
+    assert torch.equal(compute_part(op, ((0, 64), (0, 50)), [x], {}, training=False)[0], x)
+    keep = dropout_keep(((0, 2),), (2,), p=0.0, seed=0, step=0)
+    assert keep.all()
+
+
+# ---------------------------------------------------------------- (3) dims that cannot be split
+
+
+def _unsplittable(op: Operator) -> list[tuple[str, int]]:
+    out = []
+    for d in dims_of(op):
+        if not d.splittable and d.size > 1:
+            out.append((d.name, next(g for g in range(2, d.size + 1) if d.size % g == 0)))
+    return out
+
+
+UNSPLITTABLE = [(op, name, g) for op in ALL_OPS for name, g in _unsplittable(op)]
+
+
+@pytest.mark.parametrize(("op", "dim", "degree"), UNSPLITTABLE,
+                         ids=[f"{_op_id(op)}-{dim}" for op, dim, _ in UNSPLITTABLE])
+def test_unsplittable_dims_are_refused(op, dim, degree):
+    cfg = ParallelConfig(degrees={dim: degree}, devices=tuple(range(degree)))
+    with pytest.raises(ConfigError) as info:
+        validate(op, cfg, num_devices=degree)
+    assert repr(op.name) in str(info.value) and repr(dim) in str(info.value)
+
+
+def test_unsplittable_dims_of_documented_kinds():
+    expected = {
+        "lstm": {"seq", "hidden"}, "attention-causal": {"head_dim"}, "softmax": {"d2"},
+        "softmax-log": {"d1"}, "layernorm": {"d2"}, "concat": {"d1"}, "split": {"d2"},
+        "slice-step": {"d1"}, "slice-select-last": set(), "adaptive_pool2d-avg": {"d2", "d3"},
+        "batchnorm-eval": {"d2", "d3"}, "loss-cross_entropy": {"classes"}, "loss-mse": set(),
+        "conv2d-grouped": {"in_channels"}, "conv2d": set(), "opaque": {"sample", "d1"},
+        "constant": {"d0", "d1", "d2", "d3"}, "input": set(),
+    }
+    ops = {_op_id(op): op for op in ALL_OPS}
+    for op_id, names in expected.items():
+        assert {d.name for d in dims_of(ops[op_id]) if not d.splittable} == names, op_id
+
+
+@pytest.mark.parametrize(("op_id", "degrees", "message"), [
+    ("reshape-flatten", {"d1": 4}, "not a box of the input"),
+    ("reshape-heads", {"d3": 2}, "not a box of the input"),
+    ("reshape-no-common-radix", {"d1": 2}, "not a box of the input"),
+])
+def test_reshape_refuses_splits_whose_parts_are_not_input_boxes(op_id, degrees, message):
+    op = next(op for op in ALL_OPS if _op_id(op) == op_id)
+    with pytest.raises(ConfigError, match=message):
+        validate(op, ParallelConfig(degrees=degrees, devices=tuple(range(math.prod(degrees.values())))))
+
+
+def test_reshape_allows_aligned_splits():
+    ops = {_op_id(op): op for op in ALL_OPS}
+    assert op_def("reshape").check(ops["reshape-flatten"], {"d1": 3}) is None
+    assert op_def("reshape").check(ops["reshape-heads"], {"d2": 2, "sample": 2}) is None
+    assert op_def("reshape").check(ops["reshape-merge-batch"], {"sample": 4}) is None
+    assert op_def("reshape").check(ops["reshape-merge-batch"], {"sample": 6}) is not None
+
+
+def test_reshape_regions_match_brute_force():
+    """Against numpy on random shape pairs: a region is returned only when it is exactly the input box
+    holding the part's elements in the same order; refusals (None) are rare and only ever conservative."""
+    rng = np.random.default_rng(0)
+
+    def factors(total: int) -> list[int]:
+        out = []
+        while total > 1:
+            d = int(rng.choice([d for d in range(2, total + 1) if total % d == 0]))
+            out.append(d)
+            total //= d
+        if rng.random() < 0.3:
+            out.insert(int(rng.integers(len(out) + 1)), 1)
+        return out or [1]
+
+    found = refused = 0
+    for _ in range(1500):
+        total = int(rng.choice([8, 12, 16, 24, 30, 36, 48]))
+        in_shape, out_shape = factors(total), factors(total)
+        box = []
+        for size in out_shape:
+            lo = int(rng.integers(size))
+            box.append((0, size) if rng.random() < 0.4 else (lo, int(rng.integers(lo + 1, size + 1))))
+        elements = np.arange(total).reshape(out_shape)[_index(tuple(box))].ravel()
+        coords = np.unravel_index(elements, in_shape)
+        bound = tuple((int(c.min()), int(c.max()) + 1) for c in coords)
+        is_box = np.array_equal(np.arange(total).reshape(in_shape)[_index(bound)].ravel(), elements)
+        got = reshape_region(in_shape, out_shape, tuple(box))
+        if got is not None:
+            assert is_box and got == bound, (in_shape, out_shape, box, got, bound)
+            found += 1
+        elif is_box:
+            refused += 1
+    assert refused < 0.1 * found
+
+
+def test_grouped_conv_refuses_out_channel_chunks_that_straddle_groups():
+    case = _conv("g", (2, 6, 4, 4), (6, 3, 3, 3), padding=1, groups=2)
+    op = case.op()
+    assert op_def("conv2d").check(op, {"out_channels": 2}) is None
+    with pytest.raises(ConfigError, match="straddle"):
+        validate(op, ParallelConfig(degrees={"out_channels": 3}, devices=(0, 1, 2)))
+
+
+# ---------------------------------------------------------------- (4) halos
+
+
+def test_conv_height_split_reads_a_halo():
+    h = 8
+    op = _conv("halo", (2, 3, h, h), (4, 3, 3, 3), padding=1).op()
+    entry = op_def("conv2d")
+    boxes = _parts(op, {"height": 2})
+    rows = [entry.input_regions(op, box)[0][2] for box in boxes]
+    assert rows == [(0, h // 2 + 1), (h // 2 - 1, h)]
+    assert [entry.input_regions(op, box)[0][3] for box in boxes] == [(0, h), (0, h)]
+
+
+def test_pool_width_split_reads_a_halo():
+    case = next(c for c in CASES if c.id == "pool2d-max")
+    op = case.op()
+    boxes = _parts(op, {"width": 2})
+    assert [op_def("pool2d").input_regions(op, box)[0][3] for box in boxes] == [(0, 4), (3, 8)]
+
+
+# ---------------------------------------------------------------- kinds the runtime feeds itself
+
+
+def test_constant_is_everywhere_and_sources_read_nothing():
+    assert op_def("constant").everywhere and not op_def("input").everywhere
+    for op in SOURCE_OPS[:2]:
+        assert op_def(op.kind).input_regions(op, full_box(dims_of(op))) == ()
+        with pytest.raises(ValueError, match="no partitioned kernel"):
+            compute_part(op, full_box(dims_of(op)), [], {})
+
+
+def test_run_opaque_calls_the_target():
+    op = SOURCE_OPS[2]
+    x = _rand(4, 5)
+    (y,) = run_opaque(op, None, [x])
+    _assert_close(y, torch.cumsum(x, 1), "opaque function")
+    module = torch.nn.Softplus()
+    leaf = Operator(name="sp", kind="opaque", inputs=(TensorRef(op="x"),),
+                    outputs=(TensorSpec(shape=(4, 5)),),
+                    attrs={"target": "module", "input_shapes": [[4, 5]]})
+    _assert_close(run_opaque(leaf, module, [x])[0], F.softplus(x), "opaque module")
+    assert op_def("opaque").input_regions(op, full_box(dims_of(op))) == (((0, 4), (0, 5)),)
+    # the encoding capture writes: an aten overload, a tensor argument, a dtype keyword
+    aten = Operator(name="cs", kind="opaque", inputs=(TensorRef(op="x"),),
+                    outputs=(TensorSpec(shape=(4, 5)),),
+                    attrs={"target": "torch.ops.aten.cumsum.default", "args": [{"input": 0}, 0],
+                           "kwargs": {"dtype": {"dtype": "float32"}}, "input_shapes": [[4, 5]]})
+    (y,) = run_opaque(aten, None, [x])
+    assert y.dtype == torch.float32
+    _assert_close(y, torch.cumsum(x, 0).float(), "opaque aten op")
+
+
+def test_missing_input_shapes_is_a_clear_error():
+    op = Operator(name="l", kind="loss", inputs=(TensorRef(op="a"), TensorRef(op="b")),
+                  outputs=(TensorSpec(shape=()),), attrs={"fn": "mse", "reduction": "mean"})
+    with pytest.raises(ValueError, match="input_shapes"):
+        dims_of(op)
