@@ -1,0 +1,389 @@
+"""Capture (`soap/capture.py`): op kinds, names, shapes, parameters, FLOPs, opaque ops, the fx fallback,
+fingerprints, and every zoo model.
+
+Shapes are checked against a real forward pass of the same module on a small real batch; capture itself
+only ever sees meta tensors here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import soap.capture as capture_module
+from soap.capture import capture
+from soap.graph import OperatorGraph
+
+OP_KINDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "op_kinds.md"
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def leaf_output_shapes(module: nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """Output shape of every leaf-module call in a real forward pass, keyed as capture names ops."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    hooks = []
+    for path, sub in module.named_modules():
+        if path and capture_module._is_leaf(sub):
+            def record(mod, args, out, path=path):
+                out = out[0] if isinstance(out, tuple) else out
+                name = path if path not in shapes else f"{path}_{sum(k.startswith(path) for k in shapes)}"
+                shapes[name] = tuple(out.shape)
+            hooks.append(sub.register_forward_hook(record))
+    with torch.no_grad():
+        module(*inputs)
+    for h in hooks:
+        h.remove()
+    return shapes
+
+
+def check_common(graph: OperatorGraph, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Param total, loss last, leaf-module output shapes equal to a real forward pass."""
+    assert graph.num_params == sum(p.numel() for p in module.parameters())
+    assert graph.ops[-1].kind == "loss" and graph.ops[-1].name == "loss"
+    assert graph.ops[-1].outputs[0].shape == ()
+    for name, shape in leaf_output_shapes(module, *inputs).items():
+        assert graph[name].outputs[0].shape == shape, name
+    for op in graph:
+        if op.inputs:
+            shapes = [list(s) for s in op.attrs["input_shapes"]]
+            assert [list(graph.tensor(r).shape) for r in op.inputs] == shapes
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, width)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_mlp_ops_names_shapes_and_flops():
+    model, x, y = MLP(), torch.randn(4, 16), torch.randn(4, 8)
+    graph = capture(model, meta_like(x), meta_like(y), name="mlp")
+    assert [(op.name, op.kind) for op in graph] == [
+        ("input0", "input"), ("target", "input"), ("fc1", "linear"), ("act", "elementwise"),
+        ("fc2", "linear"), ("loss", "loss")]
+    assert graph.batch_size == 4 and graph.name == "mlp"
+    assert dict(graph["input0"].attrs) == {"position": 0, "role": "input"}
+    assert dict(graph["target"].attrs) == {"position": 1, "role": "target"}
+    assert {k: p.fqn for k, p in graph["fc1"].params.items()} == {"weight": "fc1.weight", "bias": "fc1.bias"}
+    assert graph["act"].attrs["fn"] == "relu"
+    assert graph["loss"].attrs["fn"] == "mse" and graph["loss"].attrs["reduction"] == "mean"
+    assert [r.op for r in graph["loss"].inputs] == ["fc2", "target"]
+    check_common(graph, model, (x,))
+    # fc1 reads the batch, which needs no gradient: its backward is the weight gradient alone.
+    assert graph["fc1"].fwd_flops == 2 * 4 * 16 * 32 == graph["fc1"].bwd_flops
+    assert graph["fc2"].bwd_flops == 2 * graph["fc2"].fwd_flops == 2 * (2 * 4 * 32 * 8)
+    op = graph["fc2"]
+    assert op.fwd_bytes == 4 * (4 * 32 + 4 * 8 + 32 * 8 + 8) and op.bwd_bytes == 2 * op.fwd_bytes
+
+
+class Block(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding="same")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.conv2(out) + x)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 5, stride=2, padding=2)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.block = Block(8)
+        self.avg = nn.AdaptiveAvgPool2d((2, 2))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(self.pool(self.stem(x)))
+        x = F.avg_pool2d(x, 2, ceil_mode=True)
+        return self.fc(torch.flatten(self.avg(x), 1))
+
+
+def test_cnn_residual_batchnorm_pool_flatten():
+    model, x, y = SmallCNN(), torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    tracked = model.block.bn1.num_batches_tracked.clone()
+    graph = capture(model, meta_like(x), meta_like(y))
+    assert [(op.name, op.kind) for op in graph] == [
+        ("input0", "input"), ("target", "input"), ("stem", "conv2d"), ("pool", "pool2d"),
+        ("block.conv1", "conv2d"), ("block.bn1", "batchnorm"), ("block.relu", "elementwise"),
+        ("block.conv2", "conv2d"), ("block.add", "binary"), ("block.relu_1", "elementwise"),
+        ("avg_pool2d", "pool2d"), ("avg", "adaptive_pool2d"), ("flatten", "reshape"), ("fc", "linear"),
+        ("loss", "loss")]
+    assert torch.equal(model.block.bn1.num_batches_tracked, tracked)
+    check_common(graph, model, (x,))
+    stem = graph["stem"]
+    assert {k: list(v) if isinstance(v, tuple) else v for k, v in stem.attrs.items() if k != "input_shapes"} \
+        == {"stride": [2, 2], "padding": [2, 2], "dilation": [1, 1], "groups": 1}
+    assert set(stem.params) == {"weight", "bias"} and set(graph["block.conv1"].params) == {"weight"}
+    assert list(graph["block.conv2"].attrs["padding"]) == [1, 1]
+    bn = graph["block.bn1"].attrs
+    assert (bn["running_mean"], bn["running_var"], bn["eps"]) == ("block.bn1.running_mean",
+                                                                  "block.bn1.running_var", 1e-5)
+    pool = graph["pool"].attrs
+    assert (pool["mode"], list(pool["kernel"]), list(pool["stride"]), list(pool["padding"])) == (
+        "max", [3, 3], [2, 2], [1, 1])
+    avg = graph["avg_pool2d"].attrs
+    assert (avg["mode"], list(avg["stride"]), avg["ceil_mode"]) == ("avg", [2, 2], True)
+    assert [r.op for r in graph["block.add"].inputs] == ["block.conv2", "pool"]
+    assert graph["flatten"].outputs[0].shape == (2, 32) and list(graph["flatten"].attrs["shape"]) == [2, 32]
+    assert graph["loss"].attrs["fn"] == "cross_entropy"
+    assert graph["stem"].fwd_flops == 2 * 2 * 8 * 16 * 16 * 3 * 5 * 5
+    assert graph["block.relu"].fwd_flops == 2 * 8 * 8 * 8
+
+
+class LSTMLM(nn.Module):
+    def __init__(self, vocab: int = 50, embed: int = 12, hidden: int = 16) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, batch_first=True)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embedding(tokens))
+        return self.decoder(out)
+
+
+def lm_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def test_lstm_language_model():
+    model = LSTMLM()
+    x, y = torch.randint(0, 50, (3, 7)), torch.randint(0, 50, (3, 7))
+    graph = capture(model, meta_like(x), meta_like(y), lm_loss)
+    assert [(op.name, op.kind) for op in graph] == [
+        ("input0", "input"), ("target", "input"), ("embedding", "embedding"), ("lstm", "lstm"),
+        ("decoder", "linear"), ("loss.reshape", "reshape"), ("loss.reshape_1", "reshape"), ("loss", "loss")]
+    check_common(graph, model, (x,))
+    lstm = graph["lstm"]
+    assert [t.shape for t in lstm.outputs] == [(3, 7, 16), (1, 3, 16), (1, 3, 16)]
+    assert {k: p.fqn for k, p in lstm.params.items()} == {
+        k: f"lstm.{k}" for k in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")}
+    assert (lstm.attrs["hidden_size"], lstm.attrs["num_layers"]) == (16, 1)
+    assert lstm.fwd_flops == 8 * 3 * 7 * 16 * (12 + 16) and lstm.bwd_flops == 2 * lstm.fwd_flops
+    assert graph["embedding"].inputs[0].op == "input0" and graph["embedding"].attrs["padding_idx"] is None
+    assert graph["input0"].outputs[0].dtype == "int64"
+    assert graph["loss.reshape"].outputs[0].shape == (21, 50)
+    assert [r.op for r in graph["loss"].inputs] == ["loss.reshape", "loss.reshape_1"]
+
+
+def test_default_loss_flattens_sequence_logits():
+    model = LSTMLM()
+    graph = capture(model, torch.empty(2, 5, dtype=torch.long, device="meta"),
+                    torch.empty(2, 5, dtype=torch.long, device="meta"))
+    assert [op.kind for op in graph.ops[-3:]] == ["reshape", "reshape", "loss"]
+
+
+class TinyAttention(nn.Module):
+    """Self-attention written with matmul, softmax and transposes, then again with F.sdpa."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.scale = nn.Parameter(torch.ones(d))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        weights = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
+        y = (weights @ v).permute(0, 2, 1, 3).reshape(n, t, d)
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, t, d)
+        return self.proj((y + z) * self.scale).mean(dim=1)
+
+
+def test_attention_block():
+    model, x, y = TinyAttention(), torch.randn(2, 5, 16), torch.randn(2, 16)
+    graph = capture(model, meta_like(x), meta_like(y))
+    kinds = {op.name: op.kind for op in graph}
+    check_common(graph, model, (x,))
+    assert kinds["chunk"] == "split" and [t.shape for t in graph["chunk"].outputs] == [(2, 5, 16)] * 3
+    assert list(graph["chunk"].attrs["sizes"]) == [16, 16, 16] and graph["chunk"].attrs["axis"] == 2
+    views = [graph[name] for name in ("view", "view_1", "view_2")]
+    assert [(op.inputs[0].op, op.inputs[0].index) for op in views] == [("chunk", i) for i in range(3)]
+    assert kinds["matmul"] == "matmul" and kinds["matmul_1"] == "matmul"
+    assert graph["matmul"].outputs[0].shape == (2, 2, 5, 5)
+    assert list(graph["transpose_3"].attrs["perm"]) == [0, 1, 3, 2]
+    assert dict(graph["div"].attrs)["fn"] == "scale"
+    assert graph["softmax"].attrs["axis"] == 3 and not graph["softmax"].attrs["log"]
+    assert list(graph["permute"].attrs["perm"]) == [0, 2, 1, 3]
+    attention = graph["scaled_dot_product_attention"]
+    assert attention.kind == "attention" and attention.attrs["is_causal"] and attention.attrs["scale"] is None
+    assert attention.fwd_flops > 0
+    assert kinds["add"] == "binary"
+    mul = graph["mul"]
+    assert mul.kind == "binary" and mul.params["other"].fqn == "scale" and mul.attrs["param_operand"] == 1
+    assert len(mul.inputs) == 1
+    assert kinds["mean"] == "reduce" and list(graph["mean"].attrs["axes"]) == [1]
+
+
+@torch.library.custom_op("soapflow_test::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+@double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class WithUnknownOps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return double(torch.cumsum(self.fc(x), dim=1)).to(torch.float64).float()
+
+
+def test_unknown_ops_become_opaque():
+    model, x, y = WithUnknownOps(), torch.randn(3, 6), torch.randn(3, 6)
+    graph = capture(model, meta_like(x), meta_like(y))
+    cumsum, custom = graph["cumsum"], graph["double"]
+    assert cumsum.kind == custom.kind == "opaque"
+    assert cumsum.attrs["target"] == "torch.ops.aten.cumsum.default"
+    assert [dict(a) if isinstance(a, dict | type(cumsum.attrs)) else a for a in cumsum.attrs["args"]] == [
+        {"input": 0}, 1]
+    assert custom.attrs["target"] == "torch.ops.soapflow_test.double.default"
+    casts = [op for op in graph if op.kind == "opaque" and op.name.startswith("to")]
+    assert casts and dict(casts[0].attrs["args"][1]) == {"dtype": "float64"}
+    assert graph.ops[-1].kind == "loss"
+    kernels = pytest.importorskip("runtime.kernels")
+    value = model.fc(x)
+    for op in (cumsum, custom, *casts):
+        (value,) = kernels.run_opaque(op, None, [value])
+    assert torch.allclose(value, model(x))
+
+
+def test_repeated_module_calls_get_numbered_names():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.relu = nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.relu(self.fc(self.relu(x))))
+
+    graph = capture(Twice(), torch.empty(2, 4, device="meta"), torch.empty(2, 4, device="meta"))
+    assert [op.name for op in graph][2:-1] == ["relu", "fc", "relu_1", "fc_1"]
+    assert graph["fc"].params["weight"].fqn == graph["fc_1"].params["weight"].fqn == "fc.weight"
+    assert graph.num_params == 20
+
+
+def test_fingerprint_is_stable_and_sees_widths():
+    x, y = torch.empty(4, 16, device="meta"), torch.empty(4, 8, device="meta")
+    first = capture(MLP(32), x, y)
+    assert capture(MLP(32), x, y).fingerprint == first.fingerprint
+    assert capture(MLP(48), x, y).fingerprint != first.fingerprint
+    assert capture(MLP(32), torch.empty(8, 16), torch.empty(8, 8)).fingerprint != first.fingerprint
+
+
+def test_meta_and_real_inputs_agree_and_huge_meta_batches_are_free():
+    model = SmallCNN()
+    real = capture(model, torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
+    meta = capture(model, torch.empty(2, 3, 32, 32, device="meta"), torch.empty(2, dtype=torch.long,
+                                                                                  device="meta"))
+    assert real.fingerprint == meta.fingerprint
+    # 4096 x 3 x 299 x 299 float32 is 4.4 GB, and every activation larger still.
+    start = time.perf_counter()
+    huge = capture(model, torch.empty(4096, 3, 299, 299, device="meta"),
+                   torch.empty(4096, dtype=torch.long, device="meta"))
+    assert time.perf_counter() - start < 20
+    assert huge.batch_size == 4096 and huge["stem"].outputs[0].shape == (4096, 8, 150, 150)
+
+
+def test_meta_module():
+    with torch.device("meta"):
+        model = MLP()
+    graph = capture(model, torch.empty(4, 16, device="meta"), torch.empty(4, 8, device="meta"))
+    assert graph.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_fx_fallback_gives_the_same_graph(monkeypatch):
+    cases = [(MLP(), torch.empty(4, 16), torch.empty(4, 8), None),
+             (SmallCNN(), torch.empty(2, 3, 32, 32), torch.empty(2, dtype=torch.long), None),
+             (LSTMLM(), torch.empty(2, 5, dtype=torch.long), torch.empty(2, 5, dtype=torch.long), lm_loss),
+             (TinyAttention(), torch.empty(2, 5, 16), torch.empty(2, 16), None)]
+    exported = [capture(m, x, y, loss) for m, x, y, loss in cases]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("export unavailable")
+
+    monkeypatch.setattr(capture_module, "_trace_export", fail)
+    for (m, x, y, loss), graph in zip(cases, exported, strict=True):
+        traced = capture(m, x, y, loss)
+        assert [op.to_dict() for op in traced] == [op.to_dict() for op in graph]
+        assert traced.fingerprint == graph.fingerprint
+
+
+def test_untraceable_model_is_a_clear_error():
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) if x.sum() > 0 else x
+
+    with pytest.raises(ValueError, match="torch.export failed .* torch.fx failed"):
+        capture(DataDependent(), torch.empty(2, 4, device="meta"), torch.empty(2, 4, device="meta"))
+
+
+def test_bad_arguments():
+    x, y = torch.empty(2, 16, device="meta"), torch.empty(2, 8, device="meta")
+    with pytest.raises(ValueError, match="nn.Module"):
+        capture(lambda t: t, x, y)
+    with pytest.raises(ValueError, match="inputs must be a tensor"):
+        capture(MLP(), [x, 3], y)
+    with pytest.raises(ValueError, match="inputs must be a tensor"):
+        capture(MLP(), (), y)
+    with pytest.raises(ValueError, match="target must be a tensor"):
+        capture(MLP(), x, 3)
+    with pytest.raises(ValueError, match="loss_fn must be callable"):
+        capture(MLP(), x, y, "mse")
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        capture(MLP(), x, y, batch_size=0)
+    with pytest.raises(ValueError, match="complex64"):
+        capture(MLP(), torch.empty(2, 16, dtype=torch.complex64, device="meta"), y)
+
+
+def documented_kinds() -> set[str]:
+    return set(re.findall(r"^\| `(\w+)` \|", OP_KINDS_DOC.read_text(), flags=re.MULTILINE))
+
+
+def test_every_zoo_model_captures():
+    zoo = pytest.importorskip("soapflow.zoo")
+    kinds = documented_kinds()
+    assert {"conv2d", "lstm", "opaque", "loss"} <= kinds
+    for name, entry in zoo.ZOO.items():
+        built = entry.build(2)
+        module, (inputs, target) = built[0], built[1]
+        loss = built[2] if len(built) == 3 else None
+        graph = capture(module, inputs, target, loss, name=name, batch_size=2)
+        assert graph.num_params == sum(p.numel() for p in module.parameters()), name
+        assert {op.kind for op in graph} <= kinds, (name, {op.kind for op in graph} - kinds)
+        assert graph.ops[-1].kind == "loss", name
+        assert not [op.name for op in graph if op.kind == "opaque"], name
+        assert graph.total_flops > 0
