@@ -1,0 +1,241 @@
+"""The `soapflow` command: argument parsing, tables and JSON output over `soapflow.api`.
+
+Every command takes `--json` (one JSON object on stdout instead of tables) and exits non-zero with a
+one-line `soapflow: error: ...` on bad input, never a traceback. Warnings print as one line each on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """Bad input found by a command; printed as one line."""
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+    """A plain left/right aligned text table (numbers right-aligned)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(row[i], int | float) or row[i] is None for row in rows) if rows else False
+               for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        parts = [c.rjust(w) if numeric[i] else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(parts).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:,.1f}"
+        return f"{value:.3g}" if abs(value) < 0.01 else f"{value:.3f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_models(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow import zoo
+
+    rows = [{"name": m.name, "default_batch": m.default_batch, "description": m.description}
+            for m in zoo.ZOO.values()]
+    text = table([[r["name"], r["default_batch"], r["description"]] for r in rows],
+                 ["model", "batch", "description"])
+    return {"models": rows}, text
+
+
+def _dims_text(op) -> str:
+    from soap.registry import dims_of
+
+    return " ".join(f"{d.name}:{d.kind.value[0].upper()}" for d in dims_of(op) if d.splittable)
+
+
+def cmd_capture(args: argparse.Namespace) -> tuple[dict, str]:
+    from soap.registry import dims_of
+    from soapflow.api import capture_model
+
+    spec, graph = capture_model(args.model, batch_size=args.batch)
+    ops = [{
+        "name": op.name, "kind": op.kind, "output_shape": list(op.output.shape), "num_params": op.num_params,
+        "gflops": (op.fwd_flops + op.bwd_flops) / 1e9,
+        "dims": [{"name": d.name, "kind": d.kind.value, "size": d.size} for d in dims_of(op) if d.splittable],
+    } for op in graph]
+    out = {"model": spec.name, "batch_size": graph.batch_size, "fingerprint": graph.fingerprint,
+           "num_params": graph.num_params, "module_params": sum(p.numel() for p in spec.module.parameters()),
+           "total_gflops": graph.total_flops / 1e9, "num_ops": len(graph), "ops": ops}
+    rows = [[o["name"], o["kind"], "x".join(map(str, o["output_shape"])) or "scalar", o["num_params"],
+             round(o["gflops"], 3), _dims_text(op)] for o, op in zip(ops, graph, strict=True)]
+    text = "\n".join([
+        table(rows, ["op", "kind", "output", "params", "GFLOPs", "splittable dims (S/A/P/R)"]),
+        "",
+        f"{spec.name}: {len(graph)} ops, {graph.num_params:,} parameters, batch {graph.batch_size}, "
+        f"{graph.total_flops / 1e9:,.2f} GFLOPs per iteration (forward + backward), "
+        f"fingerprint {graph.fingerprint[:12]}",
+    ])
+    return out, text
+
+
+def cmd_topology(args: argparse.Namespace) -> tuple[dict, str]:
+    from soap.topology import load_topology
+
+    topo = load_topology(args.topology)
+    doc = topo.to_dict()
+    rows = topo.describe()
+    text = f"{topo.name}: {topo.num_devices} devices on {topo.num_nodes} node(s), {len(topo.links)} links\n"
+    text += table([list(r.values()) for r in rows], list(rows[0].keys())) if rows else ""
+    return {"name": topo.name, "num_devices": topo.num_devices, "num_nodes": topo.num_nodes,
+            "summary": rows, "topology": doc}, text
+
+
+def _load_cost_model(path: str | None):
+    if path is None:
+        return None
+    from simulator.costmodel import AnalyticalCostModel, MeasuredCostModel
+    from soap.costdb import CostDatabase
+
+    return MeasuredCostModel(CostDatabase.load(path), fallback=AnalyticalCostModel())
+
+
+def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
+    from simulator.engine import simulate
+    from soap.topology import load_topology
+    from soapflow.api import capture_model, resolve_strategy
+
+    topo = load_topology(args.topology)
+    spec, graph = capture_model(args.model, batch_size=args.batch)
+    strategy = resolve_strategy(args.strategy, graph=graph, topology=topo)
+    timeline = simulate(graph, strategy, topo, _load_cost_model(args.costdb))
+    out = {"model": spec.name, "batch_size": graph.batch_size, "topology": topo.name, "strategy": args.strategy,
+           **timeline.summary()}
+    if args.trace:
+        timeline.write_chrome_trace(args.trace)
+        out["trace"] = args.trace
+    peak = out["peak_memory_bytes"]
+    lines = [
+        f"{spec.name} (batch {graph.batch_size}) on {topo.name} with {args.strategy}: "
+        f"{out['iteration_time_ms']:.3f} ms per iteration"
+        + ("" if out["feasible"] else "  (INFEASIBLE: out of memory)"),
+        "",
+        table([
+            ["compute (critical path)", out["compute_ms"]],
+            ["communication (critical path)", out["comm_ms"]],
+            ["gradient sync (critical path)", out["sync_ms"]],
+            ["bytes moved", _human_bytes(out["bytes_moved"])],
+            ["peak memory per device (max)", _human_bytes(max(peak))],
+            ["peak memory per device (min)", _human_bytes(min(peak))],
+            ["tasks", out["num_tasks"]],
+        ], ["", "value"]),
+    ]
+    for device, need, capacity in out.get("oom") or []:
+        lines.append(f"device {device} needs {_human_bytes(need)} but holds {_human_bytes(capacity)}")
+    if args.trace:
+        lines.append(f"trace written to {args.trace} (open it in Perfetto or chrome://tracing)")
+    return out, "\n".join(lines)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[dict, str]]] = {
+    "simulate": cmd_simulate,
+    "models": cmd_models,
+    "capture": cmd_capture,
+    "topology": cmd_topology,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="soapflow",
+        description="Find, simulate and run SOAP parallelization strategies for PyTorch models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+        return p
+
+    add("models", "list the model zoo")
+    p = add("capture", "capture a model into an operator graph and print its ops")
+    _model_args(p)
+    p = add("topology", "describe a topology preset (KIND-NxM, cpu-N) or topology file")
+    p.add_argument("topology", metavar="PRESET|FILE")
+    p = add("simulate", "simulate one training iteration of a model under a strategy")
+    _model_args(p)
+    _topology_arg(p)
+    p.add_argument("-s", "--strategy", required=True, metavar="STRATEGY",
+                   help="strategy file or baseline: dp, mp, tp, expert")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace JSON of the simulated iteration")
+    p.add_argument("--costdb", metavar="FILE", help="cost database (JSON lines) of measured op costs")
+    return parser
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="zoo name, path/to/file.py:function or package.module:function")
+    p.add_argument("--batch", type=int, help="global batch size (default: the model's)")
+
+
+def _topology_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-t", "--topology", required=True, metavar="TOPOLOGY",
+                   help="preset (KIND-NxM, cpu-N) or topology JSON file")
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"soapflow: warning: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warnings.showwarning = _show_warning
+    try:
+        out, text = COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("soapflow: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, CommandError, OSError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"soapflow: error: {message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(out, default=_json_default))
+    else:
+        print(text)
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, set | tuple):
+        return list(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
