@@ -1,0 +1,102 @@
+"""Communication costs on a topology's links: point-to-point transfers and ring collectives.
+
+Owns `Comm`, which prices a transfer or a collective and names the resources it occupies. Resources are
+integers shared with the task graph: device i is resource i, link l is resource ``num_devices + l``.
+
+Alpha-beta per link along the route (Hockney 1994): a transfer of B bytes from a to b occupies every link
+of ``route(a, b)`` at once, for ``sum(latency_us) + B / min(bandwidth_gbps)``.
+
+Ring collectives (Patarasuk and Yuan 2009; what NCCL runs) over a group g_0 < g_1 < .. < g_{n-1}: n hops
+g_i -> g_{i+1 mod n}, each along its route; all-reduce is 2(n-1) steps (reduce-scatter, then all-gather),
+all-gather and reduce-scatter n-1 steps. In a step every hop sends B/n bytes at once, so a link that k
+hops cross carries k chunks. We model the whole collective as ONE task occupying the union of the hops'
+links (expanding every step would make 2(n-1) x n tasks: 8,000 per bucket on 64 devices), with the exact
+duration of the synchronous step formula::
+
+    step = max over hops h of ( sum_{l in h} latency_l + (B/n) * max_{l in h} (load_l / bandwidth_l) )
+    time = steps * step
+
+where load_l is the number of hops whose route uses link l. The reduction arithmetic of an all-reduce is
+not charged (it is memory-bound and overlapped with the next step on real hardware).
+
+Times are integer nanoseconds (1 GB/s = 1 byte/ns), rounded once per task, so simulation arithmetic is
+exact and the delta simulation can equal the full one bit for bit. Must import only `soap`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from soap.topology import DeviceTopology
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+REDUCE_SCATTER = "reduce_scatter"
+_STEPS = {ALLREDUCE: lambda n: 2 * (n - 1), ALLGATHER: lambda n: n - 1, REDUCE_SCATTER: lambda n: n - 1}
+
+
+def ms_to_ns(ms: float) -> int:
+    """A duration in milliseconds as integer nanoseconds (the simulator's time unit)."""
+    return max(0, round(ms * 1e6))
+
+
+class Comm:
+    """Prices transfers and ring collectives on `topology`; caches per device pair and per group.
+
+    The caches hold pure functions of the topology, so they never change a result.
+    """
+
+    __slots__ = ("topology", "num_devices", "_pairs", "_rings")
+
+    def __init__(self, topology: DeviceTopology):
+        self.topology = topology
+        self.num_devices = topology.num_devices
+        # (src, dst) -> (resources, latency_ns, min bandwidth GB/s)
+        self._pairs: dict[tuple[int, int], tuple[tuple[int, ...], float, float]] = {}
+        # (group, kind) -> (resources, steps, upper envelope of the hops' (latency ns, ns per chunk byte))
+        self._rings: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], int, tuple]] = {}
+
+    def route(self, src: int, dst: int) -> tuple[tuple[int, ...], float, float]:
+        """(resources, latency ns, narrowest bandwidth GB/s) of the route from `src` to `dst`."""
+        hit = self._pairs.get((src, dst))
+        if hit is None:
+            links = [self.topology.links[i] for i in self.topology.route(src, dst)]
+            hit = (tuple(self.num_devices + link.id for link in links),
+                   sum(link.latency_us for link in links) * 1e3,
+                   min((link.bandwidth_gbps for link in links), default=math.inf))
+            self._pairs[(src, dst)] = hit
+        return hit
+
+    def transfer(self, src: int, dst: int, nbytes: int) -> tuple[tuple[int, ...], int]:
+        """(resources, duration ns) of sending `nbytes` from device `src` to device `dst` (src != dst)."""
+        res, latency_ns, bandwidth = self.route(src, dst)
+        return res, max(0, round(latency_ns + nbytes / bandwidth))
+
+    def collective(self, group: tuple[int, ...], nbytes: int, kind: str = ALLREDUCE) -> tuple[tuple[int, ...], int]:
+        """(resources, duration ns) of a ring `kind` over `group` (sorted device ids, >= 2) on `nbytes`."""
+        hit = self._rings.get((group, kind))
+        if hit is None:
+            hit = self._ring(group, kind)
+            self._rings[(group, kind)] = hit
+        res, steps, envelope = hit
+        chunk = nbytes / len(group)
+        return res, max(0, round(steps * max(lat + chunk * slow for lat, slow in envelope)))
+
+    def _ring(self, group: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int, tuple[tuple[float, float], ...]]:
+        n = len(group)
+        if n < 2 or list(group) != sorted(set(group)):
+            raise ValueError(f"a collective needs >= 2 distinct devices in ascending order, got {group}")
+        hops = [self.topology.route(group[i], group[(i + 1) % n]) for i in range(n)]
+        load: dict[int, int] = {}
+        for hop in hops:
+            for link in hop:
+                load[link] = load.get(link, 0) + 1
+        links = self.topology.links
+        # per hop: (latency ns, ns per byte of one chunk on its most loaded link); a hop another one beats
+        # on both counts never sets the step time, so only the upper envelope is kept.
+        pairs = {(sum(links[i].latency_us for i in hop) * 1e3,
+                  max(load[i] / links[i].bandwidth_gbps for i in hop)) for hop in hops}
+        envelope = tuple(sorted(p for p in pairs
+                                if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
+        res = tuple(sorted(self.num_devices + i for i in load))
+        return res, _STEPS[kind](n), envelope

@@ -1,0 +1,255 @@
+"""Cost models: how long a part of an op takes on a device, forward and backward, and an optimizer step.
+
+Owns the `CostModel` protocol and its three implementations:
+
+- `AnalyticalCostModel`: a roofline per part (Williams, Waterman, Patterson, "Roofline", CACM 2009):
+  ``max(FLOPs / (peak x efficiency), bytes / (memory bandwidth x bandwidth efficiency)) + launch``;
+- `MeasuredCostModel`: the cost database (`soap.costdb`) by part key, analytical where it has no entry;
+- `FixedCostModel`: the null model for tests: every part costs a given constant (or a per-op value),
+  which makes timelines computable by hand.
+
+Communication is not a cost model's business: transfers and collectives are priced from the topology's
+links (`simulator.comm`). Times are milliseconds. Must import only `soap` (no torch, runtime or search).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol, runtime_checkable
+
+from soap.costdb import CostDatabase, part_key
+from soap.graph import DTYPE_BYTES, Operator
+from soap.opdef import Box, region_numel
+from soap.registry import op_def
+from soap.topology import Device
+
+# Op kinds with no compute of their own: batch tensors are already where their parts are, buffers are
+# everywhere. The task graph gives them no tasks at all.
+FREE_KINDS = frozenset({"input", "constant"})
+# Op kinds that are views in torch (no data moves): only the launch overhead remains.
+VIEW_KINDS = frozenset({"reshape", "transpose", "slice", "split"})
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Compute times of op parts and optimizer steps, in milliseconds."""
+
+    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
+        """(forward, backward) time of the part `box` of `op` on `device`."""
+        ...
+
+    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
+        """Time of the optimizer step over `param_bytes` bytes of `op`'s parameters held on `device`."""
+        ...
+
+    def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
+        """Time to add up `num_inputs` partial results of `nbytes` bytes each into one on `device`."""
+        ...
+
+
+def part_share(op: Operator, box: Box) -> float:
+    """The box's share of the op's iteration space (1.0 for the whole op)."""
+    total = 1
+    part = 1
+    for d, (lo, hi) in zip(op_def(op.kind).dims(op), box, strict=True):
+        total *= d.size
+        part *= hi - lo
+    return part / total if total else 1.0
+
+
+def part_bytes(op: Operator, box: Box) -> int:
+    """Bytes a forward pass of the part reads and writes: its input, output and parameter regions."""
+    entry = op_def(op.kind)
+    elem = DTYPE_BYTES[op.outputs[0].dtype]
+    n = 0
+    for region in entry.input_regions(op, box):
+        if region is not None:
+            n += region_numel(region) * elem
+    for i, spec in enumerate(op.outputs):
+        n += region_numel(entry.output_region(op, box, i)) * DTYPE_BYTES[spec.dtype]
+    for name, region in entry.param_regions(op, box).items():
+        n += region_numel(region) * DTYPE_BYTES[op.params[name].dtype]
+    return n
+
+
+def _frozen(table: Mapping[str, Mapping[str, float]]) -> Mapping[str, Mapping[str, float]]:
+    return MappingProxyType({k: MappingProxyType(dict(v)) for k, v in table.items()})
+
+
+# Fraction of the datasheet peak FLOP/s a part sustains, by device kind then op kind ('*' = any). Starting
+# figures in the range cuDNN/cuBLAS reach on large shapes (convolutions ~50-60%, GEMMs ~70%, recurrent
+# cells ~35%); calibration fits them per machine. Memory-bound kinds are limited by the bandwidth term.
+DEFAULT_EFFICIENCY: Mapping[str, Mapping[str, float]] = _frozen({
+    "*": {"*": 0.5, "conv2d": 0.55, "linear": 0.7, "matmul": 0.7, "lstm": 0.35, "attention": 0.45},
+    "cpu": {"*": 0.6, "conv2d": 0.5, "linear": 0.8, "matmul": 0.8, "lstm": 0.5, "attention": 0.5},
+})
+# Fraction of the datasheet memory bandwidth a streaming kernel reaches (STREAM-like), by device kind.
+DEFAULT_BANDWIDTH_EFFICIENCY: Mapping[str, float] = MappingProxyType({"*": 0.8, "cpu": 0.7})
+# Fixed cost per kernel launch and framework dispatch, microseconds, by device kind.
+DEFAULT_LAUNCH_US: Mapping[str, float] = MappingProxyType({"*": 5.0, "cpu": 10.0})
+
+
+def _merge(defaults: Mapping[str, Mapping[str, float]],
+           overrides: Mapping[str, Mapping[str, float]]) -> Mapping[str, Mapping[str, float]]:
+    out = {k: dict(v) for k, v in defaults.items()}
+    for kind, table in overrides.items():
+        out.setdefault(kind, {}).update(table)
+    return _frozen(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnalyticalCostModel:
+    """Roofline per part (see the module docstring).
+
+    FLOPs of a part are the op's FLOPs times the part's share of the iteration space; bytes are the sizes
+    of its input, output and parameter regions (backward: scaled by the op's bwd_bytes / fwd_bytes, 2x
+    when capture recorded none). `efficiency[device kind][op kind]` (fraction of peak FLOP/s),
+    `bandwidth_efficiency[device kind]` and `launch_us[device kind]` override the defaults entry by entry;
+    '*' is the fallback kind. Backward launches two kernels for ops with parameters (input and weight
+    gradients). The optimizer step streams `update_passes` x the parameter bytes (SGD with momentum reads
+    parameter, gradient and momentum and writes parameter and momentum: 5).
+    """
+
+    efficiency: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    bandwidth_efficiency: Mapping[str, float] = field(default_factory=dict)
+    launch_us: Mapping[str, float] = field(default_factory=dict)
+    update_passes: float = 5.0
+
+    def __post_init__(self) -> None:
+        eff = _merge(DEFAULT_EFFICIENCY, self.efficiency)
+        bad = {f"{d}/{o}": v for d, t in eff.items() for o, v in t.items() if not 0 < v <= 1}
+        bw = {**DEFAULT_BANDWIDTH_EFFICIENCY, **self.bandwidth_efficiency}
+        bad.update({f"bandwidth/{d}": v for d, v in bw.items() if not 0 < v <= 1})
+        if bad:
+            raise ValueError(f"efficiencies must be in (0, 1], got {bad}")
+        launch = {**DEFAULT_LAUNCH_US, **self.launch_us}
+        if any(v < 0 for v in launch.values()) or self.update_passes < 0:
+            raise ValueError(f"launch_us and update_passes must be >= 0, got {launch}, {self.update_passes}")
+        object.__setattr__(self, "efficiency", eff)
+        object.__setattr__(self, "bandwidth_efficiency", MappingProxyType(bw))
+        object.__setattr__(self, "launch_us", MappingProxyType(launch))
+
+    def flop_efficiency(self, device_kind: str, op_kind: str) -> float:
+        for table in (self.efficiency.get(device_kind), self.efficiency["*"]):
+            if table is not None and op_kind in table:
+                return table[op_kind]
+        table = self.efficiency.get(device_kind, self.efficiency["*"])
+        return table.get("*", self.efficiency["*"]["*"])
+
+    def _launch_ms(self, device: Device) -> float:
+        return self.launch_us.get(device.kind, self.launch_us["*"]) / 1e3
+
+    def _bandwidth_bytes_per_ms(self, device: Device) -> float:
+        eff = self.bandwidth_efficiency.get(device.kind, self.bandwidth_efficiency["*"])
+        return device.memory_bandwidth_gbps * eff * 1e6  # GB/s = 1e6 bytes per ms
+
+    def _peak_flops_per_ms(self, op: Operator, device: Device) -> float:
+        dtype = op.outputs[0].dtype
+        peak = device.peak_flops.get(dtype) or device.peak_flops.get("float32") or max(device.peak_flops.values())
+        return peak * self.flop_efficiency(device.kind, op.kind) / 1e3
+
+    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
+        if op.kind in FREE_KINDS:
+            return (0.0, 0.0)
+        launch = self._launch_ms(device)
+        if op.kind in VIEW_KINDS:
+            return (launch, launch)
+        share = part_share(op, box)
+        nbytes = part_bytes(op, box)
+        bwd_scale = op.bwd_bytes / op.fwd_bytes if op.fwd_bytes > 0 else 2.0
+        flops_per_ms = self._peak_flops_per_ms(op, device)
+        bytes_per_ms = self._bandwidth_bytes_per_ms(device)
+        fwd = max(op.fwd_flops * share / flops_per_ms, nbytes / bytes_per_ms) + launch
+        bwd = max(op.bwd_flops * share / flops_per_ms, nbytes * bwd_scale / bytes_per_ms)
+        bwd += launch * (2 if op.params else 1)
+        return (fwd, bwd)
+
+    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
+        if param_bytes <= 0:
+            return 0.0
+        return self.update_passes * param_bytes / self._bandwidth_bytes_per_ms(device) + self._launch_ms(device)
+
+    def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
+        # reads every partial once and writes the sum once
+        return (num_inputs + 1) * nbytes / self._bandwidth_bytes_per_ms(device) + self._launch_ms(device)
+
+
+class MeasuredCostModel:
+    """Times from a cost database, keyed by `soap.costdb.part_key`; `fallback` (analytical by default)
+    prices parts the database lacks, optimizer steps and partial-sum reductions.
+
+    `hits` and `misses` count lookups (reporting only: they never change a result).
+    """
+
+    __slots__ = ("db", "fallback", "hits", "misses")
+
+    def __init__(self, db: CostDatabase, fallback: CostModel | None = None):
+        self.db = db
+        self.fallback: CostModel = fallback if fallback is not None else AnalyticalCostModel()
+        self.hits = 0
+        self.misses = 0
+
+    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
+        if op.kind in FREE_KINDS:
+            return (0.0, 0.0)
+        found = self.db.lookup(part_key(op, box, device.kind))
+        if found is None:
+            self.misses += 1
+            return self.fallback.compute_ms(op, box, device)
+        self.hits += 1
+        return (found.fwd_ms, found.bwd_ms)
+
+    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
+        return self.fallback.update_ms(op, param_bytes, device)
+
+    def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
+        return self.fallback.reduce_ms(nbytes, num_inputs, device)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FixedCostModel:
+    """Every part of every op costs `fwd_each_ms` forward and `bwd_each_ms` backward (default: the
+    forward figure), whatever its size or device; `per_op_ms` overrides by op name with a number (both
+    passes) or a (forward, backward) pair. Optimizer steps cost `update_each_ms`, partial-sum reductions
+    `reduce_each_ms`. Ops of the free kinds (input, constant) cost nothing.
+    """
+
+    fwd_each_ms: float = 1.0
+    bwd_each_ms: float | None = None
+    per_op_ms: Mapping[str, float | tuple[float, float]] = field(default_factory=dict)
+    update_each_ms: float = 0.0
+    reduce_each_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        table: dict[str, tuple[float, float]] = {}
+        for name, value in dict(self.per_op_ms).items():
+            pair = (float(value), float(value)) if isinstance(value, int | float) else tuple(map(float, value))
+            if len(pair) != 2:
+                raise ValueError(f"per_op_ms[{name!r}] must be a number or a (fwd, bwd) pair, got {value!r}")
+            table[name] = pair
+        object.__setattr__(self, "per_op_ms", MappingProxyType(table))
+        values = [self.fwd_each_ms, self.update_each_ms, self.reduce_each_ms,
+                  self.bwd_each_ms if self.bwd_each_ms is not None else 0.0]
+        values += [v for pair in table.values() for v in pair]
+        if any(not (v >= 0 and math.isfinite(v)) for v in values):
+            raise ValueError(f"fixed costs must be finite and >= 0, got {values}")
+
+    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
+        if op.kind in FREE_KINDS:
+            return (0.0, 0.0)
+        hit = self.per_op_ms.get(op.name)
+        if hit is not None:
+            return hit
+        return (self.fwd_each_ms, self.fwd_each_ms if self.bwd_each_ms is None else self.bwd_each_ms)
+
+    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
+        return self.update_each_ms
+
+    def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
+        return self.reduce_each_ms
+
+
+__all__ = ["AnalyticalCostModel", "CostModel", "FixedCostModel", "MeasuredCostModel", "part_bytes", "part_share"]

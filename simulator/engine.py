@@ -1,0 +1,711 @@
+"""The simulator: task graph instantiation, full and delta simulation, accept/reject, memory totals.
+
+Owns `Simulator`. It builds the tasks of a strategy from `simulator.taskgraph` plans and times them; on
+a one-op change it replaces only that op's tasks, the transfers of its edges and its update tasks, edits
+the all-reduces of its bucket, and re-times only what can have changed. Must import only `soap` (and
+the stdlib, numpy): never torch, the runtime or the search.
+
+Semantics (exact, so that delta equals full). Times are integer nanoseconds. A task's ready time is the
+latest end of its data predecessors (0 without any). Every resource (device or link) runs its tasks one at
+a time in the order of (ready time, static key) (`KeySpace`: unique, increasing along data edges); a task
+starts at max(ready, end of the previous task on each of its resources in that order): a multi-link
+transfer or an all-reduce waits for all its links. Since keys increase along data edges and durations are
+>= 0, (ready, key) is a topological order of data plus resource edges, so the full simulation is Kahn's
+algorithm with a heap on (ready, key) where each task takes the current last end of its resources.
+
+Delta. The processing order of a simulation is sorted by (ready, key). After a change, let K0 be the
+smallest of: the old (ready, key) of every removed task and of every surviving task whose predecessors
+or duration changed, and, for every new task whose predecessors are all old, (latest end of those, key).
+Every task before K0 in the old order keeps its times (its inputs are unchanged and come before it), and
+every task at or after K0 comes after it in the new order (the first task whose times change is one of
+those seeds), so replaying Kahn's algorithm from K0 -- from the resources' state at K0, over the old
+suffix plus the new tasks -- gives exactly the full simulation's times. The replay is the O(tasks) part,
+proportional to the part of the iteration after the change. `propose` keeps an undo journal, so
+`reject` restores the previous state (tasks, edges, times, orders) without simulating.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from heapq import heapify, heappop, heappush
+
+from simulator.comm import Comm
+from simulator.costmodel import AnalyticalCostModel, CostModel
+from simulator.taskgraph import (
+    BWD,
+    COMM_CATS,
+    COMPUTE_CATS,
+    DEFAULT_BUCKET_CAP_BYTES,
+    FWD,
+    REDUCE,
+    SUB_COMPUTE,
+    SUB_SYNC,
+    SUB_XFER,
+    SYNC,
+    UPDATE,
+    XFER,
+    EdgePlan,
+    GraphFacts,
+    KeySpace,
+    OpPlan,
+    Planner,
+)
+from simulator.timeline import Timeline
+from soap.config import ConfigError, ParallelConfig, validate
+from soap.graph import OperatorGraph
+from soap.strategy import Strategy, StrategyError, validate_strategy
+from soap.topology import DeviceTopology
+
+_NEW = 1 << 200  # the (ready, key) of a task not yet simulated: after every real one
+
+Link = tuple[int, int]
+SyncId = tuple[tuple[int, ...], int]  # (device group, bucket)
+
+
+class _Unit:
+    """The tasks of an op (forward, backward), of an edge, or of an op's updates, and the data edges
+    the unit made (undone exactly when the unit is replaced)."""
+
+    __slots__ = ("tids", "links", "fwd", "bwd", "by_part")
+
+    def __init__(self, tids: list[int], links: list[Link], fwd: list[int] | None = None,
+                 bwd: list[int] | None = None, by_part: dict[int, int] | None = None):
+        self.tids, self.links = tids, links
+        self.fwd, self.bwd, self.by_part = fwd, bwd, by_part
+
+
+class _Sync:
+    """One all-reduce task (per device group and bucket) and, per member op, the edges into and out of it.
+
+    It outlives changes to its members: a proposal edits its edges and duration in place."""
+
+    __slots__ = ("tid", "members", "links")
+
+    def __init__(self, tid: int, members: dict[int, tuple[tuple[int, ...], int]], links: dict[int, list[Link]]):
+        self.tid, self.members, self.links = tid, members, links
+
+
+class Simulator:
+    """Full and delta simulation of strategies for one (graph, topology, cost model).
+
+    Typical use (the search)::
+
+        sim = Simulator(graph, topology, cost_model)
+        sim.full(strategy)                  # -> Timeline; `strategy` becomes current
+        t_ms = sim.propose("fc1", cfg)      # delta: iteration time with fc1 changed to cfg
+        sim.accept()  # or sim.reject()     # keep the change, or restore the previous state cheaply
+
+    While a proposal is pending, `strategy`, `iteration_time_ms`, `feasible`, `peak_memory_bytes`,
+    `memory_excess_bytes` and `timeline()` describe it; otherwise the current state. Instances share
+    nothing; the caches they hold are pure functions of (graph, topology, cost model).
+    """
+
+    def __init__(self, graph: OperatorGraph, topology: DeviceTopology, cost_model: CostModel | None = None, *,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, optimizer_copies: int = 1):
+        self.graph = graph
+        self.topology = topology
+        self.cost_model: CostModel = cost_model if cost_model is not None else AnalyticalCostModel()
+        self.facts = GraphFacts(graph, bucket_cap_bytes=bucket_cap_bytes)
+        self.keys = KeySpace(len(graph), topology.num_devices)
+        self.comm = Comm(topology)
+        self.planner = Planner(self.facts, topology, self.cost_model, self.keys, self.comm,
+                               optimizer_copies=optimizer_copies)
+        self.num_devices = topology.num_devices
+        self.num_resources = self.num_devices + len(topology.links)
+        self.capacity = [d.memory_bytes for d in topology.devices]
+        self._kb = self.keys.bits
+        self._configs: list[ParallelConfig] | None = None
+        self._journal: dict | None = None
+
+    # -- public API ----------------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy of the state described (the proposal while one is pending)."""
+        self._need_state()
+        return Strategy({op.name: cfg for op, cfg in zip(self.graph.ops, self._configs, strict=True)})
+
+    @property
+    def iteration_time_ms(self) -> float:
+        self._need_state()
+        return self._iteration_ns / 1e6
+
+    @property
+    def peak_memory_bytes(self) -> tuple[int, ...]:
+        self._need_state()
+        return tuple(self._mem)
+
+    @property
+    def memory_excess_bytes(self) -> int:
+        """The largest amount by which a device's peak exceeds its capacity (0 when feasible)."""
+        self._need_state()
+        return max(0, max(m - c for m, c in zip(self._mem, self.capacity, strict=True)))
+
+    @property
+    def feasible(self) -> bool:
+        return self.memory_excess_bytes == 0
+
+    @property
+    def num_tasks(self) -> int:
+        self._need_state()
+        return len(self._order)
+
+    @property
+    def pending(self) -> bool:
+        return self._journal is not None
+
+    def full(self, strategy: Strategy) -> Timeline:
+        """Simulate `strategy` from scratch; it becomes the current state (a pending proposal is dropped)."""
+        validate_strategy(self.graph, strategy, self.num_devices)
+        self._journal = None
+        self._build([strategy[op.name] for op in self.graph.ops])
+        return self.timeline()
+
+    def propose(self, op: str, cfg: ParallelConfig) -> float:
+        """Change `op` to `cfg` by delta simulation; returns the new iteration time in ms.
+
+        Must be followed by `accept` or `reject` before the next `propose` (`StrategyError` when `cfg`
+        does not fit the op or the topology).
+        """
+        self._need_state()
+        if self._journal is not None:
+            raise RuntimeError("a proposal is pending: accept() or reject() it first")
+        i = self.facts.index.get(op)
+        if i is None:
+            raise ValueError(f"no operator named {op!r} in graph {self.graph.name!r}")
+        try:
+            validate(self.graph.ops[i], cfg, self.num_devices)
+        except ConfigError as exc:
+            raise StrategyError(str(exc)) from None
+        if cfg == self._configs[i]:
+            self._journal = {"noop": True}
+        else:
+            self._delta(i, cfg)
+        return self._iteration_ns / 1e6
+
+    def accept(self) -> None:
+        if self._journal is None:
+            raise RuntimeError("no pending proposal to accept")
+        self._journal = None
+        if self._dead > len(self._order):  # replaced tasks pile up in the arrays: compact now and then
+            self._build(list(self._configs))
+
+    def reject(self) -> None:
+        if self._journal is None:
+            raise RuntimeError("no pending proposal to reject")
+        if "noop" not in self._journal:
+            self._undo(self._journal)
+        self._journal = None
+
+    def delta(self, op: str, cfg: ParallelConfig) -> Timeline:
+        """`propose` then `accept`: the timeline of the current strategy with `op` changed to `cfg`."""
+        self.propose(op, cfg)
+        self.accept()
+        return self.timeline()
+
+    def timeline(self) -> Timeline:
+        """The `Timeline` of the state described (the pending proposal if there is one)."""
+        self._need_state()
+        critical = self._critical_path()
+        split = [0, 0, 0]
+        for t in critical:
+            c = self._cat[t]
+            split[0 if c in COMPUTE_CATS else 1 if c in COMM_CATS else 2] += self._dur[t]
+        links = [f"link {link.id}: {link.src} -> {link.dst} ({link.kind})" for link in self.topology.links]
+        end, dur = self._end, self._dur
+        return Timeline(name=self.graph.name, num_devices=self.num_devices, link_names=links,
+                        iteration_ns=self._iteration_ns, path_ns=(split[0], split[1], split[2]),
+                        bytes_moved=self._moved, peak_memory=list(self._mem), capacity=self.capacity,
+                        order=list(self._order), keys=list(self._key), cats=list(self._cat),
+                        res=list(self._res), start=[e - d for e, d in zip(end, dur, strict=True)],
+                        end=list(end), nbytes=list(self._nbytes), namer=self.task_name, critical_path=critical)
+
+    def task_name(self, key: int) -> str:
+        """A readable name for a task key (traces, task records)."""
+        facts = self.facts
+        pos, sub, e, a, b = self.keys.split(key)
+        n = facts.num_ops
+        if pos < n:
+            op = facts.ops[pos]
+            if sub == SUB_COMPUTE:
+                return f"{op.name} fwd[{a}]"
+            src = op.inputs[e].op
+            return f"{src} -> {op.name} [{a}->{b}]" if sub == SUB_XFER else f"{op.name} sum input {e} [{a}]"
+        if pos < 2 * n:
+            op = facts.ops[2 * n - 1 - pos]
+            if sub == SUB_COMPUTE:
+                return f"{op.name} bwd[{a}]"
+            if sub == SUB_SYNC:
+                return f"allreduce bucket {facts.bucket[2 * n - 1 - pos]} devices {a}..{b}"
+            consumer = self.graph.consumers(op.name)[e][0]
+            return f"grad {consumer} -> {op.name} [{a}->{b}]" if sub == SUB_XFER else f"{op.name} sum grads [{a}]"
+        return f"{facts.ops[pos - 2 * n].name} update[{a}]"
+
+    # -- building ------------------------------------------------------------------------------------
+
+    def _need_state(self) -> None:
+        if self._configs is None:
+            raise RuntimeError("no strategy simulated yet: call full(strategy) first")
+
+    def _build(self, configs: list[ParallelConfig]) -> None:
+        """Instantiate every task of `configs` and simulate from scratch."""
+        facts, planner = self.facts, self.planner
+        self._dur: list[int] = []
+        self._key: list[int] = []
+        self._res: list[tuple[int, ...]] = []
+        self._cat: list[int] = []
+        self._nbytes: list[int] = []
+        self._preds: list[list[int]] = []
+        self._succs: list[list[int]] = []
+        self._alive: list[bool] = []
+        self._end: list[int] = []
+        self._rk: list[int] = []
+        self._dead = 0
+        self._configs = configs
+        self._plans: list[OpPlan] = [planner.op_plan(i, cfg) for i, cfg in enumerate(configs)]
+        links: list[Link] = []
+        self._op_units = [self._add_op_unit(i, links) for i in range(facts.num_ops)]
+        self._update_units = [self._add_update_unit(i, links) for i in range(facts.num_ops)]
+        self._edge_units = [self._add_edge_unit(e, links) for e in range(len(facts.edges))]
+        self._syncs: dict[SyncId, _Sync] = {}
+        members: dict[SyncId, dict[int, tuple[tuple[int, ...], int]]] = {}
+        for i, plan in enumerate(self._plans):
+            for group, entry in plan.sync.items():
+                members.setdefault((group, facts.bucket[i]), {})[i] = entry
+        for sid in sorted(members):
+            self._syncs[sid] = self._new_sync(sid, members[sid], links)
+        self._apply(links)
+        self._mem = [0] * self.num_devices
+        self._moved = 0
+        for plan in self._plans:
+            self._add_mem(plan.mem, 1)
+        for e in range(len(facts.edges)):
+            ep = self._edge_plan(e)
+            self._add_mem(ep.recv, 1)
+            self._moved += ep.moved
+        for sync in self._syncs.values():
+            self._moved += self._nbytes[sync.tid]
+        self._simulate_all()
+
+    def _apply(self, links: list[Link]) -> None:
+        succs, preds = self._succs, self._preds
+        for u, v in links:
+            succs[u].append(v)
+            preds[v].append(u)
+
+    def _add_mem(self, table: dict[int, int], sign: int) -> None:
+        mem = self._mem
+        for d, b in table.items():
+            mem[d] += sign * b
+
+    def _edge_plan(self, e: int) -> EdgePlan:
+        edge = self.facts.edges[e]
+        return self.planner.edge_plan(e, self._configs[edge.src], self._configs[edge.dst])
+
+    def _new_tasks(self, durs: list[int], keys: list[int], res: list[tuple[int, ...]], cat: int,
+                   nbytes: list[int] | None = None) -> list[int]:
+        t0 = len(self._dur)
+        n = len(durs)
+        self._dur += durs
+        self._key += keys
+        self._res += res
+        self._cat += [cat] * n
+        self._nbytes += nbytes if nbytes is not None else [0] * n
+        self._preds += [[] for _ in range(n)]
+        self._succs += [[] for _ in range(n)]
+        self._alive += [True] * n
+        self._end += [0] * n
+        self._rk += [_NEW] * n
+        return list(range(t0, t0 + n))
+
+    def _add_op_unit(self, i: int, links: list[Link]) -> _Unit:
+        plan = self._plans[i]
+        res = [(d,) for d in plan.devices]
+        fwd = self._new_tasks(plan.fwd_ns, plan.fwd_keys, res[:len(plan.fwd_ns)], FWD) if plan.fwd_ns else []
+        bwd = self._new_tasks(plan.bwd_ns, plan.bwd_keys, res[:len(plan.bwd_ns)], BWD) if plan.bwd_ns else []
+        mine = list(zip(fwd, bwd, strict=False))
+        links += mine
+        return _Unit(fwd + bwd, mine, fwd, bwd)
+
+    def _add_update_unit(self, i: int, links: list[Link]) -> _Unit | None:
+        plan = self._plans[i]
+        if not plan.update:
+            return None
+        devs = plan.devices
+        tids = self._new_tasks([ns for _, ns, _ in plan.update], [k for _, _, k in plan.update],
+                               [(devs[c],) for c, _, _ in plan.update], UPDATE)
+        bwd = self._op_units[i].bwd
+        mine = [(bwd[c], t) for (c, _, _), t in zip(plan.update, tids, strict=True)]
+        links += mine
+        return _Unit(tids, mine, by_part={c: t for (c, _, _), t in zip(plan.update, tids, strict=True)})
+
+    def _add_edge_unit(self, e: int, links: list[Link]) -> _Unit:
+        edge = self.facts.edges[e]
+        ep = self._edge_plan(e)
+        prod, cons = self._op_units[edge.src], self._op_units[edge.dst]
+        mine: list[Link] = []
+        tids: list[int] = []
+        src_f, dst_f = prod.fwd, cons.fwd
+        if ep.fwd_reduce:
+            target = list(dst_f)
+            red = self._new_tasks([r[1] for r in ep.fwd_reduce], [r[2] for r in ep.fwd_reduce],
+                                  [(r[3],) for r in ep.fwd_reduce], REDUCE)
+            tids += red
+            for r, t in zip(ep.fwd_reduce, red, strict=True):
+                mine.append((t, dst_f[r[0]]))
+                target[r[0]] = t
+        else:
+            target = dst_f
+        if src_f:
+            mine += [(src_f[p], target[c]) for p, c in ep.fwd_dep]
+        if ep.fwd_xfer:
+            xs = self._new_tasks([x[4] for x in ep.fwd_xfer], [x[5] for x in ep.fwd_xfer],
+                                 [x[3] for x in ep.fwd_xfer], XFER, [x[2] for x in ep.fwd_xfer])
+            tids += xs
+            for x, t in zip(ep.fwd_xfer, xs, strict=True):
+                if src_f:
+                    mine.append((src_f[x[0]], t))
+                mine.append((t, target[x[1]]))
+        if edge.grad:
+            src_b, dst_b = cons.bwd, prod.bwd
+            if ep.bwd_reduce:
+                target = list(dst_b)
+                red = self._new_tasks([r[1] for r in ep.bwd_reduce], [r[2] for r in ep.bwd_reduce],
+                                      [(r[3],) for r in ep.bwd_reduce], REDUCE)
+                tids += red
+                for r, t in zip(ep.bwd_reduce, red, strict=True):
+                    mine.append((t, dst_b[r[0]]))
+                    target[r[0]] = t
+            else:
+                target = dst_b
+            mine += [(src_b[c], target[p]) for c, p in ep.bwd_dep]
+            if ep.bwd_xfer:
+                xs = self._new_tasks([x[4] for x in ep.bwd_xfer], [x[5] for x in ep.bwd_xfer],
+                                     [x[3] for x in ep.bwd_xfer], XFER, [x[2] for x in ep.bwd_xfer])
+                tids += xs
+                for x, t in zip(ep.bwd_xfer, xs, strict=True):
+                    mine.append((src_b[x[0]], t))
+                    mine.append((t, target[x[1]]))
+        links += mine
+        return _Unit(tids, mine)
+
+    def _sync_figures(self, sid: SyncId, members: dict) -> tuple[tuple[int, ...], int, int, int]:
+        """(resources, ns, key, bytes on the wire) of an all-reduce with `members`."""
+        group, bucket = sid
+        nbytes = sum(nb for _, nb in members.values())
+        res, ns, key = self.planner.sync_task(group, bucket, nbytes)
+        return res, ns, key, 2 * (len(group) - 1) * nbytes  # each device sends 2(n-1)/n of the buffer
+
+    def _sync_links(self, i: int, tid: int, parts: tuple[int, ...]) -> list[Link]:
+        bwd = self._op_units[i].bwd
+        upd = self._update_units[i].by_part
+        return [(bwd[c], tid) for c in parts] + [(tid, upd[c]) for c in parts]
+
+    def _new_sync(self, sid: SyncId, members: dict, links: list[Link]) -> _Sync:
+        res, ns, key, wire = self._sync_figures(sid, members)
+        (tid,) = self._new_tasks([ns], [key], [res], SYNC, [wire])
+        mine = {i: self._sync_links(i, tid, members[i][0]) for i in sorted(members)}
+        for group_links in mine.values():
+            links += group_links
+        return _Sync(tid, members, mine)
+
+    # -- simulation ----------------------------------------------------------------------------------
+
+    def _simulate_all(self) -> None:
+        self._order: list[int] = []
+        self._res_tids: list[list[int]] = [[] for _ in range(self.num_resources)]
+        preds, key = self._preds, self._key
+        indeg = [len(p) for p in preds]
+        heap = [(key[t], t) for t in range(len(preds)) if not indeg[t]]
+        heapify(heap)
+        last_end = [0] * self.num_resources
+        self._run(heap, indeg, [0] * len(preds), last_end)
+        self._iteration_ns = max(last_end)
+
+    def _run(self, heap: list, indeg: list[int], rdy: list[int], last_end: list[int]) -> None:
+        """Kahn's algorithm on (ready, key) from `heap`: the hot loop of every simulation."""
+        kb = self._kb
+        dur, key, res, succs = self._dur, self._key, self._res, self._succs
+        end, rk, res_tids = self._end, self._rk, self._res_tids
+        order_add = self._order.append
+        while heap:
+            prio, t = heappop(heap)
+            s = prio >> kb
+            rs = res[t]
+            for x in rs:
+                if last_end[x] > s:
+                    s = last_end[x]
+            e = s + dur[t]
+            for x in rs:
+                last_end[x] = e
+                res_tids[x].append(t)
+            end[t] = e
+            rk[t] = prio
+            order_add(t)
+            for u in succs[t]:
+                if rdy[u] < e:
+                    rdy[u] = e
+                c = indeg[u] - 1
+                indeg[u] = c
+                if not c:
+                    heappush(heap, ((rdy[u] << kb) | key[u], u))
+
+    # -- delta ---------------------------------------------------------------------------------------
+
+    def _delta(self, i: int, cfg: ParallelConfig) -> None:
+        facts = self.facts
+        old_plan = self._plans[i]
+        new_plan = self.planner.op_plan(i, cfg)
+        bucket = facts.bucket[i]
+        groups = sorted(set(old_plan.sync) | set(new_plan.sync))
+        edges = facts.in_edges[i] + facts.out_edges[i]
+        old_len = len(self._dur)
+        j: dict = {"i": i, "cfg": self._configs[i], "plan": old_plan, "old_len": old_len, "mem": list(self._mem),
+                   "moved": self._moved, "iteration": self._iteration_ns, "dead": self._dead}
+        alive, rk, preds, succs = self._alive, self._rk, self._preds, self._succs
+        self._account(old_plan, edges, groups, bucket, -1)
+        # 1. take out the op's units (tasks die; edges to surviving tasks are cut)
+        removed = [("op", i, self._op_units[i]), ("update", i, self._update_units[i])]
+        removed += [("edge", e, self._edge_units[e]) for e in edges]
+        removed = [r for r in removed if r[2] is not None]
+        k0 = _NEW
+        gone: set[int] = set()
+        for _, _, unit in removed:
+            for t in unit.tids:
+                alive[t] = False
+                if rk[t] < k0:
+                    k0 = rk[t]
+            gone.update(unit.tids)
+        for _, _, unit in removed:
+            for u, v in unit.links:
+                if alive[u]:
+                    succs[u].remove(v)
+                if alive[v]:
+                    preds[v].remove(u)
+                    if rk[v] < k0:
+                        k0 = rk[v]
+        # the all-reduces of the op's bucket: edited in place (the op's edges out, its new ones in below)
+        synced = []
+        for g in groups:
+            sid = (g, bucket)
+            sync = self._syncs.get(sid)
+            if sync is None:
+                continue
+            t = sync.tid
+            synced.append((sid, sync, preds[t], succs[t], self._dur[t], self._nbytes[t], dict(sync.members),
+                           dict(sync.links)))
+            if rk[t] < k0:
+                k0 = rk[t]
+            # new list objects: the journal keeps the old ones for `reject`
+            preds[t] = [p for p in preds[t] if alive[p]]
+            succs[t] = [u for u in succs[t] if alive[u]]
+            sync.members.pop(i, None)
+            sync.links.pop(i, None)
+            if not sync.members and g not in new_plan.sync:
+                alive[t] = False
+                gone.add(t)
+                del self._syncs[sid]
+        self._dead += len(gone)
+        j.update(removed=removed, gone=gone, synced=synced)
+        # 2. put in the new units
+        self._configs[i] = cfg
+        self._plans[i] = new_plan
+        links: list[Link] = []
+        added = [("op", i, self._add_op_unit(i, links))]
+        self._op_units[i] = added[0][2]
+        self._update_units[i] = self._add_update_unit(i, links)
+        if self._update_units[i] is not None:
+            added.append(("update", i, self._update_units[i]))
+        for e in edges:
+            self._edge_units[e] = self._add_edge_unit(e, links)
+            added.append(("edge", e, self._edge_units[e]))
+        new_syncs = []
+        for g, entry in new_plan.sync.items():
+            sid = (g, bucket)
+            sync = self._syncs.get(sid)
+            if sync is None:
+                sync = self._syncs[sid] = self._new_sync(sid, {i: entry}, links)
+                new_syncs.append(sid)
+            else:
+                sync.members[i] = entry
+                sync.links[i] = self._sync_links(i, sync.tid, entry[0])
+                links += sync.links[i]
+        for sid, sync, *_ in synced:
+            if sync.members:  # duration and bytes follow the membership (the key and the group do not)
+                _, ns, _, wire = self._sync_figures(sid, sync.members)
+                self._dur[sync.tid] = ns
+                self._nbytes[sync.tid] = wire
+        j.update(added=added, links=links, new_syncs=new_syncs)
+        self._apply(links)
+        self._account(new_plan, edges, groups, bucket, 1)
+        # 3. the earliest point anything can change
+        end, kb, key = self._end, self._kb, self._key
+        for _, v in links:
+            if v < old_len and rk[v] < k0:
+                k0 = rk[v]
+        for t in range(old_len, len(self._dur)):
+            ready = 0
+            for p in preds[t]:
+                if p >= old_len:
+                    break
+                if end[p] > ready:
+                    ready = end[p]
+            else:
+                c = (ready << kb) | key[t]
+                if c < k0:
+                    k0 = c
+        self._replay(k0, old_len, j)
+        self._journal = j
+
+    def _account(self, plan: OpPlan, edges: list[int], groups: list, bucket: int, sign: int) -> None:
+        """Add (`sign` 1) or take out (-1) the memory and bytes of an op's units and its bucket's syncs."""
+        self._add_mem(plan.mem, sign)
+        for e in edges:
+            ep = self._edge_plan(e)
+            self._add_mem(ep.recv, sign)
+            self._moved += sign * ep.moved
+        for g in groups:
+            sync = self._syncs.get((g, bucket))
+            if sync is not None:
+                self._moved += sign * self._nbytes[sync.tid]
+
+    def _replay(self, k0: int, old_len: int, j: dict) -> None:
+        """Re-simulate every task at or after `k0` (old order) plus the new ones (module docstring)."""
+        order, rk, end, alive, preds, key = self._order, self._rk, self._end, self._alive, self._preds, self._key
+        rk_of = rk.__getitem__
+        pos = bisect_left(order, k0, key=rk_of)
+        tail = order[pos:]
+        del order[pos:]
+        suffix = [t for t in tail if alive[t]]
+        j.update(pos=pos, tail=tail, saved=(suffix, [end[t] for t in suffix], [rk[t] for t in suffix]))
+        # the resources' state at the cut
+        last_end = [0] * self.num_resources
+        cuts = []
+        res_tails = []
+        for x, lst in enumerate(self._res_tids):
+            c = bisect_left(lst, k0, key=rk_of)
+            cuts.append(c)
+            if c < len(lst):
+                res_tails.append((x, lst[c:]))
+                del lst[c:]
+            if c:
+                last_end[x] = end[lst[c - 1]]
+        j.update(cuts=cuts, res_tails=res_tails)
+        suffix = suffix + list(range(old_len, len(self._dur)))
+        n = len(self._dur)
+        indeg = [0] * n
+        rdy = [0] * n
+        heap = []
+        kb = self._kb
+        for t in suffix:
+            c = 0
+            r = 0
+            for p in preds[t]:
+                if rk[p] >= k0:
+                    c += 1
+                elif end[p] > r:
+                    r = end[p]
+            indeg[t] = c
+            rdy[t] = r
+            if not c:
+                heap.append(((r << kb) | key[t], t))
+        heapify(heap)
+        self._run(heap, indeg, rdy, last_end)
+        self._iteration_ns = max(last_end)
+        assert len(order) == pos + len(suffix), "a task of the suffix was never ready"
+
+    def _undo(self, j: dict) -> None:
+        old_len = j["old_len"]
+        succs, preds, alive = self._succs, self._preds, self._alive
+        for u, v in j["links"]:
+            if u < old_len:
+                succs[u].remove(v)
+            if v < old_len:
+                preds[v].remove(u)
+        for lst in (self._dur, self._key, self._res, self._cat, self._nbytes, self._preds, self._succs,
+                    self._alive, self._end, self._rk):
+            del lst[old_len:]
+        gone = j["gone"]
+        for t in gone:
+            alive[t] = True
+        for _, _, unit in j["removed"]:
+            for u, v in unit.links:
+                if u not in gone:
+                    succs[u].append(v)
+                if v not in gone:
+                    preds[v].append(u)
+        i = j["i"]
+        for sid in j["new_syncs"]:
+            del self._syncs[sid]
+        for sid, sync, p, s, dur, nbytes, members, links in j["synced"]:
+            t = sync.tid
+            preds[t], succs[t] = p, s
+            self._dur[t], self._nbytes[t] = dur, nbytes
+            sync.members, sync.links = members, links
+            self._syncs[sid] = sync
+        self._update_units[i] = None
+        for kind, ident, unit in j["removed"]:
+            if kind == "op":
+                self._op_units[ident] = unit
+            elif kind == "update":
+                self._update_units[ident] = unit
+            else:
+                self._edge_units[ident] = unit
+        self._configs[i] = j["cfg"]
+        self._plans[i] = j["plan"]
+        self._mem = j["mem"]
+        self._moved = j["moved"]
+        self._iteration_ns = j["iteration"]
+        self._dead = j["dead"]
+        suffix, ends, rks = j["saved"]
+        end, rk = self._end, self._rk
+        for t, e, r in zip(suffix, ends, rks, strict=True):
+            end[t] = e
+            rk[t] = r
+        del self._order[j["pos"]:]
+        self._order += j["tail"]
+        res_tids = self._res_tids
+        for x, c in enumerate(j["cuts"]):
+            del res_tids[x][c:]
+        for x, tail in j["res_tails"]:
+            res_tids[x] += tail
+
+    # -- critical path -------------------------------------------------------------------------------
+
+    def _critical_path(self) -> list[int]:
+        """From the last task to end (largest (end, key)) back to time 0, each step to an input (data
+        predecessor or previous task on a resource) that ended exactly at the start; ties to the larger
+        key. Last task first."""
+        order = self._order
+        if not order:
+            return []
+        end, dur, key, rk = self._end, self._dur, self._key, self._rk
+        t = max(order, key=lambda u: (end[u], key[u]))
+        path = [t]
+        while end[t] - dur[t] > 0:
+            s = end[t] - dur[t]
+            best = -1
+            for p in self._preds[t]:
+                if end[p] == s and (best < 0 or key[p] > key[best]):
+                    best = p
+            for x in self._res[t]:
+                lst = self._res_tids[x]
+                idx = bisect_left(lst, rk[t], key=rk.__getitem__)
+                if idx:
+                    q = lst[idx - 1]
+                    if end[q] == s and (best < 0 or key[q] > key[best]):
+                        best = q
+            assert best >= 0, "a task started late with nothing to wait for"
+            t = best
+            path.append(t)
+        return path
+
+
+def simulate(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology,
+             cost_model: CostModel | None = None) -> Timeline:
+    """Simulate one training iteration of `graph` under `strategy` on `topology` (analytical costs by
+    default)."""
+    return Simulator(graph, topology, cost_model).full(strategy)
+
+
+__all__ = ["BWD", "FWD", "REDUCE", "SYNC", "Simulator", "UPDATE", "XFER", "simulate"]

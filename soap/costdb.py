@@ -1,0 +1,228 @@
+"""The cost database: measured forward and backward times of op parts, one JSON object per line.
+
+Owns `Measurement` (one timed part), `CostDatabase` (lookup by key) and the file functions `load`,
+`append` and `save`. The runtime writes measurements, the simulator's `MeasuredCostModel` reads them;
+both build keys with `part_key`, so a part the runtime timed is exactly the part the simulator looks up.
+
+File layout (JSON lines, UTF-8; one measurement per line, later lines win over earlier ones)::
+
+    {"device_kind": "p100", "op_kind": "conv2d", "dtype": "float32",
+     "inputs": [[32, 64, 56, 56]], "outputs": [[32, 64, 56, 56]], "params": [[64, 64, 3, 3], [64]],
+     "attrs": "{\\"dilation\\": [1, 1], \\"groups\\": 1, \\"padding\\": [1, 1], \\"stride\\": [1, 1]}",
+     "fwd_ms": 0.41, "bwd_ms": 0.87, "repeats": 20, "source": "runtime"}
+
+The key is (device kind, op kind, dtype, part input shapes, part output shapes, part parameter shapes,
+attrs signature). Shapes are those of the part's regions (`soap.opdef`), halos included, so a 2-way
+height split of a convolution is keyed by the shapes its part really reads. Parameter shapes and the attrs
+signature tell apart ops whose tensors have equal shapes but whose work differs (a 1x1 and a padded 3x3
+convolution); the signature is canonical JSON of the attrs minus those that only name things
+(`NAMING_ATTRS`). `fwd_ms` and `bwd_ms` are medians in milliseconds after warm-up; `repeats` and
+`source` are informational and not part of the key. A line that is not a valid measurement is skipped
+with a warning (a crashed writer leaves at most one); `append` and `save` write a temporary file in the
+same folder and rename it over the database, so readers never see a half-written file.
+
+Must not import torch, the simulator, the search or the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from soap.graph import Operator
+from soap.opdef import Box
+from soap.registry import op_def
+
+Shape = tuple[int, ...]
+Key = tuple[str, str, str, tuple[Shape, ...], tuple[Shape, ...], tuple[Shape, ...], str]
+
+# attrs that name things (buffers, batch positions, random seeds) or repeat the shapes: not part of a key
+NAMING_ATTRS = frozenset({"input_shapes", "fqn", "running_mean", "running_var", "position", "role", "seed"})
+
+
+class CostDatabaseError(ValueError):
+    """A cost database file that cannot be read at all (missing folder, not UTF-8, ...)."""
+
+
+def _shapes(value: Any, what: str) -> tuple[Shape, ...]:
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(s, list | tuple) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                for n in s) for s in value):
+        raise ValueError(f"{what} must be a list of shapes (lists of non-negative integers), got {value!r}")
+    return tuple(tuple(int(n) for n in s) for s in value)
+
+
+def _ms(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a non-negative number of milliseconds, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Measurement:
+    """Forward and backward time (ms) of one op part on one device kind."""
+
+    device_kind: str
+    op_kind: str
+    inputs: tuple[Shape, ...]
+    outputs: tuple[Shape, ...]
+    params: tuple[Shape, ...] = ()
+    attrs: str = ""
+    dtype: str = "float32"
+    fwd_ms: float
+    bwd_ms: float
+    repeats: int = 0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("device_kind", "op_kind", "dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"measurement {name} must be a non-empty string, got {value!r}")
+        if not isinstance(self.attrs, str):
+            raise ValueError(f"measurement attrs must be a signature string, got {self.attrs!r}")
+        object.__setattr__(self, "inputs", _shapes(self.inputs, "inputs"))
+        object.__setattr__(self, "outputs", _shapes(self.outputs, "outputs"))
+        object.__setattr__(self, "params", _shapes(self.params, "params"))
+        object.__setattr__(self, "fwd_ms", _ms(self.fwd_ms, "fwd_ms"))
+        object.__setattr__(self, "bwd_ms", _ms(self.bwd_ms, "bwd_ms"))
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 0:
+            raise ValueError(f"repeats must be a non-negative integer, got {self.repeats!r}")
+
+    @property
+    def key(self) -> Key:
+        return (self.device_kind, self.op_kind, self.dtype, self.inputs, self.outputs, self.params, self.attrs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device_kind": self.device_kind, "op_kind": self.op_kind, "dtype": self.dtype,
+                "inputs": [list(s) for s in self.inputs], "outputs": [list(s) for s in self.outputs],
+                "params": [list(s) for s in self.params], "attrs": self.attrs,
+                "fwd_ms": self.fwd_ms, "bwd_ms": self.bwd_ms, "repeats": self.repeats, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Measurement:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a measurement must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("device_kind", "op_kind", "inputs", "outputs", "fwd_ms", "bwd_ms") if k not in d]
+        if missing:
+            raise ValueError(f"measurement lacks {', '.join(missing)}")
+        return cls(device_kind=d["device_kind"], op_kind=d["op_kind"], dtype=d.get("dtype", "float32"),
+                   inputs=d["inputs"], outputs=d["outputs"], params=d.get("params", []),
+                   attrs=d.get("attrs", ""), fwd_ms=d["fwd_ms"], bwd_ms=d["bwd_ms"],
+                   repeats=d.get("repeats", 0), source=d.get("source", ""))
+
+
+def attrs_signature(op: Operator) -> str:
+    """Canonical JSON of the op's attrs that change its work (`NAMING_ATTRS` left out)."""
+    def thaw(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {str(k): thaw(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [thaw(x) for x in v]
+        return v
+    kept = {k: thaw(v) for k, v in op.attrs.items() if k not in NAMING_ATTRS}
+    return json.dumps(kept, sort_keys=True, separators=(", ", ": "), default=str) if kept else ""
+
+
+def part_key(op: Operator, box: Box, device_kind: str) -> Key:
+    """The database key of the part `box` of `op` on a device of `device_kind` (see the module docstring)."""
+    entry = op_def(op.kind)
+
+    def shape(region: Any) -> Shape:
+        return tuple(hi - lo for lo, hi in region)
+
+    inputs = tuple(shape(r) for r in entry.input_regions(op, box) if r is not None)
+    outputs = tuple(shape(entry.output_region(op, box, i)) for i in range(len(op.outputs)))
+    params = tuple(shape(r) for _, r in sorted(entry.param_regions(op, box).items()))
+    return (device_kind, op.kind, op.outputs[0].dtype, inputs, outputs, params, attrs_signature(op))
+
+
+class CostDatabase:
+    """Measurements by key; adding a measurement with an existing key replaces the old one."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self, measurements: Iterable[Measurement] = ()):
+        self._by_key: dict[Key, Measurement] = {}
+        for m in measurements:
+            self.add(m)
+
+    def add(self, measurement: Measurement) -> None:
+        self._by_key[measurement.key] = measurement
+
+    def lookup(self, key: Key) -> Measurement | None:
+        return self._by_key.get(key)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __iter__(self) -> Iterator[Measurement]:
+        return iter(self._by_key.values())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_key
+
+
+def _lines(measurements: Iterable[Measurement]) -> str:
+    return "".join(json.dumps(m.to_dict(), sort_keys=True) + "\n" for m in measurements)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path: str | os.PathLike, *, missing_ok: bool = False) -> CostDatabase:
+    """Read a cost database file; corrupt lines are skipped with one warning each.
+
+    A missing file is an error (`CostDatabaseError`) unless `missing_ok`, which gives an empty database.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if missing_ok:
+            return CostDatabase()
+        raise CostDatabaseError(f"cost database {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CostDatabaseError(f"cannot read cost database {str(path)!r}: {exc}") from None
+    db = CostDatabase()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            db.add(Measurement.from_dict(json.loads(line)))
+        except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+            warnings.warn(f"cost database {str(path)!r} line {number} skipped: {exc}", stacklevel=2)
+    return db
+
+
+def append(path: str | os.PathLike, measurements: Iterable[Measurement]) -> None:
+    """Add measurements at the end of the file (created if missing), atomically."""
+    path = Path(path)
+    try:
+        old = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        old = ""
+    if old and not old.endswith("\n"):
+        old += "\n"  # a torn last line stays on its own line (and is skipped by `load`)
+    _write_atomic(path, old + _lines(measurements))
+
+
+def save(path: str | os.PathLike, db: CostDatabase | Iterable[Measurement]) -> None:
+    """Write the whole database (one line per key), atomically."""
+    _write_atomic(Path(path), _lines(db))
