@@ -1,0 +1,144 @@
+"""What the search needs from the simulator: the cost of a strategy, and of a one-op change to it.
+
+Owns `Cost` (simulated iteration time plus memory feasibility), the `Evaluator` protocol the MCMC chains
+drive (`start` a strategy, `propose` one op's new config, then `accept` or `reject` it), and
+`SimulatorEvaluators`, the picklable factory that builds evaluators on the simulator (`simulator/`), with
+delta simulation (default) or with a full simulation per proposal (to measure what delta buys).
+
+Tests plug in their own evaluators (a fixed-cost model makes chains hand-checkable). Must not import
+torch, the runtime or soapflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from simulator.engine import Simulator
+from soap.config import ParallelConfig
+from soap.graph import OperatorGraph
+from soap.strategy import Strategy
+from soap.topology import DeviceTopology
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cost:
+    """The simulated cost of one strategy.
+
+    `time_ms` is the simulated iteration time; `peak_memory_bytes` the largest per-device peak, and
+    `memory_excess_bytes` the largest amount by which a device's peak exceeds its capacity (0 when the
+    strategy fits: `feasible`).
+    """
+
+    time_ms: float
+    feasible: bool = True
+    peak_memory_bytes: float = 0.0
+    memory_excess_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.time_ms >= 0:
+            raise ValueError(f"time_ms must be >= 0, got {self.time_ms}")
+        if self.feasible and self.memory_excess_bytes > 0:
+            raise ValueError(f"a feasible cost cannot exceed memory by {self.memory_excess_bytes} bytes")
+
+    @property
+    def value(self) -> float:
+        """The search objective: the iteration time, infinite when the strategy does not fit in memory."""
+        return self.time_ms if self.feasible else math.inf
+
+
+class Evaluator(Protocol):
+    """Costs a current strategy and one-op changes to it (delta simulation where the simulator has it).
+
+    After `start`, each `propose` must be followed by exactly one `accept` (the change becomes current)
+    or `reject` (the current strategy stays).
+    """
+
+    def start(self, strategy: Strategy) -> Cost: ...
+
+    def propose(self, op: str, cfg: ParallelConfig) -> Cost: ...
+
+    def accept(self) -> None: ...
+
+    def reject(self) -> None: ...
+
+
+class EvaluatorFactory(Protocol):
+    """Builds one evaluator per chain; must pickle (chains run in worker processes with `jobs` > 1)."""
+
+    def __call__(self, graph: OperatorGraph, topology: DeviceTopology) -> Evaluator: ...
+
+
+class FullEvaluator:
+    """An `Evaluator` over any full-strategy cost function: every proposal is costed from scratch."""
+
+    def __init__(self, cost_of: Any):
+        self._cost_of = cost_of
+        self._current: Strategy | None = None
+        self._pending: Strategy | None = None
+
+    def start(self, strategy: Strategy) -> Cost:
+        self._current, self._pending = strategy, None
+        return self._cost_of(strategy)
+
+    def propose(self, op: str, cfg: ParallelConfig) -> Cost:
+        assert self._current is not None and self._pending is None, "propose needs start, then accept/reject"
+        self._pending = self._current.with_config(op, cfg)
+        return self._cost_of(self._pending)
+
+    def accept(self) -> None:
+        assert self._pending is not None
+        self._current, self._pending = self._pending, None
+
+    def reject(self) -> None:
+        assert self._pending is not None
+        self._pending = None
+
+
+def simulated_cost(sim: Simulator) -> Cost:
+    """The `Cost` of the simulator's state (the pending proposal, if there is one)."""
+    return Cost(time_ms=sim.iteration_time_ms, feasible=sim.feasible,
+                peak_memory_bytes=float(max(sim.peak_memory_bytes, default=0)),
+                memory_excess_bytes=float(sim.memory_excess_bytes))
+
+
+class DeltaEvaluator:
+    """An `Evaluator` on the simulator's delta simulation: a proposal re-times only what it changes."""
+
+    def __init__(self, sim: Simulator):
+        self.sim = sim
+
+    def start(self, strategy: Strategy) -> Cost:
+        self.sim.full(strategy)
+        return simulated_cost(self.sim)
+
+    def propose(self, op: str, cfg: ParallelConfig) -> Cost:
+        self.sim.propose(op, cfg)
+        return simulated_cost(self.sim)
+
+    def accept(self) -> None:
+        self.sim.accept()
+
+    def reject(self) -> None:
+        self.sim.reject()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulatorEvaluators:
+    """The search's default `EvaluatorFactory`: one `Simulator` per chain, with delta simulation, or
+    (`delta=False`) a full simulation of every proposal. `cost_model` None is the simulator's default."""
+
+    cost_model: Any = None
+    delta: bool = True
+
+    def __call__(self, graph: OperatorGraph, topology: DeviceTopology) -> Evaluator:
+        sim = Simulator(graph, topology, self.cost_model)
+        if self.delta:
+            return DeltaEvaluator(sim)
+
+        def full(strategy: Strategy) -> Cost:
+            sim.full(strategy)
+            return simulated_cost(sim)
+
+        return FullEvaluator(full)

@@ -1,0 +1,445 @@
+"""The strategy search: Metropolis-Hastings MCMC over strategies, as in FlexFlow (SysML 2019, section 5).
+
+Owns `search` (the stage `search` of capture -> validate -> simulate -> search -> export -> execute), its
+result `SearchResult`, and `NoFeasibleStrategy`.
+
+The method:
+
+- target p(S) ∝ exp(-β·cost(S)), cost = simulated iteration time (ms), infinite when a device runs out of
+  memory; proposal = a uniformly drawn op given a uniformly drawn valid config (`search.space`), which is
+  symmetric, so a proposal S' is accepted with min(1, exp(β·(cost(S) - cost(S')))). A proposal that does
+  not fit in memory is always rejected. A chain whose current strategy does not fit (a random start)
+  walks downhill on the memory excess until it fits, then follows the rule above.
+- β = k / cost_ref with k = `beta_scale` (default 100) and cost_ref the best feasible baseline's time
+  (else the chain's first feasible cost): a proposal 1% slower than the current strategy is accepted
+  with probability e^-1 ≈ 0.37, 5% slower with e^-5 ≈ 0.007, whatever the model's time scale. Every
+  chain uses the same β, so chains from different starts sample the same distribution.
+- every baseline (dp, mp, tp, expert; dp skipped where it is not defined) is simulated first and the
+  best of them seeds the running best, so the result is never worse than the best baseline. Chains start
+  from dp, expert, the best baseline when it is neither, and `random_chains` random strategies.
+- budgets: a time budget (`budget_s`, wall clock for the whole search) and/or a proposal budget
+  (`max_proposals`, split evenly over the chains). A chain also stops when its best has not improved
+  for half of its budget (half its proposals, or half the time budget).
+- `jobs` > 1 runs the chains in that many worker processes (each chain whole in one worker; a worker
+  steps its chains round-robin). With a proposal budget only, the result depends on the seed alone,
+  not on `jobs` or the machine's speed: each chain draws from its own `random.Random` seeded by
+  (seed, chain name). A time budget makes the number of proposals, hence the result, depend on speed.
+- every chain costs proposals with its own `Evaluator` (delta simulation: only the changed op's tasks
+  are re-timed).
+
+Must not import torch, the runtime or soapflow.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import queue
+import random
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from search.baselines import BASELINES, BaselineNotApplicable
+from search.evaluate import Cost, Evaluator, EvaluatorFactory
+from search.space import ConfigSpace
+from soap.config import ParallelConfig
+from soap.graph import OperatorGraph
+from soap.strategy import Strategy
+from soap.topology import DeviceTopology
+
+DEFAULT_BETA_SCALE = 100.0
+PROGRESS_INTERVAL_S = 0.5
+
+Progress = Callable[[Mapping[str, Any]], None]
+
+
+class NoFeasibleStrategy(ValueError):
+    """No strategy the search saw fits in device memory; the message names the smallest need it saw."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChainReport:
+    """One chain: where it started, the best it reached, how many proposals it made and accepted."""
+
+    name: str
+    start_ms: float  # inf when the start does not fit in memory
+    best_ms: float
+    num_proposals: int
+    num_accepted: int
+    stop: str  # proposals, time, stalled
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchResult:
+    """The best strategy and how the search got there.
+
+    `baselines` maps every baseline name to its `Cost`, or None where the baseline is not defined for the
+    graph (`baseline_errors` says why). `history` lists [proposal index, elapsed_s, best_ms] each time the
+    best improved, starting with the best baseline at index 0; with `jobs` > 1 the index counts all
+    workers' proposals, the others' interpolated from their rates.
+    """
+
+    best: Strategy
+    best_cost: Cost
+    best_source: str
+    baselines: Mapping[str, Cost | None]
+    baseline_errors: Mapping[str, str]
+    chains: tuple[ChainReport, ...]
+    num_proposals: int
+    elapsed_s: float
+    search_s: float
+    beta_per_ms: float
+    history: tuple[tuple[int, float, float], ...]
+
+    @property
+    def proposals_per_s(self) -> float:
+        return self.num_proposals / self.search_s if self.search_s > 0 else 0.0
+
+    def baseline_ms(self) -> dict[str, float | None]:
+        """Baseline name -> simulated iteration time, None where not applicable or out of memory."""
+        return {name: (c.time_ms if c is not None and c.feasible else None)
+                for name, c in self.baselines.items()}
+
+
+# ---------------------------------------------------------------------------------------------- one chain
+
+
+class _Chain:
+    """One Markov chain: its current strategy and cost (mirrored in its evaluator), its best, its stats."""
+
+    def __init__(self, name: str, start: Strategy, evaluator: Evaluator, space: ConfigSpace,
+                 rng: random.Random, beta_per_ms: float, beta_scale: float, max_proposals: int | None):
+        self.name, self.evaluator, self.space, self.rng = name, evaluator, space, rng
+        self.max_proposals = max_proposals
+        self.current = start
+        self.cost = evaluator.start(start)
+        self.start_cost = self.cost
+        self.best, self.best_cost = start, self.cost
+        # β comes from the best baseline; without a feasible one, from the chain's first feasible cost
+        self.beta_scale = beta_scale
+        self.beta = beta_per_ms
+        if self.beta == 0.0 and self.cost.feasible:
+            self.beta = _beta_per_ms(beta_scale, self.cost.time_ms)
+        self.num_proposals = self.num_accepted = 0
+        self.improved_at = 0  # proposal count when the best last improved
+        self.improved_s = 0.0
+        self.min_peak = (self.cost.peak_memory_bytes, name)
+        self.stop = ""
+
+    def step(self) -> bool:
+        """Make one proposal; True when it improved the chain's best."""
+        op, cfg = self.space.propose(self.rng)
+        self.num_proposals += 1
+        if cfg == self.current[op]:
+            return False  # the null move: accepted, nothing to simulate
+        cost = self.evaluator.propose(op, cfg)
+        if cost.peak_memory_bytes < self.min_peak[0]:
+            self.min_peak = (cost.peak_memory_bytes, self.name)
+        if not self._accept(cost):
+            self.evaluator.reject()
+            return False
+        self.evaluator.accept()
+        self.current, self.cost = self.current.with_config(op, cfg), cost
+        self.num_accepted += 1
+        if cost.value < self.best_cost.value:
+            self.best, self.best_cost = self.current, cost
+            self.improved_at = self.num_proposals
+            return True
+        return False
+
+    def _accept(self, new: Cost) -> bool:
+        cur = self.cost
+        if not cur.feasible:
+            if new.feasible:
+                if self.beta == 0.0:
+                    self.beta = _beta_per_ms(self.beta_scale, new.time_ms)
+                return True
+            return new.memory_excess_bytes <= cur.memory_excess_bytes
+        if not new.feasible:
+            return False
+        if new.time_ms <= cur.time_ms:
+            return True
+        return self.rng.random() < math.exp(-self.beta * (new.time_ms - cur.time_ms))
+
+
+def _beta_per_ms(beta_scale: float, cost_ref_ms: float) -> float:
+    return beta_scale / cost_ref_ms if cost_ref_ms > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------- running the chains
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ChainSpec:
+    name: str
+    start: dict[str, Any]  # plain strategy (see `_plain`)
+    seed: str
+    max_proposals: int | None
+
+
+@dataclass(slots=True, kw_only=True)
+class _WorkerJob:
+    graph: dict[str, Any]
+    topology: DeviceTopology
+    evaluators: EvaluatorFactory
+    chains: list[_ChainSpec]
+    budget_s: float | None  # time left for this worker's chains
+    stall_s: float | None
+    offset_s: float  # the search's elapsed time when the worker starts
+    beta_per_ms: float
+    beta_scale: float
+    plain: bool = field(default=False)  # return strategies as plain dicts (to cross a process boundary)
+
+
+def _plain(strategy: Strategy) -> dict[str, Any]:
+    return {op: [dict(cfg.degrees), list(cfg.devices)] for op, cfg in strategy.items()}
+
+
+def _unplain(doc: Mapping[str, Any]) -> Strategy:
+    return Strategy({op: ParallelConfig(degrees=degrees, devices=tuple(devices))
+                     for op, (degrees, devices) in doc.items()})
+
+
+def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) -> dict[str, Any]:
+    """Step the job's chains round-robin until each has stopped; the worker's part of the result."""
+    t0 = time.monotonic()
+    space = ConfigSpace(graph, job.topology)
+    chains = []
+    events: list[tuple[int, float, float]] = []  # (worker proposals, elapsed_s, chain best ms)
+    total = 0
+    for spec in job.chains:
+        chain = _Chain(spec.name, _unplain(spec.start), job.evaluators(graph, job.topology), space,
+                       random.Random(spec.seed), job.beta_per_ms, job.beta_scale, spec.max_proposals)
+        chain.improved_s = time.monotonic() - t0
+        events.append((total, job.offset_s + chain.improved_s, chain.best_cost.value))
+        chains.append(chain)
+    best_ms = min((c.best_cost.value for c in chains), default=math.inf)
+    last_report = -math.inf
+    active = chains if space.ops else []
+    for c in chains:
+        c.stop = "" if space.ops else "nothing to propose"
+    while active:
+        still = []
+        now = time.monotonic() - t0
+        for chain in active:
+            improved = chain.step()
+            total += 1
+            now = time.monotonic() - t0
+            if improved:
+                chain.improved_s = now
+                events.append((total, job.offset_s + now, chain.best_cost.value))
+            if chain.max_proposals is not None and chain.num_proposals >= chain.max_proposals:
+                chain.stop = "proposals"
+            elif chain.max_proposals is not None and \
+                    chain.num_proposals - chain.improved_at >= max(1, chain.max_proposals // 2):
+                chain.stop = "stalled"
+            elif job.budget_s is not None and now >= job.budget_s:
+                chain.stop = "time"
+            elif job.stall_s is not None and now - chain.improved_s >= job.stall_s:
+                chain.stop = "stalled"
+            else:
+                still.append(chain)
+        active = still
+        worker_best = min(c.best_cost.value for c in chains)
+        if report is not None and (worker_best < best_ms or now - last_report >= PROGRESS_INTERVAL_S):
+            best_ms, last_report = worker_best, now
+            report({"proposals": total, "elapsed_s": job.offset_s + now, "best_ms": best_ms})
+    elapsed = time.monotonic() - t0
+    return {
+        "chains": [{
+            "report": ChainReport(name=c.name, start_ms=c.start_cost.value, best_ms=c.best_cost.value,
+                                  num_proposals=c.num_proposals, num_accepted=c.num_accepted, stop=c.stop),
+            "best": _plain(c.best) if job.plain else c.best,
+            "best_cost": c.best_cost,
+            "min_peak": c.min_peak,
+        } for c in chains],
+        "events": events,
+        "num_proposals": total,
+        "start_s": job.offset_s,
+        "elapsed_s": elapsed,
+    }
+
+
+def _worker_main(job: _WorkerJob, index: int, out: Any) -> None:
+    """Entry point of a worker process: runs its chains, posts progress and the result on `out`."""
+    try:
+        graph = OperatorGraph.from_dict(job.graph)
+        result = _run_chains(job, graph, lambda p: out.put(("progress", index, dict(p))))
+        out.put(("done", index, result))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the worker's traceback
+        out.put(("error", index, traceback.format_exc()))
+
+
+def _run_workers(jobs: list[_WorkerJob], progress: Progress | None) -> list[dict[str, Any]]:
+    """Run each job in its own process; forward progress (totals over workers) to `progress`."""
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(job, i, out), daemon=True) for i, job in enumerate(jobs)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    latest: dict[int, Mapping[str, Any]] = {}
+    try:
+        while len(results) < len(jobs):
+            try:
+                kind, index, payload = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results]
+                if dead and out.empty():
+                    raise RuntimeError(f"search worker {dead[0]} died "
+                                       f"(exit code {procs[dead[0]].exitcode})") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"search worker {index} failed:\n{payload}")
+            if kind == "done":
+                results[index] = payload
+            elif progress is not None:
+                latest[index] = payload
+                progress({"proposals": sum(p["proposals"] for p in latest.values()),
+                          "elapsed_s": max(p["elapsed_s"] for p in latest.values()),
+                          "best_ms": min(p["best_ms"] for p in latest.values())})
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+    return [results[i] for i in range(len(jobs))]
+
+
+# -------------------------------------------------------------------------------------------- the search
+
+
+def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: EvaluatorFactory,
+           budget_s: float | None = None, max_proposals: int | None = None, seed: int = 0, jobs: int = 1,
+           beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
+           progress: Progress | None = None) -> SearchResult:
+    """Find a fast strategy for `graph` on `topology` that fits in memory (see the module docstring).
+
+    At least one budget is needed; `ValueError` for a budget <= 0, `jobs` < 1 or `random_chains` < 0,
+    `NoFeasibleStrategy` when nothing the search saw fits in memory. `progress` (optional) is called
+    with {proposals, elapsed_s, best_ms} on improvements and about twice a second.
+    """
+    if budget_s is None and max_proposals is None:
+        raise ValueError("the search needs a time budget (budget_s) or a proposal budget (max_proposals)")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"the time budget must be > 0 seconds, got {budget_s}")
+    if max_proposals is not None and max_proposals <= 0:
+        raise ValueError(f"the proposal budget must be > 0, got {max_proposals}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if random_chains < 0:
+        raise ValueError(f"random_chains must be >= 0, got {random_chains}")
+    if not beta_scale > 0:
+        raise ValueError(f"beta_scale must be > 0, got {beta_scale}")
+    t0 = time.monotonic()
+
+    # Baselines, simulated in full: they seed the best and the chains.
+    strategies: dict[str, Strategy] = {}
+    costs: dict[str, Cost | None] = {}
+    errors: dict[str, str] = {}
+    probe = evaluators(graph, topology)
+    for name, make in BASELINES.items():
+        try:
+            strategies[name] = make(graph, topology)
+        except BaselineNotApplicable as exc:
+            costs[name], errors[name] = None, str(exc)
+            continue
+        costs[name] = probe.start(strategies[name])
+    feasible = {n: c for n, c in costs.items() if c is not None and c.feasible}
+    best_baseline = min(feasible, key=lambda n: feasible[n].time_ms) if feasible else None
+    beta = _beta_per_ms(beta_scale, feasible[best_baseline].time_ms) if best_baseline else 0.0
+
+    starts = [n for n in ("dp", "expert") if n in strategies]
+    if best_baseline is not None and best_baseline not in starts:
+        starts.append(best_baseline)
+    unique: list[str] = []
+    for name in starts:
+        if all(strategies[name] != strategies[u] for u in unique):
+            unique.append(name)
+    rng = random.Random(f"soapflow.search/{seed}/random-starts")
+    space = ConfigSpace(graph, topology)
+    base = strategies["expert"]
+    named = [(n, strategies[n]) for n in unique]
+    named += [(f"random{i}", space.random_strategy(rng, base)) for i in range(random_chains)]
+    per_chain = [None] * len(named)
+    if max_proposals is not None:
+        q, r = divmod(max_proposals, len(named))
+        per_chain = [q + (i < r) for i in range(len(named))]
+    specs = [_ChainSpec(name=n, start=_plain(s), seed=f"soapflow.search/{seed}/{n}", max_proposals=k)
+             for (n, s), k in zip(named, per_chain, strict=True) if k is None or k > 0]
+
+    offset = time.monotonic() - t0
+    left = None if budget_s is None else max(budget_s - offset, 0.0)
+    jobs = min(jobs, len(specs))
+    groups = [specs[i::jobs] for i in range(jobs)]
+    work = [_WorkerJob(graph=graph.to_dict(), topology=topology, evaluators=evaluators, chains=g,
+                       budget_s=left, stall_s=None if budget_s is None else budget_s / 2, offset_s=offset,
+                       beta_per_ms=beta, beta_scale=beta_scale, plain=jobs > 1) for g in groups]
+    if jobs == 1:
+        outcomes = [_run_chains(work[0], graph, progress)]
+    else:
+        outcomes = _run_workers(work, progress)
+    search_s = max((o["elapsed_s"] for o in outcomes), default=0.0)
+
+    # The best: baselines first (ties keep the baseline), then chains in start order.
+    best_name = best_baseline
+    best = strategies[best_baseline] if best_baseline else None
+    best_cost = feasible[best_baseline] if best_baseline else None
+    reports = []
+    min_peak = min(((c.peak_memory_bytes, n) for n, c in costs.items() if c is not None),
+                   default=(math.inf, ""))
+    for outcome in outcomes:
+        for chain in outcome["chains"]:
+            reports.append(chain["report"])
+            min_peak = min(min_peak, chain["min_peak"])
+            cost = chain["best_cost"]
+            if cost.feasible and (best_cost is None or cost.time_ms < best_cost.time_ms):
+                best_name, best_cost = f"chain {chain['report'].name}", cost
+                best = chain["best"] if isinstance(chain["best"], Strategy) else _unplain(chain["best"])
+    order = {s.name: i for i, s in enumerate(specs)}
+    reports.sort(key=lambda r: order[r.name])
+    if best is None or best_cost is None:
+        raise NoFeasibleStrategy(_no_fit_message(topology, min_peak))
+    history = _merge_history(outcomes, feasible[best_baseline].time_ms if best_baseline else math.inf, offset)
+    return SearchResult(
+        best=best, best_cost=best_cost, best_source=best_name, baselines=MappingProxyType(costs),
+        baseline_errors=MappingProxyType(errors), chains=tuple(reports),
+        num_proposals=sum(o["num_proposals"] for o in outcomes), elapsed_s=time.monotonic() - t0,
+        search_s=search_s, beta_per_ms=beta, history=history)
+
+
+def _merge_history(outcomes: list[dict[str, Any]], baseline_ms: float,
+                   offset_s: float) -> tuple[tuple[int, float, float], ...]:
+    """Improvements of the overall best as (proposal index over all workers, elapsed_s, best_ms)."""
+    history: list[tuple[int, float, float]] = []
+    best = baseline_ms
+    if math.isfinite(best):
+        history.append((0, round(offset_s, 6), best))
+    tagged = sorted((t, w, n, ms) for w, o in enumerate(outcomes) for n, t, ms in o["events"])
+    for t, w, n, ms in tagged:
+        if ms < best:
+            best = ms
+            others = 0
+            for v, o in enumerate(outcomes):
+                if v != w:
+                    rate = o["num_proposals"] / o["elapsed_s"] if o["elapsed_s"] > 0 else 0.0
+                    others += min(o["num_proposals"], int(rate * max(t - o["start_s"], 0.0)))
+            history.append((n + others, round(t, 6), ms))
+    return tuple(history)
+
+
+def _no_fit_message(topology: DeviceTopology, min_peak: tuple[float, str]) -> str:
+    need, source = min_peak
+    capacity = min(d.memory_bytes for d in topology.devices)
+    return (f"no strategy fits in device memory on {topology.name} ({_gb(capacity)} per device): the "
+            f"smallest peak memory need the search saw is {_gb(need)} on one device ({source}); use a "
+            f"smaller batch, more devices or devices with more memory")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if math.isfinite(n) else "unknown"

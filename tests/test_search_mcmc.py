@@ -1,0 +1,231 @@
+"""The MCMC search on a fixed-cost model: acceptance rule, budgets, determinism, memory, no-fit errors.
+
+`ToyCost` is the null implementation of the simulator for these tests: a hand-checkable sum of per-device
+compute (FLOPs over a fixed rate), a transfer per edge whose two configs differ, a gradient all-reduce per
+replicated parameter, and per-device memory (weights x4 for gradients and optimizer state, plus the op's
+output part). The same tests run on the real simulator in `test_search_simulated.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from test_search_fixtures import GRAPHS
+
+from search.evaluate import Cost, FullEvaluator
+from search.mcmc import NoFeasibleStrategy, _Chain, search
+from search.space import ConfigSpace
+from soap.config import validate
+from soap.opdef import DimKind
+from soap.registry import dims_of
+from soap.strategy import Strategy
+from soap.topology import load_topology, read_topology
+
+FLOPS_PER_MS = 1e10
+BYTES_PER_MS = 1e8
+OP_OVERHEAD_MS = 1e-3
+
+
+class ToyCost:
+    def __init__(self, graph, topology):
+        self.graph, self.topology = graph, topology
+        self.capacity = min(d.memory_bytes for d in topology.devices)
+
+    def __call__(self, strategy: Strategy) -> Cost:
+        busy = [0.0] * self.topology.num_devices
+        memory = [0.0] * self.topology.num_devices
+        comm_ms = 0.0
+        for op in self.graph:
+            cfg = strategy[op.name]
+            dims = {d.name: d for d in dims_of(op)}
+            shards = math.prod(g for k, g in cfg.degrees.items() if dims[k].kind is not DimKind.SAMPLE)
+            replicas = cfg.num_parts // shards
+            for d in cfg.devices:
+                busy[d] += (op.fwd_flops + op.bwd_flops) / cfg.num_parts / FLOPS_PER_MS + OP_OVERHEAD_MS
+                memory[d] += 4 * op.param_bytes / shards + op.output.nbytes / cfg.num_parts
+            if replicas > 1:
+                comm_ms += 2 * op.param_bytes / shards * (replicas - 1) / replicas / BYTES_PER_MS
+            for ref in op.inputs:
+                if strategy[ref.op] != cfg:
+                    comm_ms += self.graph.tensor(ref).nbytes / BYTES_PER_MS
+        peak = max(memory)
+        return Cost(time_ms=max(busy) + comm_ms, feasible=peak <= self.capacity, peak_memory_bytes=peak,
+                    memory_excess_bytes=max(0.0, peak - self.capacity))
+
+
+class ToyEvaluators:
+    """Picklable factory (module level), so `jobs` > 1 can ship it to worker processes."""
+
+    def __call__(self, graph, topology):
+        return FullEvaluator(ToyCost(graph, topology))
+
+
+class RecordingEvaluator(FullEvaluator):
+    """Records the cost of every accepted proposal."""
+
+    def __init__(self, cost_of, accepted: list[Cost]):
+        super().__init__(cost_of)
+        self.accepted, self._last = accepted, None
+
+    def propose(self, op, cfg):
+        self._last = super().propose(op, cfg)
+        return self._last
+
+    def accept(self):
+        super().accept()
+        self.accepted.append(self._last)
+
+
+def tiny_memory_topology(tmp_path, memory_gb: float, devices: int = 4):
+    doc = {"format": "soapflow.topology/1", "name": "tiny",
+           "devices": [{"id": i, "kind": "p100", "node": 0, "memory_gb": memory_gb} for i in range(devices)],
+           "links": [{"src": f"gpu{i}", "dst": f"gpu{j}", "kind": "nvlink", "spec": "nvlink1"}
+                     for i in range(devices) for j in range(i + 1, devices)]}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(doc))
+    return read_topology(path)
+
+
+def _run(graph_name="mlp", topology="p100-4x4", **kw):
+    kw.setdefault("max_proposals", 600)
+    return search(GRAPHS[graph_name](), load_topology(topology), evaluators=ToyEvaluators(), **kw)
+
+
+def test_budgets_must_be_positive():
+    for kw in ({"budget_s": 0}, {"budget_s": -1.0}, {"max_proposals": 0}, {"max_proposals": -5}, {}):
+        with pytest.raises(ValueError, match="budget"):
+            search(GRAPHS["mlp"](), load_topology("cpu-2"), evaluators=ToyEvaluators(), **kw)
+    with pytest.raises(ValueError, match="jobs"):
+        _run(jobs=0)
+
+
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+def test_finds_at_least_the_best_baseline(graph_name: str):
+    result = _run(graph_name, max_proposals=1500)
+    best_baseline = min(ms for ms in result.baseline_ms().values() if ms is not None)
+    assert result.best_cost.feasible
+    assert result.best_cost.time_ms <= best_baseline
+    assert ToyCost(GRAPHS[graph_name](), load_topology("p100-4x4"))(result.best) == result.best_cost
+    graph = GRAPHS[graph_name]()
+    for op in graph:
+        validate(op, result.best[op.name], 16)
+    idx = [h[0] for h in result.history]
+    assert idx == sorted(idx) and [h[2] for h in result.history] == sorted((h[2] for h in result.history),
+                                                                          reverse=True)
+    assert result.history[-1][2] == result.best_cost.time_ms
+    assert {c.name for c in result.chains} >= {"dp", "expert", "random0"}
+
+
+def test_search_beats_data_parallel_on_the_mlp():
+    result = _run("mlp", topology="cpu-2", max_proposals=1000)
+    assert result.best_cost.time_ms < 0.8 * result.baseline_ms()["dp"]
+
+
+def test_same_seed_same_result():
+    a, b = _run(seed=5), _run(seed=5)
+    assert a.best == b.best and a.best_cost == b.best_cost
+    assert [h[0] for h in a.history] == [h[0] for h in b.history]
+    assert [(c.name, c.num_proposals, c.num_accepted, c.best_ms) for c in a.chains] == \
+        [(c.name, c.num_proposals, c.num_accepted, c.best_ms) for c in b.chains]
+    assert a.num_proposals == b.num_proposals <= 600
+
+
+def test_jobs_do_not_change_the_result():
+    one, two = _run("cnn", seed=2, jobs=1), _run("cnn", seed=2, jobs=2)
+    assert one.best == two.best and one.best_cost == two.best_cost
+    assert one.num_proposals == two.num_proposals
+    assert [c.best_ms for c in one.chains] == [c.best_ms for c in two.chains]
+
+
+def test_time_budget_stops_the_search():
+    result = _run("cnn", max_proposals=None, budget_s=1.0)
+    assert result.elapsed_s < 3.0 and result.num_proposals > 0
+    assert all(c.stop in ("time", "stalled") for c in result.chains)
+
+
+def test_stalled_chains_stop_at_half_their_budget():
+    result = _run("mlp", topology="cpu-2", max_proposals=4000)
+    for chain in result.chains:
+        assert chain.stop in ("stalled", "proposals")
+    assert result.num_proposals < 4000  # cpu-2 mlp converges fast: chains stop early
+
+
+def test_out_of_memory_proposals_are_rejected(tmp_path):
+    graph = GRAPHS["mlp"]()  # 4 x 16.8 MB of weights x 4 per replica: dp needs ~70 MB per device
+    topo = tiny_memory_topology(tmp_path, memory_gb=0.04)
+    accepted: list[Cost] = []
+    space = ConfigSpace(graph, topo)
+    start = search_baseline(graph, topo, "tp")
+    toy = ToyCost(graph, topo)
+    assert toy(start).feasible and not toy(search_baseline(graph, topo, "dp")).feasible
+    chain = _Chain("tp", start, RecordingEvaluator(toy, accepted), space, random.Random(0),
+                   beta_per_ms=100 / toy(start).time_ms, beta_scale=100, max_proposals=None)
+    for _ in range(2000):
+        chain.step()
+    assert accepted and all(c.feasible for c in accepted)
+    result = search(graph, topo, evaluators=ToyEvaluators(), max_proposals=800)
+    assert result.best_cost.feasible and result.best_cost.peak_memory_bytes <= 0.04e9
+    assert result.baseline_ms()["dp"] is None and result.baselines["dp"] is not None
+    assert not result.baselines["dp"].feasible
+
+
+def search_baseline(graph, topo, name):
+    from search.baselines import BASELINES
+
+    return BASELINES[name](graph, topo)
+
+
+def test_infeasible_start_walks_to_a_feasible_strategy(tmp_path):
+    graph = GRAPHS["mlp"]()
+    topo = tiny_memory_topology(tmp_path, memory_gb=0.04)
+    toy = ToyCost(graph, topo)
+    start = search_baseline(graph, topo, "dp")
+    assert not toy(start).feasible
+    chain = _Chain("dp", start, FullEvaluator(toy), ConfigSpace(graph, topo), random.Random(0),
+                   beta_per_ms=0.0, beta_scale=100, max_proposals=None)
+    excess = [chain.cost.memory_excess_bytes]
+    for _ in range(3000):
+        chain.step()
+        excess.append(chain.cost.memory_excess_bytes if not chain.cost.feasible else 0.0)
+    assert chain.best_cost.feasible and chain.beta > 0
+    assert excess == sorted(excess, reverse=True)  # never walks uphill while infeasible
+
+
+def test_dp_not_applicable_still_searches():
+    graph = GRAPHS["cnn"](batch=8)  # 8 samples over 16 devices: data parallelism is not defined
+    result = search(graph, load_topology("p100-4x4"), evaluators=ToyEvaluators(), max_proposals=400)
+    assert result.baseline_ms()["dp"] is None and result.baselines["dp"] is None
+    assert "dp" in result.baseline_errors and "batch" in result.baseline_errors["dp"]
+    assert "dp" not in {c.name for c in result.chains}
+    assert result.best_cost.feasible
+
+
+def test_no_feasible_strategy_names_the_smallest_need(tmp_path):
+    topo = tiny_memory_topology(tmp_path, memory_gb=1e-6)  # 1 kB per device
+    with pytest.raises(NoFeasibleStrategy, match=r"smallest peak memory need .* is [0-9.]+ [MGk]?B"):
+        search(GRAPHS["mlp"](), topo, evaluators=ToyEvaluators(), max_proposals=200)
+
+
+def test_acceptance_follows_metropolis_hastings():
+    """A move from 10 ms to 10 ms x (1 + f) is accepted with probability exp(-k f); downhill always."""
+    graph, topo = GRAPHS["mlp"](), load_topology("cpu-2")
+
+    class Fixed(FullEvaluator):
+        def __init__(self):
+            super().__init__(lambda s: Cost(time_ms=10.0))
+
+    for new_ms, expected in ((10.1, math.exp(-1)), (10.3, math.exp(-3)), (9.0, 1.0), (10.0, 1.0)):
+        chain = _Chain("x", search_baseline(graph, topo, "dp"), Fixed(), ConfigSpace(graph, topo),
+                       random.Random(1), beta_per_ms=100 / 10.0, beta_scale=100, max_proposals=None)
+        rate = sum(chain._accept(Cost(time_ms=new_ms)) for _ in range(4000)) / 4000
+        assert abs(rate - expected) < 0.025, (new_ms, rate, expected)
+    assert not chain._accept(Cost(time_ms=1.0, feasible=False, memory_excess_bytes=1.0))
+
+
+def test_progress_is_reported():
+    seen = []
+    _run("mlp", max_proposals=300, progress=seen.append)
+    assert seen and all({"proposals", "elapsed_s", "best_ms"} <= set(p) for p in seen)
