@@ -1,0 +1,137 @@
+"""Process start: spawn N local worker processes (or join a torchrun job) and set up torch.distributed.
+
+Owns `launch` (run a function on N local ranks, return each rank's result), `init_distributed` (the
+process group, always with a timeout), `torchrun_env` (detect a torchrun/elastic environment) and
+`LaunchError`. Imports torch and the standard library only (no simulator, no search, no soapflow).
+
+Failure handling: a worker that raises prints its rank and the error (the executor's message names the
+op it was executing) to stderr and exits non-zero; the launcher then kills the other workers, which would
+otherwise wait in a receive until their timeout, and raises `LaunchError` with the failing rank's message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "runtime.train")
+
+
+class LaunchError(RuntimeError):
+    """A worker failed (or timed out); the message names the rank and what it was doing."""
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun (or another env:// launcher)."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def init_distributed(*, rank: int, world_size: int, backend: str = "gloo", init_method: str = "env://",
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialize the default process group with a timeout (every blocking call fails after it)."""
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, fn: Callable[..., Any], kwargs: dict[str, Any], *, backend: str,
+            init_method: str, timeout_s: float, num_threads: int | None, result_dir: str) -> None:
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    out = Path(result_dir) / f"rank{rank}"
+    try:
+        init_distributed(rank=rank, world_size=world_size, backend=backend, init_method=init_method,
+                         timeout_s=timeout_s)
+        result = fn(rank, world_size, **kwargs)
+        with open(f"{out}.tmp", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(f"{out}.tmp", f"{out}.pkl")
+    except BaseException as exc:
+        message = f"rank {rank}: {type(exc).__name__}: {exc}"
+        print(f"[soapflow] {message}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        Path(f"{out}.err").write_text(message)
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None = None, backend: str = "gloo",
+           timeout_s: float = DEFAULT_TIMEOUT_S, wall_timeout_s: float | None = None,
+           num_threads: int | None = None, start_method: str = "forkserver") -> list[Any]:
+    """Run `fn(rank, world_size, **kwargs)` in `nproc` local processes with torch.distributed initialized
+    (loopback TCP rendezvous); returns the results in rank order.
+
+    `fn` and `kwargs` must pickle (a module-level function; `functools.partial` of one). `timeout_s`
+    bounds every collective and receive; `wall_timeout_s` (None: no bound) the whole run. When a worker
+    fails the others are killed and `LaunchError` names the failing rank.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be positive, got {nproc}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # The fork server imports these once; every worker forked from it starts with them loaded.
+        # torch.optim imports torch._dynamo on first use, which takes seconds per process otherwise.
+        ctx.set_forkserver_preload(list(PRELOAD))
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="soapflow-run-") as result_dir:
+        procs = [ctx.Process(target=_worker, args=(rank, nproc, fn, dict(kwargs or {})),
+                             kwargs={"backend": backend, "init_method": init_method, "timeout_s": timeout_s,
+                                     "num_threads": num_threads, "result_dir": result_dir},
+                             daemon=False)
+                 for rank in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = None if wall_timeout_s is None else time.monotonic() + wall_timeout_s
+        failure: str | None = None
+        pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
+        try:
+            while pending and failure is None:
+                wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = multiprocessing.connection.wait(list(pending), timeout=wait_s)
+                if not ready:
+                    failure = f"the run exceeded {wall_timeout_s} s"
+                    break
+                for sentinel in ready:
+                    rank, p = pending.pop(sentinel)
+                    p.join()
+                    if p.exitcode != 0:
+                        err = Path(result_dir) / f"rank{rank}.err"
+                        failure = (err.read_text() if err.exists()
+                                   else f"rank {rank} exited with code {p.exitcode}")
+                        break
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
+        if failure is not None:
+            raise LaunchError(failure)
+        results = []
+        for rank in range(nproc):
+            with open(Path(result_dir) / f"rank{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results

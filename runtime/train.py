@@ -1,0 +1,311 @@
+"""The training loop of one rank, synthetic batches, optimizers, and verification against one process.
+
+Owns `Workload` (what a model builder returns to the runtime), `TrainOptions`, `train_rank` (the function
+every rank runs: build, shard, train K steps, time them, optionally gather and verify), `synthetic_batch`,
+`integer_highs`, `reference_train` and `compare`. Imports `soap`, torch and the other `runtime` modules
+only (no simulator, no search, no soapflow: the caller passes a picklable `build` function instead).
+
+Synthetic data: step `s` draws every example tensor from a generator seeded by (seed, s, position), the
+same on every rank and in the reference. Floating tensors are standard normal (drawn in float32, then
+cast to the run's dtype); integer tensors are uniform in [0, high) where `high` comes from the graph: the
+rows of the embedding tables the input feeds and the class count of the cross-entropy losses it is the
+target of (following reshape, transpose and slice ops), the smallest if several; without such a consumer,
+the smallest `nn.Embedding` of the model, else 2. Boolean tensors are fair coin flips.
+
+Verification: the reference trains `build()`'s module in one process with `torch.optim` on the same
+batches, optimizer and learning rate. BatchNorm under a sample split normalizes each part with its own
+batch statistics, as DDP does (DESIGN section 6); the reference reproduces that by running such a
+BatchNorm module on the same sample chunks (its input split along the batch into the op's sample degree,
+each chunk normalized alone, the results concatenated). With the chunks of DDP (one per rank) this is
+exactly DDP's computation, which the tests check against `DistributedDataParallel` itself.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices
+from runtime.plan import Plan, build_plan
+from soap.config import ParallelConfig
+from soap.graph import OperatorGraph
+from soap.strategy import Strategy
+
+OPTIMIZERS = ("sgd", "adam")
+# Ops that move elements without changing what they mean: an integer input keeps its range through them.
+_SHAPE_OPS = frozenset({"reshape", "transpose", "slice", "split", "concat"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A model as the runtime needs it: the module (real weights), the example batch (`inputs` then
+    `target`; shapes and dtypes only, meta tensors are fine) and the loss `loss_fn(output, target)`."""
+
+    module: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    target: torch.Tensor
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+
+    @property
+    def example(self) -> tuple[torch.Tensor, ...]:
+        return (*self.inputs, self.target)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainOptions:
+    """How to train: `steps` optimizer steps of `optimizer` (sgd, with `momentum`; or adam) at `lr`.
+
+    `dtype` is the dtype floating tensors compute in (float64 makes verification tight); `verify` gathers
+    the parameters on rank 0 and compares losses and parameters with single-process training.
+    """
+
+    steps: int = 3
+    lr: float = 0.01
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    seed: int = 0
+    dtype: str = "float32"
+    verify: bool = False
+    bucket_mb: float = 25.0
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+def make_optimizer(params: Sequence[torch.Tensor], options: TrainOptions) -> torch.optim.Optimizer:
+    # foreach=False on both sides: the single-tensor code path, so sharded and reference updates are
+    # the same elementwise arithmetic.
+    if options.optimizer == "adam":
+        return torch.optim.Adam(params, lr=options.lr, foreach=False)
+    return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, foreach=False)
+
+
+# ---------------------------------------------------------------------- synthetic data
+
+
+def integer_highs(graph: OperatorGraph, module: nn.Module | None = None) -> dict[int, int]:
+    """Exclusive upper bound of the values of each integer input, by example-batch position."""
+    out: dict[int, int] = {}
+    for op in graph:
+        if op.kind != "input" or op.outputs[0].dtype not in ("int64", "int32", "int16", "int8", "uint8"):
+            continue
+        bounds: list[int] = []
+        frontier = [op.name]
+        while frontier:
+            name = frontier.pop()
+            for consumer, slot, _ in graph.consumers(name):
+                c = graph[consumer]
+                if c.kind in _SHAPE_OPS:
+                    frontier.append(consumer)
+                elif c.kind == "embedding" and slot == 0:
+                    bounds.append(c.params["weight"].shape[0])
+                elif c.kind == "loss" and slot == 1 and c.attrs.get("fn") == "cross_entropy":
+                    bounds.append(graph.tensor(c.inputs[0]).shape[1])
+        if not bounds and module is not None:
+            bounds = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+        out[int(op.attrs["position"])] = min(bounds) if bounds else 2
+    return out
+
+
+def synthetic_batch(example: Sequence[torch.Tensor], *, step: int, seed: int, highs: Mapping[int, int],
+                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """The full global batch of `step`: one real tensor per example tensor (same shape and dtype)."""
+    out = []
+    for position, t in enumerate(example):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + position)
+        shape = tuple(t.shape)
+        if t.dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=g).to(dtype if t.dtype == torch.float32 else t.dtype))
+        elif t.dtype == torch.bool:
+            out.append(torch.randint(0, 2, shape, generator=g).bool())
+        else:
+            out.append(torch.randint(0, highs.get(position, 2), shape, generator=g, dtype=t.dtype))
+    return out
+
+
+# ---------------------------------------------------------------------- distributed training
+
+
+def strategy_from_configs(configs: Mapping[str, Mapping[str, Any]]) -> Strategy:
+    """A Strategy from `{op: {"degrees": {...}, "devices": [...]}}` (the strategy file's `ops`)."""
+    return Strategy({name: ParallelConfig(degrees=c["degrees"], devices=tuple(c["devices"]))
+                     for name, c in configs.items()})
+
+
+def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by fully qualified name, shared ones under each of their names."""
+    out = {name: p.detach() for name, p in module.named_parameters(remove_duplicate=False)}
+    out.update({name: b.detach() for name, b in module.named_buffers(remove_duplicate=False)})
+    return out
+
+
+def _gather_params(executor: Executor, plan: Plan, rank: int) -> tuple[dict[str, torch.Tensor], float] | None:
+    """Full parameters on rank 0 from every rank's shards, and the largest difference between replicas."""
+    items = [(fqn, region, t.detach().clone()) for fqn, region, t in executor.shard_items()]
+    gathered: list[Any] = [None] * plan.num_devices if rank == 0 else None
+    if plan.num_devices > 1:
+        dist.gather_object(items, gathered, dst=0)
+    else:
+        gathered = [items]
+    if rank != 0:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[str, Any], torch.Tensor] = {}
+    replica_diff = 0.0
+    for rank_items in gathered:
+        for fqn, region, t in rank_items:
+            if (fqn, region) in seen:
+                replica_diff = max(replica_diff, float((seen[(fqn, region)] - t).abs().max()))
+                continue
+            seen[(fqn, region)] = t
+            if fqn not in full:
+                full[fqn] = torch.full(plan.param_shapes[fqn], float("nan"), dtype=t.dtype)
+            full[fqn][as_slices(region)] = t
+    return full, replica_diff
+
+
+def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], graph: Mapping[str, Any],
+               strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions) -> dict[str, Any]:
+    """Train on this rank (torch.distributed initialized when world_size > 1); the launcher's target.
+
+    `graph` is `OperatorGraph.to_dict()` and `strategy` the per-op configs, so every rank runs exactly
+    the plan the caller validated. Returns `rank`, `losses` (per step), `step_time_ms` (per step) and,
+    on rank 0 with `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
+    """
+    g = OperatorGraph.from_dict(graph)
+    plan = build_plan(g, strategy_from_configs(strategy), world_size)
+    dtype = TORCH_DTYPES[options.dtype]
+    torch.manual_seed(options.seed)
+    workload = build()
+    module = workload.module.to(dtype)
+    executor = Executor(g, plan, rank=rank, tensors=named_tensors(module), module=module, float_dtype=dtype,
+                        bucket_bytes=int(options.bucket_mb * 2**20), timeout_s=options.timeout_s)
+    # A rank may hold no parameter at all (every op with weights placed elsewhere).
+    optimizer = make_optimizer(executor.parameters(), options) if executor.parameters() else None
+    highs = integer_highs(g, module)
+    losses: list[float] = []
+    times_ms: list[float] = []
+    for step in range(options.steps):
+        batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
+        if world_size > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        try:
+            local = executor.forward(batch, step=step)
+            executor.backward()
+            executor.where = "optimizer step"
+            if optimizer is not None:
+                optimizer.step()
+            executor.zero_grad()
+        except Exception as exc:
+            raise ExecutionError(f"step {step}, {executor.where}: {type(exc).__name__}: {exc}") from exc
+        times_ms.append((time.perf_counter() - start) * 1e3)
+        losses.append(executor.all_reduce_loss(local))
+    median_ms = statistics.median(times_ms)
+    per_rank: list[Any] = [median_ms]
+    if world_size > 1:
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, median_ms)
+    result: dict[str, Any] = {"rank": rank, "losses": losses, "step_time_ms": times_ms,
+                              "median_step_time_ms": median_ms, "median_step_time_ms_per_rank": per_rank}
+    if options.verify:
+        gathered = _gather_params(executor, plan, rank)
+        if gathered is not None:
+            params, replica_diff = gathered
+            ref_losses, ref_params = reference_train(build, g, strategy, options)
+            result["verify"] = compare(losses, params, ref_losses, ref_params) | {
+                "max_replica_abs_diff": replica_diff}
+    return result
+
+
+# ---------------------------------------------------------------------- reference and comparison
+
+
+def _chunked_batchnorm(module: nn.Module, chunks: int) -> None:
+    """Make a BatchNorm module normalize `chunks` equal sample chunks separately (DDP's local stats)."""
+    forward = type(module).forward
+
+    def chunked(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([forward(self, part) for part in x.chunk(chunks, dim=0)], dim=0)
+
+    module.forward = types.MethodType(chunked, module)
+
+
+def _batchnorm_module(graph: OperatorGraph, name: str) -> str:
+    op = graph[name]
+    for fqn in [p.fqn for p in op.params.values()] + [op.attrs.get("running_mean") or ""]:
+        if fqn:
+            return fqn.rpartition(".")[0]
+    return op.module
+
+
+def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
+                    strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training of `build()`'s module on the same batches; returns losses and parameters."""
+    dtype = TORCH_DTYPES[options.dtype]
+    torch.manual_seed(options.seed)
+    workload = build()
+    module = workload.module.to(dtype)
+    module.train()
+    for op in graph:
+        if op.kind == "batchnorm":
+            degree = int(strategy[op.name]["degrees"].get("sample", 1))
+            if degree > 1:
+                _chunked_batchnorm(module.get_submodule(_batchnorm_module(graph, op.name)), degree)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, options)
+    highs = integer_highs(graph, module)
+    n_inputs = len(workload.inputs)
+    losses = []
+    for step in range(options.steps):
+        batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
+        optimizer.zero_grad(set_to_none=True)
+        loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs])
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, {name: p.detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    diff = float((a - b).abs().max()) if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def compare(losses: Sequence[float], params: Mapping[str, torch.Tensor], ref_losses: Sequence[float],
+            ref_params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Relative differences: per step |loss - ref| / |ref|; per parameter max|p - ref| / max|ref|.
+
+    A parameter no op reads (so no rank holds it) is listed under `params_not_held`.
+    """
+    loss_diffs = [_rel(a, b) for a, b in zip(losses, ref_losses, strict=True)]
+    param_diffs = {name: _rel(params[name], ref) for name, ref in ref_params.items() if name in params}
+    worst = max(param_diffs, key=param_diffs.get) if param_diffs else None
+    return {
+        "max_loss_rel_diff": max(loss_diffs) if loss_diffs else 0.0,
+        "max_param_rel_diff": max(param_diffs.values()) if param_diffs else 0.0,
+        "worst_param": worst,
+        "reference_losses": list(ref_losses),
+        "params_not_held": sorted(set(ref_params) - set(params)),
+        "nan_params": sorted(n for n, p in params.items() if not math.isfinite(float(p.double().sum()))),
+    }

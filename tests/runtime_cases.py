@@ -1,0 +1,234 @@
+"""Shared helpers of the runtime tests: small models, strategies (hand-written and random), and the worker
+that runs many training cases in one launch (a launch costs seconds, so each test launches once).
+
+Not a test module itself; the worker processes import it by name, so everything they call is module-level.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.train import (
+    TrainOptions,
+    Workload,
+    integer_highs,
+    make_optimizer,
+    reference_train,
+    synthetic_batch,
+    train_rank,
+)
+from soap.capture import capture
+from soap.config import ParallelConfig, validate
+from soap.graph import Operator, OperatorGraph
+from soap.registry import dims_of, op_def
+from soap.strategy import Strategy
+from soapflow import zoo
+from soapflow.models import default_loss
+
+# Float32 runs agree with one process to about 1e-7; the tests allow 1e-5 (DESIGN section 6).
+TOL = 1e-5
+
+
+# ---------------------------------------------------------------------- models
+
+
+class SmallCNN(nn.Module):
+    """conv(3->8, 3x3) - relu - conv(8->8, 3x3) - relu - maxpool 2 - flatten - fc1 - relu - fc2, with an
+    optional residual add around the second conv and optional BatchNorm after each conv."""
+
+    def __init__(self, *, residual: bool = False, batchnorm: bool = False, size: int = 8, classes: int = 4):
+        super().__init__()
+        self.residual = residual
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8) if batchnorm else nn.Identity()
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8) if batchnorm else nn.Identity()
+        self.relu2 = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.fc1 = nn.Linear(8 * (size // 2) ** 2, 16)
+        self.relu3 = nn.ReLU()
+        self.fc2 = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu1(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(x))
+        if self.residual:
+            y = y + x
+        x = self.pool(self.relu2(y))
+        return self.fc2(self.relu3(self.fc1(torch.flatten(x, 1))))
+
+
+def zoo_build(name: str, batch: int, **sizes: Any) -> Workload:
+    torch.manual_seed(0)
+    result = zoo.ZOO[name].build(batch, **sizes)
+    module, (inputs, target) = result[0], result[1]
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    return Workload(module=module, inputs=inputs, target=target,
+                    loss_fn=result[2] if len(result) == 3 else default_loss)
+
+
+def cnn_build(batch: int, residual: bool = False, batchnorm: bool = False, size: int = 8) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=SmallCNN(residual=residual, batchnorm=batchnorm, size=size),
+                    inputs=(torch.empty(batch, 3, size, size, device="meta"),),
+                    target=torch.empty(batch, dtype=torch.long, device="meta"), loss_fn=default_loss)
+
+
+MODELS: dict[str, Callable[[], Workload]] = {
+    "mlp": functools.partial(zoo_build, "mlp", 8, sizes=(16, 32, 16)),
+    "cnn": functools.partial(cnn_build, 4),
+    "rescnn": functools.partial(cnn_build, 4, residual=True),
+    "bncnn": functools.partial(cnn_build, 4, residual=True, batchnorm=True),
+    "rnnlm": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4),
+    "transformer": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
+                                     vocab=32),
+}
+
+
+def capture_workload(build: Callable[[], Workload]) -> OperatorGraph:
+    w = build()
+    return capture(w.module, w.inputs, w.target, w.loss_fn, name="test", batch_size=w.inputs[0].shape[0])
+
+
+# ---------------------------------------------------------------------- strategies
+
+
+def configs(strategy: Strategy) -> dict[str, dict[str, Any]]:
+    return {name: cfg.to_dict() for name, cfg in strategy.items()}
+
+
+def _degree_choices(op: Operator, num_devices: int) -> list[dict[str, int]]:
+    """Every degree assignment whose product divides `num_devices` and that the op kind allows."""
+    divisors = [g for g in range(1, num_devices + 1) if num_devices % g == 0]
+    out: list[dict[str, int]] = [{}]
+    for d in dims_of(op):
+        if not d.splittable:
+            continue
+        grown = []
+        for degrees in out:
+            used = 1
+            for g in degrees.values():
+                used *= g
+            for g in divisors:
+                if g > 1 and d.size % g == 0 and num_devices % (used * g) == 0:
+                    grown.append(degrees | {d.name: g})
+        out += grown
+    return [deg for deg in out if op_def(op.kind).check(op, deg) is None]
+
+
+def random_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random) -> Strategy:
+    """Every op gets a uniformly drawn valid config: any allowed degrees, on a random device subset in a
+    random order (so layouts change between ops, across device sets, and with partial sums)."""
+    out = {}
+    for op in graph:
+        degrees = rng.choice(_degree_choices(op, num_devices))
+        count = 1
+        for g in degrees.values():
+            count *= g
+        cfg = ParallelConfig(degrees=degrees, devices=tuple(rng.sample(range(num_devices), count)))
+        validate(op, cfg, num_devices)
+        out[op.name] = cfg
+    return Strategy(out)
+
+
+def mixed_cnn_strategy(graph: OperatorGraph) -> Strategy:
+    """The hand-written mixed strategy of the brief, on `SmallCNN` over 2 devices:
+
+    conv1 sample-split on (0, 1); conv2 height-split on (1, 0) (halo rows cross ranks); the relus whole on
+    device 1 and 0 (different device sets); fc1 parameter-split (out_features) on (0, 1); fc2
+    reduction-split (in_features, partial sums) on (1, 0); everything else data parallel.
+    """
+    special = {
+        "conv1": ParallelConfig(degrees={"sample": 2}, devices=(0, 1)),
+        "conv2": ParallelConfig(degrees={"height": 2}, devices=(1, 0)),
+        "relu1": ParallelConfig.single(1),
+        "relu2": ParallelConfig.single(0),
+        "fc1": ParallelConfig(degrees={"out_features": 2}, devices=(0, 1)),
+        "fc2": ParallelConfig(degrees={"in_features": 2}, devices=(1, 0)),
+    }
+    missing = set(special) - {op.name for op in graph}
+    assert not missing, f"SmallCNN's graph lacks {missing}"
+    out = {}
+    for op in graph:
+        cfg = special.get(op.name)
+        if cfg is None:
+            sample = next((d for d in dims_of(op) if d.name == "sample" and d.splittable and d.size % 2 == 0),
+                          None)
+            cfg = (ParallelConfig(degrees={"sample": 2}, devices=(0, 1)) if sample is not None
+                   else ParallelConfig.single(0))
+        validate(op, cfg, 2)
+        out[op.name] = cfg
+    return Strategy(out)
+
+
+# ---------------------------------------------------------------------- the worker
+
+
+def ddp_train(rank: int, world_size: int, *, build: Callable[[], Workload], options: TrainOptions
+              ) -> dict[str, torch.Tensor]:
+    """Train with torch's DistributedDataParallel on the same synthetic batches (rank r takes the r-th
+    equal chunk of the batch); returns the final parameters."""
+    dtype = torch.float64 if options.dtype == "float64" else torch.float32
+    torch.manual_seed(options.seed)
+    w = build()
+    module = w.module.to(dtype)
+    model = nn.parallel.DistributedDataParallel(module)
+    optimizer = make_optimizer(list(model.parameters()), options)
+    graph = capture_workload(build)
+    highs = integer_highs(graph, module)
+    n = len(w.inputs)
+    for step in range(options.steps):
+        batch = synthetic_batch(w.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
+        mine = [t.chunk(world_size, dim=0)[rank] for t in batch]
+        optimizer.zero_grad(set_to_none=True)
+        w.loss_fn(model(*mine[:n]), mine[n]).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def run_cases(rank: int, world_size: int, *, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run each case in order on this rank; a case is {"label", "kind": "train" or "ddp", ...}.
+
+    "train": `train_rank` with verification (the result's `verify`, on rank 0). "ddp": DDP training and,
+    on rank 0, the single-process chunked-BatchNorm reference, compared parameter by parameter.
+    """
+    out = []
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            if case["kind"] == "train":
+                r = train_rank(rank, world_size, build=case["build"], graph=case["graph"],
+                               strategy=case["strategy"], options=case["options"])
+                out.append({"label": case["label"], "verify": r.get("verify"), "losses": r["losses"],
+                            "seconds": time.perf_counter() - start})
+            else:
+                params = ddp_train(rank, world_size, build=case["build"], options=case["options"])
+                result: dict[str, Any] = {"label": case["label"], "seconds": 0.0}
+                if rank == 0:
+                    graph = OperatorGraph.from_dict(case["graph"])
+                    _, ref = reference_train(case["build"], graph, case["strategy"], case["options"])
+                    result["max_param_rel_diff"] = max(
+                        float((params[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in params)
+                result["seconds"] = time.perf_counter() - start
+                out.append(result)
+                dist.barrier()
+        except Exception:
+            traceback.print_exc()
+            raise RuntimeError(f"case {case['label']} failed on rank {rank}") from None
+    return out
+
+
+def train_case(label: str, model: str, strategy: Strategy, graph: OperatorGraph, *,
+               options: TrainOptions | None = None) -> dict[str, Any]:
+    return {"label": label, "kind": "train", "build": MODELS[model], "graph": graph.to_dict(),
+            "strategy": configs(strategy), "options": options or TrainOptions(steps=3, lr=0.05, verify=True)}
