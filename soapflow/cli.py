@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -160,11 +161,109 @@ def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
     return out, "\n".join(lines)
 
 
+class Progress:
+    """A one-line progress bar on stderr (redrawn at most 5 times a second; silent when stderr is not a
+    terminal, so logs and `--json` pipelines stay clean)."""
+
+    def __init__(self, label: str, *, total_s: float | None = None, enabled: bool | None = None) -> None:
+        self.label, self.total_s = label, total_s
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, info: dict) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.2:
+            return
+        self._last = now
+        elapsed = float(info.get("elapsed_s") or 0.0)
+        bar = ""
+        if self.total_s:
+            done = min(elapsed / self.total_s, 1.0)
+            bar = "[" + "#" * int(done * 24) + "." * (24 - int(done * 24)) + "] "
+        fields = " ".join(f"{k}={_fmt(v)}" for k, v in info.items() if k != "elapsed_s")
+        rate = ""
+        if "proposals" in info and elapsed > 0:
+            rate = f" {info['proposals'] / elapsed:,.0f}/s"
+        print(f"\r{self.label} {bar}{elapsed:5.1f}s {fields}{rate}\033[K", end="", file=sys.stderr, flush=True)
+        self._shown = True
+
+    def close(self) -> None:
+        if self._shown:
+            print(file=sys.stderr)
+
+
+def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow.optimize import optimize
+
+    if args.budget is not None and not args.budget > 0:
+        raise CommandError(f"--budget must be > 0 seconds, got {args.budget}")
+    if args.jobs < 1:
+        raise CommandError(f"--jobs must be at least 1, got {args.jobs}")
+    bar = Progress("searching", total_s=args.budget, enabled=None if not args.json else False)
+    try:
+        out = optimize(args.model, args.topology, batch=args.batch, budget_s=args.budget, seed=args.seed,
+                       jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
+                       plot=args.plot, cost_model=_load_cost_model(args.costdb))
+    finally:
+        bar.close()
+    text = out.pop("text", "")
+    if args.plot:
+        text += f"\nconvergence plot written to {args.plot}"
+    return out, text
+
+
+def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow.optimize import compare
+
+    out = compare(args.model, args.topology, strategies=args.strategy, batch=args.batch, measure=args.measure,
+                  steps=args.steps, plot=args.plot, cost_model=_load_cost_model(args.costdb))
+    text = out.pop("text", "")
+    if args.plot:
+        text += f"\nbar chart written to {args.plot}"
+    return out, text
+
+
+def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow.runner import run
+
+    if args.steps < 1:
+        raise CommandError(f"--steps must be at least 1, got {args.steps}")
+    extra: dict[str, Any] = {}
+    if args.checkpoint_dir is not None:
+        extra.update(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    elif args.checkpoint_every:
+        raise CommandError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume:
+        if args.checkpoint_dir is None:
+            raise CommandError("--resume needs --checkpoint-dir")
+        extra["resume"] = True
+    out = run(args.model, args.strategy, nproc=args.nproc, steps=args.steps, backend=args.backend,
+              verify=args.verify, batch=args.batch, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+              **extra)
+    lines = [f"{out['model']} (batch {out['batch_size']}) with {out['strategy']} on {out['nproc']} "
+             f"process(es), {out['backend']}: {out['steps']} steps"]
+    rows = [[i, f"{loss:.6f}"] for i, loss in enumerate(out["losses"], start=out.get("first_step", 0))]
+    lines.append(table(rows, ["step", "loss"]))
+    lines.append("median step time per rank (ms): " + " ".join(f"{t:.2f}" for t in out["step_time_ms"]))
+    v = out.get("verify")
+    if v:
+        lines.append(f"verify against single-process training: largest loss difference "
+                     f"{v['max_loss_rel_diff']:.3g} (relative), largest parameter difference "
+                     f"{v['max_param_rel_diff']:.3g} (relative)")
+    return out, "\n".join(lines)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[dict, str]]] = {
     "simulate": cmd_simulate,
     "models": cmd_models,
     "capture": cmd_capture,
     "topology": cmd_topology,
+    "optimize": cmd_optimize,
+    "compare": cmd_compare,
+    "run": cmd_run,
 }
 
 
@@ -190,8 +289,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-s", "--strategy", required=True, metavar="STRATEGY",
                    help="strategy file or baseline: dp, mp, tp, expert")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace JSON of the simulated iteration")
-    p.add_argument("--costdb", metavar="FILE", help="cost database (JSON lines) of measured op costs")
+    _costdb_arg(p)
+
+    p = add("optimize", "search the fastest strategy that fits in memory (MCMC over per-op configs)")
+    _model_args(p)
+    _topology_arg(p)
+    p.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+                   help="wall-clock search budget (default: 60)")
+    p.add_argument("--proposals", type=int, metavar="N",
+                   help="also stop after N proposals (with a fixed N the result depends on --seed alone)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="run the chains in N processes")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="strategy file to write (default: strategy-MODEL-TOPOLOGY.json)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the convergence curve")
+    _costdb_arg(p)
+
+    p = add("compare", "simulate the baselines and given strategies side by side (and measure them)")
+    _model_args(p)
+    _topology_arg(p)
+    p.add_argument("-s", "--strategy", action="append", metavar="STRATEGY",
+                   help="strategy file or baseline; repeat for several (default: all baselines)")
+    p.add_argument("--measure", action="store_true",
+                   help="also run each strategy with the runtime here (topology cpu-N) and time it")
+    p.add_argument("--steps", type=int, default=10, help="steps per measured run (default: 10)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart of the strategies")
+    _costdb_arg(p)
+
+    p = add("run", "train a model under a strategy on real processes (torch.distributed)")
+    _model_args(p)
+    p.add_argument("-s", "--strategy", required=True, metavar="STRATEGY",
+                   help="strategy file or baseline: dp, mp, tp, expert")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="processes to start, one per device (default: the strategy file's, else 2)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="default: gloo")
+    p.add_argument("--verify", action="store_true",
+                   help="also train the unpartitioned model in one process and report the differences")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="default: sgd")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic batches")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps")
+    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
     return parser
+
+
+def _costdb_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--costdb", metavar="FILE", help="cost database (JSON lines) of measured op costs")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -219,14 +364,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("soapflow: interrupted", file=sys.stderr)
         return 130
     except (ValueError, CommandError, OSError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"soapflow: error: {message}", file=sys.stderr)
-        return 1
+        return _error(exc)
+    except RuntimeError as exc:
+        launch = sys.modules.get("runtime.launch")  # loaded only by commands that start processes
+        if launch is not None and isinstance(exc, launch.LaunchError):
+            return _error(exc)
+        raise
+    if out.get("rank") not in (None, 0):
+        return 0  # under torchrun every rank runs the command; rank 0 speaks for the job
     if args.json:
         print(json.dumps(out, default=_json_default))
     else:
         print(text)
     return 0
+
+
+def _error(exc: BaseException) -> int:
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    print(f"soapflow: error: {message}", file=sys.stderr)
+    return 1
 
 
 def _json_default(value: Any) -> Any:

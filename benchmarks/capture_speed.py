@@ -1,0 +1,63 @@
+"""Capture time of every zoo model (fake tensors: no memory for the batch), medians over repeats.
+
+Target (foundation issue): `resnet50` at batch 64 in under 10 s on this machine. Prints a table and
+writes `benchmarks/results/capture_speed.md` and `.json`; also checks that every graph's parameter total
+equals the module's `sum(p.numel())`.
+
+    python benchmarks/capture_speed.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from soap.capture import capture
+from soapflow import zoo
+from soapflow.models import default_loss, load_model
+
+RESULTS = Path(__file__).parent / "results"
+TARGET_S = 10.0
+
+
+def time_capture(name: str, batch: int, repeats: int) -> dict:
+    times, graph, spec = [], None, None
+    for _ in range(repeats):
+        spec = load_model(name, batch)  # building the module is not part of capture
+        start = time.perf_counter()
+        graph = capture(spec.module, spec.inputs, spec.target, spec.loss_fn or default_loss,
+                        name=name, batch_size=batch)
+        times.append(time.perf_counter() - start)
+    module_params = sum(p.numel() for p in spec.module.parameters())
+    return {"model": name, "batch": batch, "ops": len(graph), "params": graph.num_params,
+            "params_match": graph.num_params == module_params, "median_s": statistics.median(times),
+            "repeats": repeats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = [time_capture(name, 64, args.repeats) for name in zoo.ZOO]
+    header = ("| model | batch | ops | params | params match module | capture s (median) |\n"
+              "|---|---:|---:|---:|---|---:|")
+    lines = [f"| {r['model']} | {r['batch']} | {r['ops']} | {r['params']:,} | {r['params_match']} | "
+             f"{r['median_s']:.2f} |" for r in rows]
+    r50 = next(r for r in rows if r["model"] == "resnet50")
+    verdict = (f"resnet50 at batch 64: {r50['median_s']:.2f} s (target < {TARGET_S:.0f} s: "
+               f"{'met' if r50['median_s'] < TARGET_S else 'MISSED'}), one thread, median of {args.repeats}")
+    text = "\n".join(["# Capture speed", "", header, *lines, "", verdict, ""])
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "capture_speed.md").write_text(text)
+    (RESULTS / "capture_speed.json").write_text(json.dumps({"rows": rows, "target_s": TARGET_S}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
