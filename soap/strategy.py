@@ -13,17 +13,15 @@ op and the reason. Must not import torch, the simulator, the search or the runti
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from soap.config import ConfigError, ParallelConfig, validate
+from soap.files import read_json, write_json
 from soap.graph import OperatorGraph
 
 FORMAT = "soapflow.strategy/1"
@@ -105,26 +103,12 @@ def save_strategy(path: str | os.PathLike, strategy: Strategy, graph: OperatorGr
     """Write the strategy file atomically (temporary file in the same folder, then rename)."""
     doc = strategy_to_dict(strategy, graph, topology=topology, num_devices=num_devices, model=model,
                            predicted_ms=predicted_ms)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json(path, doc)
 
 
 def read_strategy_doc(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check the envelope of a strategy file (JSON, format, ops mapping)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise StrategyError(f"cannot read strategy file {str(path)!r}: {exc.strerror}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise StrategyError(f"strategy file {str(path)!r} is not JSON: {exc.msg} "
-                            f"(line {exc.lineno}, column {exc.colno})") from None
+    doc = read_json(path, f"strategy file {str(path)!r}", StrategyError)
     if not isinstance(doc, dict):
         raise StrategyError(f"strategy file {str(path)!r} must hold a JSON object")
     if doc.get("format") != FORMAT:

@@ -59,11 +59,9 @@ Must not import torch, the simulator, the search or the runtime.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -74,6 +72,7 @@ from typing import Any
 import networkx as nx
 
 from soap.devices import DEVICE_SPECS, DTYPES, LINK_SPECS, device_spec
+from soap.files import read_json, write_json
 
 FORMAT = "soapflow.topology/1"
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "nic", "network", "loopback")
@@ -667,15 +666,7 @@ def load_topology(spec: str | os.PathLike) -> DeviceTopology:
 def read_topology(path: str | os.PathLike) -> DeviceTopology:
     """Read a topology JSON file (named by its `name`, or the file's stem when it has none)."""
     source = f"topology file {os.fspath(path)!r}"
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise TopologyError(f"cannot read {source}: {exc.strerror}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TopologyError(f"{source} is not JSON: {exc.msg} "
-                            f"(line {exc.lineno}, column {exc.colno})") from None
+    doc = read_json(path, source, TopologyError)
     if isinstance(doc, dict) and "name" not in doc:
         doc = {**doc, "name": Path(path).stem}
     return DeviceTopology.from_dict(doc, source=source)
@@ -683,10 +674,4 @@ def read_topology(path: str | os.PathLike) -> DeviceTopology:
 
 def save_topology(path: str | os.PathLike, topology: DeviceTopology) -> None:
     """Write the topology file atomically (temporary file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(topology.to_dict(), f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json(path, topology.to_dict())
