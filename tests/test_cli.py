@@ -87,6 +87,19 @@ def _bad_strategy(tmp_path, text: str) -> str:
     (["topology", "tpu-2x2"], "tpu-2x2"),
     (["simulate", "mlp", "-t", "cpu-2", "-s", "nope"], "neither a baseline"),
     (["simulate", "mlp", "-t", "cpu-3", "-s", "dp"], "dp needs the batch"),
+    (["optimize", "mlp", "-t", "cpu-2", "--budget", "0"], "--budget must be > 0"),
+    (["optimize", "mlp", "-t", "cpu-2", "--budget", "-5"], "--budget must be > 0"),
+    (["optimize", "no_such_model", "-t", "cpu-2", "--budget", "1"], "neither a zoo model"),
+    (["optimize", "mlp", "-t", "tpu-2x2", "--budget", "1"], "tpu-2x2"),
+    (["optimize", "mlp", "-t", "cpu-2", "--jobs", "0"], "--jobs must be at least 1"),
+    (["compare", "mlp", "-t", "p100-4x4", "--measure"], "cpu-N"),
+    (["compare", "mlp", "-t", "cpu-2", "-s", "nope"], "neither a baseline"),
+    (["run", "mlp", "-s", "dp", "--steps", "0"], "--steps must be at least 1"),
+    (["run", "mlp", "-s", "dp", "--resume"], "--resume needs --checkpoint-dir"),
+    (["run", "mlp", "-s", "dp", "--checkpoint-every", "2"], "needs --checkpoint-dir"),
+    (["run", "mlp", "-s", "dp", "--nproc", "0"], "--nproc must be positive"),
+    (["run", "mlp", "-s", "dp", "--backend", "nccl"], "nccl"),
+    (["run", "no_such_model", "-s", "dp"], "neither a zoo model"),
 ])
 def test_bad_input_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
@@ -133,3 +146,41 @@ def test_real_process_prints_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("soapflow: error:")
+
+
+def test_strategy_file_with_a_split_the_op_kind_refuses(capsys, tmp_path):
+    text = json.dumps({"format": "soapflow.strategy/1",
+                       "ops": {"cumsum": {"degrees": {"sample": 2}, "devices": [0, 1]}}})
+    code, _, err = run_cli(capsys, "simulate", f"{USER_MODEL}:build", "--batch", "2", "-t", "cpu-2",
+                           "-s", _bad_strategy(tmp_path, text))
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "cumsum" in lines[0] and "sample" in lines[0], err
+
+
+def test_optimize_json_keys_and_strategy_file(capsys, tmp_path):
+    out = tmp_path / "best.json"
+    doc = run_json(capsys, "optimize", "mlp", "--batch", "8", "-t", "cpu-2", "--budget", "20",
+                   "--proposals", "200", "-o", str(out))
+    assert {"best", "baselines", "speedup_vs_dp", "num_proposals", "proposals_per_s", "elapsed_s",
+            "history"} <= set(doc)
+    assert doc["best"]["strategy_file"] == str(out) and set(doc["baselines"]) == {"dp", "mp", "tp", "expert"}
+    assert doc["best"]["iteration_time_ms"] <= min(ms for ms in doc["baselines"].values() if ms is not None)
+    # The written file is a strategy that simulates to the reported time.
+    sim = run_json(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", str(out))
+    assert sim["iteration_time_ms"] == pytest.approx(doc["best"]["iteration_time_ms"], rel=1e-9)
+
+
+def test_compare_json_rows(capsys):
+    doc = run_json(capsys, "compare", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "dp", "-s", "tp")
+    rows = {r["strategy"]: r for r in doc["rows"]}
+    assert set(rows) == {"dp", "tp"}
+    for r in rows.values():
+        assert {"strategy", "simulated_ms", "measured_ms", "error", "speedup_vs_dp"} <= set(r)
+        assert r["simulated_ms"] > 0 and r["measured_ms"] is None
+    assert rows["dp"]["speedup_vs_dp"] == pytest.approx(1.0)
+
+
+def test_run_json_verifies_tensor_parallel_training(capsys):
+    doc = run_json(capsys, "run", "mlp", "--batch", "8", "-s", "tp", "--steps", "2", "--verify")
+    assert len(doc["losses"]) == 2 and len(doc["step_time_ms"]) == 2
+    assert doc["verify"]["max_loss_rel_diff"] < 1e-5 and doc["verify"]["max_param_rel_diff"] < 1e-5
