@@ -17,15 +17,20 @@ The method:
 - every baseline (dp, mp, tp, expert; dp skipped where it is not defined) is simulated first and the
   best of them seeds the running best, so the result is never worse than the best baseline. Chains start
   from dp, expert, the best baseline when it is neither, and `random_chains` random strategies.
-- budgets: a time budget (`budget_s`, wall clock for the whole search) and/or a proposal budget
-  (`max_proposals`, split evenly over the chains). A chain also stops when its best has not improved
-  for half of its budget (half its proposals, or half the time budget).
+- budgets: a time budget (`budget_s`, wall clock for the whole search, baselines included) and/or a
+  proposal budget (`max_proposals`, split evenly over the chains). The search also stops early when its
+  best has not improved for half the budget: under a time budget, when the best (baselines and chains;
+  with `jobs` > 1, the best each worker knows) has not improved for half the time budget; under a
+  proposal budget, each chain when its own best has not improved for half its proposals (per chain, so
+  that the result does not depend on how chains are grouped into workers). A chain whose start would
+  need a full simulation after the time budget is spent (large graphs on many devices) is not started.
 - `jobs` > 1 runs the chains in that many worker processes (each chain whole in one worker; a worker
   steps its chains round-robin). With a proposal budget only, the result depends on the seed alone,
   not on `jobs` or the machine's speed: each chain draws from its own `random.Random` seeded by
   (seed, chain name). A time budget makes the number of proposals, hence the result, depend on speed.
 - every chain costs proposals with its own `Evaluator` (delta simulation: only the changed op's tasks
-  are re-timed).
+  are re-timed). Each baseline is simulated by an evaluator of its own; with `jobs` 1 a chain that
+  starts from a baseline takes over that evaluator instead of simulating its start again.
 
 Must not import torch, the runtime or soapflow.
 """
@@ -70,7 +75,7 @@ class ChainReport:
     best_ms: float
     num_proposals: int
     num_accepted: int
-    stop: str  # proposals, time, stalled
+    stop: str  # proposals, time, stalled, "not started: time" (the time budget was spent before its start)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,11 +117,13 @@ class _Chain:
     """One Markov chain: its current strategy and cost (mirrored in its evaluator), its best, its stats."""
 
     def __init__(self, name: str, start: Strategy, evaluator: Evaluator, space: ConfigSpace,
-                 rng: random.Random, beta_per_ms: float, beta_scale: float, max_proposals: int | None):
+                 rng: random.Random, beta_per_ms: float, beta_scale: float, max_proposals: int | None,
+                 start_cost: Cost | None = None):
+        """`start_cost` given: `evaluator` has already been started on `start` (and costed it so)."""
         self.name, self.evaluator, self.space, self.rng = name, evaluator, space, rng
         self.max_proposals = max_proposals
         self.current = start
-        self.cost = evaluator.start(start)
+        self.cost = start_cost if start_cost is not None else evaluator.start(start)
         self.start_cost = self.cost
         self.best, self.best_cost = start, self.cost
         # β comes from the best baseline; without a feasible one, from the chain's first feasible cost
@@ -192,7 +199,10 @@ class _WorkerJob:
     offset_s: float  # the search's elapsed time when the worker starts
     beta_per_ms: float
     beta_scale: float
+    best_ms: float  # the best baseline's time (inf if none fits): the best the worker starts from
     plain: bool = field(default=False)  # return strategies as plain dicts (to cross a process boundary)
+    # chain name -> (evaluator already started on the chain's start, its cost); in-process workers only
+    started: dict[str, tuple[Evaluator, Cost]] = field(default_factory=dict)
 
 
 def _plain(strategy: Strategy) -> dict[str, Any]:
@@ -211,13 +221,24 @@ def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) 
     chains = []
     events: list[tuple[int, float, float]] = []  # (worker proposals, elapsed_s, chain best ms)
     total = 0
+    unstarted: list[ChainReport] = []
     for spec in job.chains:
-        chain = _Chain(spec.name, _unplain(spec.start), job.evaluators(graph, job.topology), space,
-                       random.Random(spec.seed), job.beta_per_ms, job.beta_scale, spec.max_proposals)
+        evaluator, cost = job.started.pop(spec.name, (None, None))
+        if evaluator is None and job.budget_s is not None and time.monotonic() - t0 >= job.budget_s:
+            # starting it would be a full simulation past the time budget (large graphs on many devices)
+            unstarted.append(ChainReport(name=spec.name, start_ms=math.inf, best_ms=math.inf, num_proposals=0,
+                                         num_accepted=0, stop="not started: time"))
+            continue
+        chain = _Chain(spec.name, _unplain(spec.start), evaluator or job.evaluators(graph, job.topology), space,
+                       random.Random(spec.seed), job.beta_per_ms, job.beta_scale, spec.max_proposals,
+                       start_cost=cost)
         chain.improved_s = time.monotonic() - t0
         events.append((total, job.offset_s + chain.improved_s, chain.best_cost.value))
         chains.append(chain)
     best_ms = min((c.best_cost.value for c in chains), default=math.inf)
+    # Under a time budget the worker stops when the best it knows (the baselines' and its chains') has not
+    # improved for `stall_s`, counted from when its chains are set up (the first moment it knows a best).
+    known_best, known_improved_s = min(best_ms, job.best_ms), time.monotonic() - t0
     last_report = -math.inf
     active = chains if space.ops else []
     for c in chains:
@@ -232,6 +253,8 @@ def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) 
             if improved:
                 chain.improved_s = now
                 events.append((total, job.offset_s + now, chain.best_cost.value))
+                if chain.best_cost.value < known_best:
+                    known_best, known_improved_s = chain.best_cost.value, now
             if chain.max_proposals is not None and chain.num_proposals >= chain.max_proposals:
                 chain.stop = "proposals"
             elif chain.max_proposals is not None and \
@@ -239,7 +262,7 @@ def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) 
                 chain.stop = "stalled"
             elif job.budget_s is not None and now >= job.budget_s:
                 chain.stop = "time"
-            elif job.stall_s is not None and now - chain.improved_s >= job.stall_s:
+            elif job.stall_s is not None and now - known_improved_s >= job.stall_s:
                 chain.stop = "stalled"
             else:
                 still.append(chain)
@@ -256,7 +279,8 @@ def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) 
             "best": _plain(c.best) if job.plain else c.best,
             "best_cost": c.best_cost,
             "min_peak": c.min_peak,
-        } for c in chains],
+        } for c in chains] + [{"report": r, "best": None, "best_cost": Cost(time_ms=0.0, feasible=False),
+                               "min_peak": (math.inf, r.name)} for r in unstarted],
         "events": events,
         "num_proposals": total,
         "start_s": job.offset_s,
@@ -322,7 +346,8 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
 
     At least one budget is needed; `ValueError` for a budget <= 0, `jobs` < 1 or `random_chains` < 0,
     `NoFeasibleStrategy` when nothing the search saw fits in memory. `progress` (optional) is called
-    with {proposals, elapsed_s, best_ms} on improvements and about twice a second.
+    with {proposals, proposals_per_s, elapsed_s, best_ms} once the baselines are simulated (proposals 0,
+    best_ms the best baseline's, inf if none fits), then on improvements and about twice a second.
     """
     if budget_s is None and max_proposals is None:
         raise ValueError("the search needs a time budget (budget_s) or a proposal budget (max_proposals)")
@@ -342,14 +367,16 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     strategies: dict[str, Strategy] = {}
     costs: dict[str, Cost | None] = {}
     errors: dict[str, str] = {}
-    probe = evaluators(graph, topology)
+    probes: dict[str, tuple[Evaluator, Cost]] = {}  # one evaluator per baseline, reused by its chain
     for name, make in BASELINES.items():
         try:
             strategies[name] = make(graph, topology)
         except BaselineNotApplicable as exc:
             costs[name], errors[name] = None, str(exc)
             continue
+        probe = evaluators(graph, topology)
         costs[name] = probe.start(strategies[name])
+        probes[name] = (probe, costs[name])
     feasible = {n: c for n, c in costs.items() if c is not None and c.feasible}
     best_baseline = min(feasible, key=lambda n: feasible[n].time_ms) if feasible else None
     beta = _beta_per_ms(beta_scale, feasible[best_baseline].time_ms) if best_baseline else 0.0
@@ -374,12 +401,21 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
              for (n, s), k in zip(named, per_chain, strict=True) if k is None or k > 0]
 
     offset = time.monotonic() - t0
+    if progress is not None:
+        progress = _with_rate(progress, offset)
+        progress({"proposals": 0, "elapsed_s": offset,
+                  "best_ms": feasible[best_baseline].time_ms if best_baseline else math.inf})
     left = None if budget_s is None else max(budget_s - offset, 0.0)
     jobs = min(jobs, len(specs))
     groups = [specs[i::jobs] for i in range(jobs)]
     work = [_WorkerJob(graph=graph.to_dict(), topology=topology, evaluators=evaluators, chains=g,
                        budget_s=left, stall_s=None if budget_s is None else budget_s / 2, offset_s=offset,
-                       beta_per_ms=beta, beta_scale=beta_scale, plain=jobs > 1) for g in groups]
+                       beta_per_ms=beta, beta_scale=beta_scale,
+                       best_ms=feasible[best_baseline].time_ms if best_baseline else math.inf,
+                       plain=jobs > 1) for g in groups]
+    if jobs == 1:  # the baselines' evaluators cannot cross a process boundary, but in process they can
+        work[0].started = {s.name: probes[s.name] for s in specs if s.name in probes}
+    probes.clear()  # evaluators no chain starts from (their simulations can be large) are let go
     if jobs == 1:
         outcomes = [_run_chains(work[0], graph, progress)]
     else:
@@ -411,6 +447,15 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
         baseline_errors=MappingProxyType(errors), chains=tuple(reports),
         num_proposals=sum(o["num_proposals"] for o in outcomes), elapsed_s=time.monotonic() - t0,
         search_s=search_s, beta_per_ms=beta, history=history)
+
+
+def _with_rate(progress: Progress, offset_s: float) -> Progress:
+    """`progress` with `proposals_per_s` added: proposals over the seconds since the chains started."""
+    def report(p: Mapping[str, Any]) -> None:
+        chains_s = p["elapsed_s"] - offset_s
+        progress({**p, "proposals_per_s": p["proposals"] / chains_s if chains_s > 0 else 0.0})
+
+    return report
 
 
 def _merge_history(outcomes: list[dict[str, Any]], baseline_ms: float,

@@ -115,24 +115,15 @@ def cmd_topology(args: argparse.Namespace) -> tuple[dict, str]:
             "summary": rows, "topology": doc}, text
 
 
-def _load_cost_model(path: str | None):
-    if path is None:
-        return None
-    from simulator.costmodel import AnalyticalCostModel, MeasuredCostModel
-    from soap.costdb import CostDatabase
-
-    return MeasuredCostModel(CostDatabase.load(path), fallback=AnalyticalCostModel())
-
-
 def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
     from simulator.engine import simulate
-    from soap.topology import load_topology
     from soapflow.api import capture_model, resolve_strategy
+    from soapflow.optimize import topology_and_cost_model
 
-    topo = load_topology(args.topology)
+    topo, cost_model = topology_and_cost_model(args.topology, args.costdb)
     spec, graph = capture_model(args.model, batch_size=args.batch)
     strategy = resolve_strategy(args.strategy, graph=graph, topology=topo)
-    timeline = simulate(graph, strategy, topo, _load_cost_model(args.costdb))
+    timeline = simulate(graph, strategy, topo, cost_model)
     out = {"model": spec.name, "batch_size": graph.batch_size, "topology": topo.name, "strategy": args.strategy,
            **timeline.summary()}
     if args.trace:
@@ -183,11 +174,10 @@ class Progress:
         if self.total_s:
             done = min(elapsed / self.total_s, 1.0)
             bar = "[" + "#" * int(done * 24) + "." * (24 - int(done * 24)) + "] "
-        fields = " ".join(f"{k}={_fmt(v)}" for k, v in info.items() if k != "elapsed_s")
-        rate = ""
-        if "proposals" in info and elapsed > 0:
-            rate = f" {info['proposals'] / elapsed:,.0f}/s"
-        print(f"\r{self.label} {bar}{elapsed:5.1f}s {fields}{rate}\033[K", end="", file=sys.stderr, flush=True)
+        fields = " ".join(f"{k.removesuffix('_ms').replace('_per_s', '/s')}={_fmt(v)}"
+                          + (" ms" if k.endswith("_ms") else "")
+                          for k, v in info.items() if k != "elapsed_s")
+        print(f"\r{self.label} {bar}{elapsed:5.1f}s {fields}\033[K", end="", file=sys.stderr, flush=True)
         self._shown = True
 
     def close(self) -> None:
@@ -196,7 +186,7 @@ class Progress:
 
 
 def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
-    from soapflow.optimize import optimize
+    from soapflow.optimize import optimize, optimize_text
 
     if args.budget is not None and not args.budget > 0:
         raise CommandError(f"--budget must be > 0 seconds, got {args.budget}")
@@ -206,21 +196,23 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
     try:
         out = optimize(args.model, args.topology, batch=args.batch, budget_s=args.budget, seed=args.seed,
                        jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
-                       plot=args.plot, cost_model=_load_cost_model(args.costdb))
+                       plot=args.plot, cost_model=args.costdb)
     finally:
         bar.close()
-    text = out.pop("text", "")
+    text = optimize_text(out)
     if args.plot:
         text += f"\nconvergence plot written to {args.plot}"
     return out, text
 
 
 def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
-    from soapflow.optimize import compare
+    from soapflow.optimize import compare, compare_text
 
+    if args.repeats < 1:
+        raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
     out = compare(args.model, args.topology, strategies=args.strategy, batch=args.batch, measure=args.measure,
-                  steps=args.steps, plot=args.plot, cost_model=_load_cost_model(args.costdb))
-    text = out.pop("text", "")
+                  steps=args.steps, repeats=args.repeats, plot=args.plot, cost_model=args.costdb)
+    text = compare_text(out)
     if args.plot:
         text += f"\nbar chart written to {args.plot}"
     return out, text
@@ -313,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true",
                    help="also run each strategy with the runtime here (topology cpu-N) and time it")
     p.add_argument("--steps", type=int, default=10, help="steps per measured run (default: 10)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measured runs per strategy, interleaved; the median is shown (default: 1)")
     p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart of the strategies")
     _costdb_arg(p)
 

@@ -3,14 +3,15 @@
 `optimize` is the stages in order: capture the model, load the topology, search (`search.mcmc`, with the
 simulator's delta simulation costing proposals), export the best strategy file, then simulate the best once
 more in full for its per-device summary. `compare` simulates a list of strategies (baselines or strategy
-files) and, on a ``cpu-N`` topology with `measure`, runs each with the runtime (`soapflow.runner.run`) to
-set measured times beside the simulated ones.
+files) and, on a ``cpu-N`` topology (or a machine profile of this machine) with `measure`, runs each with
+the runtime (`soapflow.runner.run`) to set measured times beside the simulated ones.
 
 Both return plain JSON-able dicts whose keys DESIGN.md section 8 fixes (`optimize`: best
 {iteration_time_ms, strategy_file}, baselines, speedup_vs_dp, num_proposals, proposals_per_s, elapsed_s,
-history; `compare`: rows of {strategy, simulated_ms, measured_ms, error, speedup_vs_dp}), plus a `text`
-summary for people. `plot` writes a PNG (`soapflow.plot`): the convergence of the best for `optimize`,
-simulated against measured times for `compare`.
+history; `compare`: rows of {strategy, simulated_ms, measured_ms, error, speedup_vs_dp}).
+`optimize_text` and `compare_text` turn them into the text the command prints. `plot` writes a PNG
+(`soapflow.plot`): the convergence of the best for `optimize`, simulated and measured times side by side
+for `compare`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,15 +27,16 @@ from typing import Any
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.evaluate import SimulatorEvaluators
 from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, search
+from simulator.engine import simulate
 from soap.config import ParallelConfig
-from soap.graph import OperatorGraph
+from soap.graph import Operator, OperatorGraph
+from soap.opdef import DimKind
 from soap.registry import dims_of
 from soap.strategy import Strategy, save_strategy
 from soap.topology import DeviceTopology, load_topology
 from soapflow.api import capture_model, resolve_strategy
 
 DEFAULT_BUDGET_S = 60.0
-_CPU_TOPOLOGY = re.compile(r"^cpu-(\d+)$")
 
 
 def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
@@ -47,10 +50,17 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     `out_path` defaults to ``strategy-<model>-<topology>.json`` in the current folder. `budget_s` (wall
     clock, seconds) and `max_proposals` bound the search (either may be None, not both); only a proposal
     budget makes the result reproducible across machines. `delta=False` costs every proposal with a full
-    simulation (for measuring what delta simulation buys). Bad input raises `ValueError` (one line).
+    simulation (for measuring what delta simulation buys). `cost_model`: see `topology_and_cost_model`
+    (a cost model, a cost database path, or None: a machine profile's calibration, else analytical).
+    `progress` is called with {proposals, proposals_per_s, elapsed_s, best_ms} about twice a second.
+    Bad input raises `ValueError` (one line): a budget <= 0, an unknown model or topology; a search in which
+    nothing fits in memory raises `search.mcmc.NoFeasibleStrategy` (a `ValueError` naming the smallest
+    memory need seen). Where data parallelism is not defined (the batch does not divide over the devices)
+    the search runs without it and `baselines["dp"]` and `speedup_vs_dp` are None.
     """
+    check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
+    topology, cost_model = topology_and_cost_model(topology_ref, cost_model)  # fails fast, before capture
     spec, graph = capture_model(model_ref, batch_size=batch)
-    topology = load_topology(topology_ref)
     evaluators = SimulatorEvaluators(cost_model=cost_model, delta=delta)
     result = search(graph, topology, evaluators=evaluators, budget_s=budget_s, max_proposals=max_proposals,
                     seed=seed, jobs=jobs, beta_scale=beta_scale, random_chains=random_chains,
@@ -71,23 +81,40 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
 
 def search_report(result: SearchResult, *, graph: OperatorGraph, topology: DeviceTopology,
                   strategy_file: str | None, cost_model: Any = None) -> dict[str, Any]:
-    """The JSON-able report of a search (the keys of `optimize` without the run's settings)."""
+    """The JSON-able report of a search (the keys of `optimize` without the run's settings).
+
+    `table` has one row per strategy (the best first, then every baseline): `strategy`,
+    `iteration_time_ms` (simulated; None where not applicable), `speedup_vs_dp`, `peak_memory_bytes`
+    (the largest per-device peak), `feasible` and `note`.
+    """
     baselines = result.baseline_ms()
+    capacity = min(d.memory_bytes for d in topology.devices)
     notes = dict(result.baseline_errors)
     for name, cost in result.baselines.items():
         if cost is not None and not cost.feasible:
             notes[name] = (f"out of memory: needs {cost.peak_memory_bytes / 1e9:.3g} GB on one device, "
-                           f"has {min(d.memory_bytes for d in topology.devices) / 1e9:.3g} GB")
+                           f"has {capacity / 1e9:.3g} GB")
     best_ms = result.best_cost.time_ms
+    dp_ms = baselines.get("dp")
     feasible = [ms for ms in baselines.values() if ms is not None]
     summary = strategy_summary(graph, result.best, topology, cost_model=cost_model)
-    out = {
+    best_peak = max(summary["peak_memory_bytes"], default=0)
+    table = [{"strategy": "best", "iteration_time_ms": best_ms, "speedup_vs_dp": dp_ms / best_ms if dp_ms else None,
+              "peak_memory_bytes": best_peak, "feasible": True, "note": f"found by {result.best_source}"}]
+    for name, cost in result.baselines.items():
+        ms = baselines[name]
+        table.append({"strategy": name, "iteration_time_ms": ms,
+                      "speedup_vs_dp": dp_ms / ms if dp_ms and ms else None,
+                      "peak_memory_bytes": cost.peak_memory_bytes if cost is not None else None,
+                      "feasible": cost.feasible if cost is not None else None, "note": notes.get(name)})
+    return {
         "best": {"iteration_time_ms": best_ms, "strategy_file": strategy_file, "source": result.best_source,
                  "peak_memory_bytes": summary["peak_memory_bytes"]},
         "baselines": baselines,
         "baseline_notes": notes,
-        "speedup_vs_dp": baselines["dp"] / best_ms if baselines.get("dp") else None,
+        "speedup_vs_dp": dp_ms / best_ms if dp_ms else None,
         "speedup_vs_best_baseline": min(feasible) / best_ms if feasible else None,
+        "table": table,
         "num_proposals": result.num_proposals,
         "proposals_per_s": result.proposals_per_s,
         "elapsed_s": result.elapsed_s,
@@ -99,8 +126,35 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
                    for c in result.chains],
         "strategy": summary,
     }
-    out["text"] = _optimize_text(out)
-    return out
+
+
+def check_budgets(*, budget_s: float | None, max_proposals: int | None, jobs: int = 1) -> None:
+    """`ValueError` (one line) for search budgets the search would refuse, before any slow work."""
+    if budget_s is None and max_proposals is None:
+        raise ValueError("the search needs a time budget or a proposal budget")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"the search budget must be > 0 seconds, got {budget_s:g}")
+    if max_proposals is not None and max_proposals <= 0:
+        raise ValueError(f"the proposal budget must be > 0, got {max_proposals}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+
+
+def topology_and_cost_model(topology_ref: str | os.PathLike, cost_model: Any = None) -> tuple[DeviceTopology, Any]:
+    """The topology `topology_ref` names and the cost model to simulate on it.
+
+    `cost_model` may be a cost model (used as is), a cost database path (JSON lines: measured op parts,
+    analytical fallback), or None. For a machine profile (`soapflow calibrate`'s topology file with a
+    calibration) and no cost model object, the profile's calibrated model is used; otherwise None means
+    the simulator's analytical default.
+    """
+    if cost_model is not None and not isinstance(cost_model, str | os.PathLike):
+        return load_topology(topology_ref), cost_model
+    from simulator.calibration import cost_model_for
+
+    if cost_model is not None and not Path(cost_model).is_file():
+        raise ValueError(f"cost database {os.fspath(cost_model)!r} not found")
+    return cost_model_for(topology_ref, db=None if cost_model is None else os.fspath(cost_model))
 
 
 # ------------------------------------------------------------------------------------- strategy summary
@@ -108,10 +162,9 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
 
 def strategy_summary(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology, *,
                      cost_model: Any = None) -> dict[str, Any]:
-    """Which ops are split how, on which devices (consecutive ops with one layout grouped), and the
-    simulated peak memory per device."""
-    from simulator.api import simulate_summary  # the simulator's full simulation of one strategy
-
+    """What the strategy does: `groups` (consecutive ops with one layout, each with `split`, `devices` and
+    `what`, the split in words), `description` (a few sentences over the whole graph), and the simulator's
+    summary of one iteration (`iteration_time_ms`, `peak_memory_bytes` per device, ...)."""
     groups: list[dict[str, Any]] = []
     for op in graph:
         cfg = strategy[op.name]
@@ -121,12 +174,70 @@ def strategy_summary(graph: OperatorGraph, strategy: Strategy, topology: DeviceT
             groups[-1]["num_ops"] += 1
         else:
             groups.append({"first": op.name, "last": op.name, "num_ops": 1, "kind": op.kind,
-                           "split": split, "devices": devices})
-    timeline = simulate_summary(graph, strategy, topology, cost_model)
-    return {"groups": groups, **timeline}
+                           "split": split, "devices": devices, "what": split_words(op, cfg)})
+    timeline = simulate(graph, strategy, topology, cost_model).summary()
+    return {"groups": groups, "description": describe(graph, strategy, topology), **timeline}
 
 
-def split_text(op, cfg: ParallelConfig) -> str:
+def split_words(op: Operator, cfg: ParallelConfig) -> str:
+    """The split of one op in words: ``data parallel x4``, ``weights sharded x2 (out_features)``, ..."""
+    if cfg.num_parts == 1:
+        return f"whole on device {cfg.devices[0]}"
+    kinds = {d.name: d.kind for d in dims_of(op)}
+    words = []
+    for name, g in cfg.degrees.items():
+        kind = kinds[name]
+        if kind is DimKind.SAMPLE:
+            words.append(f"data parallel x{g}")
+        elif kind is DimKind.PARAMETER:
+            words.append(f"weights sharded x{g} ({name})" if op.params else f"split x{g} on {name}")
+        elif kind is DimKind.REDUCTION:
+            words.append(f"reduction split x{g} ({name}, partial sums reduced)")
+        else:
+            words.append(f"split x{g} on {name}")
+    return ", ".join(words)
+
+
+def describe(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology) -> list[str]:
+    """A few sentences on the strategy: how many ops run data parallel on all devices, which ops with
+    weights are sharded or placed elsewhere, how many devices are used."""
+    n = topology.num_devices
+    ops = [op for op in graph if op.kind != "input"]
+    dp_all, sharded, whole, follow, other = [], [], [], [], []
+    for op in ops:
+        cfg = strategy[op.name]
+        kinds = {d.name: d.kind for d in dims_of(op)}
+        split_kinds = {kinds[k] for k in cfg.degrees}
+        if cfg.num_parts == n and split_kinds == {DimKind.SAMPLE}:
+            dp_all.append(op)
+        elif split_kinds & {DimKind.PARAMETER, DimKind.REDUCTION} and op.params:
+            sharded.append(op)
+        elif cfg.num_parts == 1:
+            whole.append(op)
+        elif not op.params and split_kinds & {DimKind.PARAMETER, DimKind.REDUCTION}:
+            follow.append(op)
+        else:
+            other.append(op)
+    used = sorted({d for op in ops for d in strategy[op.name].devices})
+    lines = [f"{len(dp_all)} of {len(ops)} ops run data parallel over all {n} devices; "
+             f"{len(used)} of {n} devices hold work."]
+    if sharded:
+        names = ", ".join(op.name for op in sharded[:6]) + (", ..." if len(sharded) > 6 else "")
+        lines.append(f"{len(sharded)} op(s) shard their weights (tensor/model parallel): {names}.")
+    if whole:
+        with_params = [op.name for op in whole if op.params]
+        lines.append(f"{len(whole)} op(s) run whole on one device"
+                     + (f", {len(with_params)} of them with weights (model parallel placement)" if with_params
+                        else "") + ".")
+    if follow:
+        lines.append(f"{len(follow)} op(s) without weights split on feature dims (keeping a sharded layout "
+                     f"between ops instead of gathering it).")
+    if other:
+        lines.append(f"{len(other)} op(s) use other splits (fewer devices, or spatial/sequence dims).")
+    return lines
+
+
+def split_text(op: Operator, cfg: ParallelConfig) -> str:
     """``sample=4 out_features=2`` (in the op's dim order), ``whole`` for an unsplit op."""
     order = [d.name for d in dims_of(op)]
     parts = sorted(cfg.degrees.items(), key=lambda kv: order.index(kv[0]))
@@ -149,21 +260,29 @@ def devices_text(devices: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _optimize_text(out: Mapping[str, Any]) -> str:
+def optimize_text(out: Mapping[str, Any]) -> str:
+    """The text `soapflow optimize` prints: the table of the best and the baselines (simulated iteration
+    time, speed-up over dp, peak memory), the search's figures, and what the best strategy does."""
     best = out["best"]
-    lines = [f"best strategy: {best['iteration_time_ms']:.4g} ms per iteration (simulated; from "
-             f"{best['source']}), written to {best['strategy_file']}"]
-    for name, ms in out["baselines"].items():
-        note = out["baseline_notes"].get(name)
-        shown = f"{ms:.4g} ms" if ms is not None else "-"
-        speed = f"  ({ms / best['iteration_time_ms']:.2f}x slower than the best)" if ms else ""
-        lines.append(f"  {name:<7} {shown}{speed}{f'  [{note}]' if note else ''}")
+    lines = [f"best strategy: {best['iteration_time_ms']:.4g} ms per iteration (simulated; found by "
+             f"{best['source']}), written to {best['strategy_file']}", ""]
+    header = f"{'strategy':<10} {'iteration ms':>13} {'vs dp':>7} {'peak memory':>12}"
+    lines += [header, "-" * len(header)]
+    for r in out["table"]:
+        ms, speed, peak = r["iteration_time_ms"], r["speedup_vs_dp"], r["peak_memory_bytes"]
+        note = f"  [{r['note']}]" if r["note"] and r["strategy"] != "best" else ""
+        lines.append(f"{r['strategy']:<10} {'-' if ms is None else f'{ms:.4g}':>13} "
+                     f"{'-' if speed is None else f'{speed:.2f}x':>7} "
+                     f"{'-' if peak is None else f'{peak / 1e9:.3g} GB':>12}{note}")
+    lines.append("")
     lines.append(f"search: {out['num_proposals']:,} proposals in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
-    lines.append("layout of the best strategy (consecutive ops with the same layout grouped):")
+    lines.append("what the best strategy does:")
+    lines += [f"  {line}" for line in out["strategy"]["description"]]
+    lines.append("layout (consecutive ops with the same layout grouped):")
     for g in out["strategy"]["groups"]:
         ops = g["first"] if g["num_ops"] == 1 else f"{g['first']} .. {g['last']} ({g['num_ops']} ops)"
-        lines.append(f"  {ops:<48} {g['split']:<36} on {g['devices']}")
+        lines.append(f"  {ops:<44} {g['split']:<28} on {g['devices']:<10} {g['what']}")
     peaks = out["strategy"].get("peak_memory_bytes") or []
     if peaks:
         lines.append("peak memory per device (GB): " + " ".join(f"{p / 1e9:.3g}" for p in peaks))
@@ -174,69 +293,91 @@ def _optimize_text(out: Mapping[str, Any]) -> str:
 
 
 def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | None = None,
-            batch: int | None = None, measure: bool = False, steps: int = 10,
+            batch: int | None = None, measure: bool = False, steps: int = 10, repeats: int = 1,
             plot: str | os.PathLike | None = None, cost_model: Any = None) -> dict[str, Any]:
     """Simulate each strategy (baseline names or strategy files; all baselines by default) and, with
-    `measure` on a ``cpu-N`` topology, run it for `steps` steps and put the measured time beside it.
+    `measure` on a ``cpu-N`` topology, train with it for `steps` steps in N processes (`soapflow.runner`)
+    and put the measured iteration time beside the simulated one.
 
-    `error` is (simulated - measured) / measured; `speedup_vs_dp` is dp's time over the row's, measured
-    times when measuring, simulated otherwise (None where dp is not defined or not listed).
+    With `repeats` > 1 every strategy is measured that many times, the strategies interleaved (round
+    robin, so that a slow spell of a shared machine hits them alike), and `measured_ms` is the median.
+    Rows: `strategy`, `simulated_ms`, `measured_ms`, `error` ((simulated - measured) / measured),
+    `speedup_vs_dp` (dp's time over the row's: measured when measuring, else simulated; None where dp is
+    not defined or not listed), plus `simulated_speedup_vs_dp`, `measured_runs_ms`, `feasible`, `note`.
     """
-    from simulator.api import simulate_summary
-
     refs = list(strategies) if strategies else list(BASELINES)
-    spec, graph = capture_model(model_ref, batch_size=batch)
-    topology = load_topology(topology_ref)
+    topology, cost_model = topology_and_cost_model(topology_ref, cost_model)
     nproc = None
     if measure:
-        m = _CPU_TOPOLOGY.match(topology.name)
-        if m is None:
-            raise ValueError(f"--measure runs on this machine: the topology must be cpu-N, got {topology.name!r}")
-        nproc = int(m[1])
+        if any(d.kind != "cpu" for d in topology.devices):
+            raise ValueError(f"--measure runs on this machine: the topology must be cpu-N or a machine profile "
+                             f"of this machine, got {topology.name!r}")
+        nproc = topology.num_devices
         if steps < 1:
             raise ValueError(f"--steps must be positive, got {steps}")
+        if repeats < 1:
+            raise ValueError(f"repeats must be positive, got {repeats}")
+    spec, graph = capture_model(model_ref, batch_size=batch)
     rows: list[dict[str, Any]] = []
     for ref in refs:
         row: dict[str, Any] = {"strategy": ref, "simulated_ms": None, "measured_ms": None, "error": None,
-                               "speedup_vs_dp": None, "feasible": None, "note": None}
+                               "speedup_vs_dp": None, "simulated_speedup_vs_dp": None, "measured_runs_ms": [],
+                               "feasible": None, "note": None}
         try:
             strategy = resolve_strategy(ref, graph=graph, topology=topology)
         except BaselineNotApplicable as exc:
             row["note"] = f"not applicable: {exc}"
             rows.append(row)
             continue
-        sim = simulate_summary(graph, strategy, topology, cost_model)
+        sim = simulate(graph, strategy, topology, cost_model).summary()
         row["simulated_ms"], row["feasible"] = sim["iteration_time_ms"], sim["feasible"]
-        if measure:
-            from soapflow.runner import run
-
-            measured = run(model_ref, ref, nproc=nproc, steps=steps, backend="gloo", batch=spec.batch_size)
-            row["measured_ms"] = float(measured.get("iteration_time_ms") or max(measured["step_time_ms"]))
-            row["error"] = (row["simulated_ms"] - row["measured_ms"]) / row["measured_ms"]
         rows.append(row)
-    key = "measured_ms" if measure else "simulated_ms"
-    dp_ms = next((r[key] for r in rows if r["strategy"] == "dp" and r[key]), None)
-    for r in rows:
-        if dp_ms and r[key]:
-            r["speedup_vs_dp"] = dp_ms / r[key]
+    if measure:
+        from soapflow.runner import run
+
+        for _ in range(repeats):
+            for row in rows:
+                if row["simulated_ms"] is None:
+                    continue
+                # one thread per process: a cpu device of the topology is one core (as calibration measures)
+                measured = run(model_ref, row["strategy"], nproc=nproc, steps=steps, backend="gloo",
+                               batch=spec.batch_size, num_threads=1)
+                row["measured_runs_ms"].append(
+                    float(measured.get("iteration_time_ms") or max(measured["step_time_ms"])))
+        for row in rows:
+            if row["measured_runs_ms"]:
+                row["measured_ms"] = statistics.median(row["measured_runs_ms"])
+                row["error"] = (row["simulated_ms"] - row["measured_ms"]) / row["measured_ms"]
+    for key, speedup in (("simulated_ms", "simulated_speedup_vs_dp"), ("measured_ms", "speedup_vs_dp")):
+        dp_ms = next((r[key] for r in rows if r["strategy"] == "dp" and r[key]), None)
+        for r in rows:
+            if dp_ms and r[key]:
+                r[speedup] = dp_ms / r[key]
+    if not measure:
+        for r in rows:
+            r["speedup_vs_dp"] = r["simulated_speedup_vs_dp"]
     out = {"model": spec.name, "topology": topology.name, "batch_size": graph.batch_size, "measured": measure,
-           "rows": rows}
-    out["text"] = _compare_text(out)
+           "steps": steps if measure else None, "repeats": repeats if measure else None, "rows": rows}
     if plot is not None:
         write_compare_plot(plot, out)
         out["plot"] = os.fspath(plot)
     return out
 
 
-def _compare_text(out: Mapping[str, Any]) -> str:
+def compare_text(out: Mapping[str, Any]) -> str:
+    """The text `soapflow compare` prints: one row per strategy, simulated and measured side by side."""
     def fmt(v: float | None, pattern: str) -> str:
         return "-" if v is None else pattern.format(v)
 
-    lines = [f"{'strategy':<28} {'simulated ms':>13} {'measured ms':>12} {'error':>8} {'vs dp':>7}"]
+    vs = "vs dp (measured)" if out["measured"] else "vs dp"
+    lines = [f"{out['model']} (batch {out['batch_size']}) on {out['topology']}"
+             + (f": measured {out['steps']} steps x {out['repeats']} run(s) each, median" if out["measured"] else
+                ": simulated"),
+             f"{'strategy':<28} {'simulated ms':>13} {'measured ms':>12} {'error':>8} {vs:>16}"]
     for r in out["rows"]:
         lines.append(f"{Path(r['strategy']).name[:28]:<28} {fmt(r['simulated_ms'], '{:.4g}'):>13} "
                      f"{fmt(r['measured_ms'], '{:.4g}'):>12} {fmt(r['error'], '{:+.1%}'):>8} "
-                     f"{fmt(r['speedup_vs_dp'], '{:.2f}x'):>7}"
+                     f"{fmt(r['speedup_vs_dp'], '{:.2f}x'):>16}"
                      + (f"  [{r['note']}]" if r["note"] else "")
                      + ("  [out of memory]" if r["feasible"] is False else ""))
     return "\n".join(lines)
@@ -279,4 +420,5 @@ def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-__all__ = ["compare", "optimize", "search_report", "strategy_summary"]
+__all__ = ["compare", "compare_text", "optimize", "optimize_text", "search_report", "strategy_summary",
+           "write_compare_plot", "write_convergence_plot"]

@@ -143,7 +143,9 @@ def test_jobs_do_not_change_the_result():
 def test_time_budget_stops_the_search():
     result = _run("cnn", max_proposals=None, budget_s=1.0)
     assert result.elapsed_s < 3.0 and result.num_proposals > 0
-    assert all(c.stop in ("time", "stalled") for c in result.chains)
+    # on a loaded machine the baselines may spend the whole budget: then the random chain is not started
+    assert all(c.stop in ("time", "stalled", "not started: time") for c in result.chains)
+    assert any(c.stop in ("time", "stalled") for c in result.chains)
 
 
 def test_stalled_chains_stop_at_half_their_budget():
@@ -227,5 +229,86 @@ def test_acceptance_follows_metropolis_hastings():
 
 def test_progress_is_reported():
     seen = []
-    _run("mlp", max_proposals=300, progress=seen.append)
-    assert seen and all({"proposals", "elapsed_s", "best_ms"} <= set(p) for p in seen)
+    result = _run("mlp", max_proposals=300, progress=seen.append)
+    assert seen and all({"proposals", "proposals_per_s", "elapsed_s", "best_ms"} <= set(p) for p in seen)
+    # the first report comes once the baselines are simulated: no proposals yet, the best baseline's time
+    best_baseline = min(ms for ms in result.baseline_ms().values() if ms is not None)
+    assert seen[0]["proposals"] == 0 and seen[0]["best_ms"] == best_baseline
+    assert all(p["proposals_per_s"] >= 0 for p in seen)
+    assert [p["best_ms"] for p in seen] == sorted((p["best_ms"] for p in seen), reverse=True)
+
+
+class SlowFlat(FullEvaluator):
+    """Every strategy costs the same (nothing ever improves) and each costing takes 1 ms."""
+
+    def __init__(self):
+        super().__init__(self._cost)
+
+    @staticmethod
+    def _cost(strategy):
+        import time
+
+        time.sleep(1e-3)
+        return Cost(time_ms=10.0)
+
+
+class SlowFlatEvaluators:
+    def __call__(self, graph, topology):
+        return SlowFlat()
+
+
+def test_time_budget_stops_when_the_best_stalls_for_half_the_budget():
+    """Nothing beats the baselines: the search stops about half-way through its time budget."""
+    result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=SlowFlatEvaluators(), budget_s=2.0)
+    assert all(c.stop == "stalled" for c in result.chains)
+    assert 0.9 <= result.elapsed_s < 1.8, result.elapsed_s
+    assert result.num_proposals > 0 and result.best_source in ("dp", "mp", "tp", "expert")
+
+
+class CountingEvaluators:
+    """`ToyEvaluators` that count how many strategies are simulated from scratch (`start`)."""
+
+    def __init__(self):
+        self.starts = 0
+
+    def __call__(self, graph, topology):
+        factory = self
+
+        class Counting(FullEvaluator):
+            def start(self, strategy):
+                factory.starts += 1
+                return super().start(strategy)
+
+        return Counting(ToyCost(graph, topology))
+
+
+def test_chains_from_baselines_reuse_the_baselines_simulations():
+    evaluators = CountingEvaluators()
+    result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=evaluators, max_proposals=100,
+                    random_chains=2)
+    # four baselines, then only the two random starts: dp's and expert's chains take over their evaluators
+    assert {"dp", "expert", "random0", "random1"} <= {c.name for c in result.chains}
+    assert evaluators.starts == 4 + 2
+
+
+class SlowStartEvaluators:
+    """Every strategy costs 10 ms, and simulating one from scratch (`start`) takes 0.2 s."""
+
+    def __call__(self, graph, topology):
+        class SlowStart(FullEvaluator):
+            def start(self, strategy):
+                import time
+
+                time.sleep(0.2)
+                return super().start(strategy)
+
+        return SlowStart(lambda s: Cost(time_ms=10.0))
+
+
+def test_chains_are_not_started_past_the_time_budget():
+    """Simulating the four baselines spends the budget: the random chain is not started, the baselines'
+    chains (which reuse the baselines' simulations) still run, and the search ends near its budget."""
+    result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=SlowStartEvaluators(), budget_s=0.5)
+    stops = {c.name: c.stop for c in result.chains}
+    assert stops["random0"] == "not started: time"
+    assert result.elapsed_s < 1.3 and result.best_source in ("dp", "mp", "tp", "expert")

@@ -1,0 +1,174 @@
+"""`soapflow.optimize`: the optimize and compare reports, their text, plots, and bad input.
+
+Small models on small topologies with proposal budgets, so every test runs in seconds and its result
+depends on the seed alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from search.mcmc import NoFeasibleStrategy
+from simulator.engine import simulate
+from soap.strategy import load_strategy
+from soap.topology import load_topology
+from soapflow.api import capture_model
+from soapflow.optimize import compare, compare_text, optimize, optimize_text
+
+PNG = b"\x89PNG\r\n\x1a\n"
+OPTIMIZE_KEYS = {"best", "baselines", "speedup_vs_dp", "num_proposals", "proposals_per_s", "elapsed_s", "history"}
+
+
+def _optimize(tmp_path, **kw):
+    kw.setdefault("batch", 8)
+    kw.setdefault("max_proposals", 300)
+    kw.setdefault("budget_s", None)
+    return optimize(kw.pop("model", "mlp"), kw.pop("topology", "cpu-2"), out_path=tmp_path / "best.json", **kw)
+
+
+def test_optimize_report_keys_table_and_strategy_file(tmp_path):
+    seen = []
+    out = _optimize(tmp_path, progress=seen.append, plot=tmp_path / "conv.png")
+    assert OPTIMIZE_KEYS <= set(out)
+    assert set(out["best"]) >= {"iteration_time_ms", "strategy_file"}
+    assert set(out["baselines"]) == {"dp", "mp", "tp", "expert"}
+    best = out["best"]["iteration_time_ms"]
+    assert best <= min(ms for ms in out["baselines"].values() if ms is not None)
+    assert out["speedup_vs_dp"] == pytest.approx(out["baselines"]["dp"] / best)
+    assert out["num_proposals"] > 0 and out["proposals_per_s"] > 0 and out["elapsed_s"] > 0
+    assert out["history"][0][0] == 0 and out["history"][-1][2] == best
+    # the table: the best first, then every baseline, with time, speed-up over dp and peak memory
+    table = out["table"]
+    assert [r["strategy"] for r in table] == ["best", "dp", "mp", "tp", "expert"]
+    assert all(r["peak_memory_bytes"] > 0 for r in table)
+    assert next(r for r in table if r["strategy"] == "dp")["speedup_vs_dp"] == pytest.approx(1.0)
+    # the strategy file holds the best strategy, which simulates to the reported time
+    _, graph = capture_model("mlp", batch_size=8)
+    topology = load_topology("cpu-2")
+    strategy = load_strategy(out["best"]["strategy_file"], graph, 2)
+    assert simulate(graph, strategy, topology).iteration_time_ms == pytest.approx(best, rel=1e-12)
+    assert json.loads((tmp_path / "best.json").read_text())["format"] == "soapflow.strategy/1"
+    # progress: proposals per second and the best so far, the best never rising
+    assert seen and all({"proposals", "proposals_per_s", "best_ms", "elapsed_s"} <= set(p) for p in seen)
+    assert seen[-1]["best_ms"] >= best
+    # a summary of what the strategy does, and the plot
+    assert out["strategy"]["description"] and out["strategy"]["groups"]
+    assert (tmp_path / "conv.png").read_bytes().startswith(PNG)
+    json.dumps(out)  # JSON-able as it is
+
+
+def test_optimize_text_has_the_table_and_the_summary(tmp_path):
+    out = _optimize(tmp_path)
+    text = optimize_text(out)
+    for word in ("best", "dp", "mp", "tp", "expert", "vs dp", "peak memory", "proposals", "what the best"):
+        assert word in text
+    assert out["best"]["strategy_file"] in text
+
+
+def test_optimize_beats_data_parallel_on_the_mlp(tmp_path):
+    out = _optimize(tmp_path, batch=64)
+    assert out["speedup_vs_dp"] > 1.2
+    assert any("shard" in line for line in out["strategy"]["description"])
+
+
+def test_same_seed_same_strategy(tmp_path):
+    a = _optimize(tmp_path, seed=3)
+    first = (tmp_path / "best.json").read_text()
+    b = _optimize(tmp_path, seed=3)
+    assert a["best"]["iteration_time_ms"] == b["best"]["iteration_time_ms"]
+    assert (tmp_path / "best.json").read_text() == first
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"budget_s": 0}, "budget must be > 0"),
+    ({"budget_s": -3.0}, "budget must be > 0"),
+    ({"budget_s": None, "max_proposals": 0}, "proposal budget must be > 0"),
+    ({"budget_s": None, "max_proposals": None}, "needs a time budget"),
+    ({"budget_s": 5, "jobs": 0}, "jobs"),
+])
+def test_bad_budgets_fail_fast_with_one_line(tmp_path, kw, match):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=match) as info:
+        optimize("mlp", "cpu-2", out_path=tmp_path / "x.json", **kw)
+    assert "\n" not in str(info.value)
+    assert time.monotonic() - t0 < 1.0  # before capturing the model
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_unknown_model_and_topology(tmp_path):
+    with pytest.raises(ValueError, match="neither a zoo model") as info:
+        _optimize(tmp_path, model="no_such_model")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown topology") as info:
+        _optimize(tmp_path, topology="tpu-9x9")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="unknown topology"):
+        compare("mlp", "tpu-9x9", batch=8)
+
+
+def test_more_devices_than_the_batch_allows_for_dp(tmp_path):
+    """Batch 3 on 2 devices: dp is not defined; the search still runs, dp is reported as null."""
+    out = _optimize(tmp_path, batch=3)
+    assert out["baselines"]["dp"] is None and out["speedup_vs_dp"] is None
+    assert "dp" in out["baseline_notes"] and "batch" in out["baseline_notes"]["dp"]
+    assert out["best"]["iteration_time_ms"] > 0
+    assert json.loads(json.dumps(out))["baselines"]["dp"] is None
+    assert "dp" in optimize_text(out)
+    rows = {r["strategy"]: r for r in compare("mlp", "cpu-2", batch=3)["rows"]}
+    assert rows["dp"]["simulated_ms"] is None and "not applicable" in rows["dp"]["note"]
+    assert rows["tp"]["simulated_ms"] > 0 and rows["tp"]["speedup_vs_dp"] is None
+
+
+def _tiny_topology(tmp_path, memory_gb: float) -> str:
+    doc = {"format": "soapflow.topology/1", "name": "tiny",
+           "devices": [{"id": i, "kind": "p100", "node": 0, "memory_gb": memory_gb} for i in range(2)],
+           "links": [{"src": "gpu0", "dst": "gpu1", "kind": "nvlink", "spec": "nvlink1"}]}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_no_feasible_strategy_names_the_smallest_need(tmp_path):
+    with pytest.raises(NoFeasibleStrategy, match=r"smallest peak memory need .* is [0-9.]+ [MGk]?B") as info:
+        _optimize(tmp_path, topology=_tiny_topology(tmp_path, 1e-5), max_proposals=100)
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+    assert not (tmp_path / "best.json").exists()
+
+
+def test_compare_simulated_rows_text_and_plot(tmp_path):
+    found = _optimize(tmp_path)["best"]["strategy_file"]
+    out = compare("mlp", "cpu-2", strategies=["dp", "tp", found], batch=8, plot=tmp_path / "cmp.png")
+    rows = {r["strategy"]: r for r in out["rows"]}
+    assert set(rows) == {"dp", "tp", found}
+    for r in rows.values():
+        assert {"strategy", "simulated_ms", "measured_ms", "error", "speedup_vs_dp"} <= set(r)
+        assert r["simulated_ms"] > 0 and r["measured_ms"] is None and r["error"] is None
+    assert rows["dp"]["speedup_vs_dp"] == pytest.approx(1.0)
+    assert rows[found]["speedup_vs_dp"] == pytest.approx(rows["dp"]["simulated_ms"] / rows[found]["simulated_ms"])
+    assert (tmp_path / "cmp.png").read_bytes().startswith(PNG)
+    text = compare_text(out)
+    assert "simulated" in text and "best.json" in text
+    assert [r["strategy"] for r in compare("mlp", "cpu-2", batch=8)["rows"]] == ["dp", "mp", "tp", "expert"]
+
+
+def test_compare_measure_needs_this_machine():
+    with pytest.raises(ValueError, match="cpu-N"):
+        compare("mlp", "p100-4x4", batch=16, measure=True)
+    with pytest.raises(ValueError, match="steps"):
+        compare("mlp", "cpu-2", batch=8, measure=True, steps=0)
+
+
+def test_compare_measures_on_this_machine(tmp_path):
+    out = compare("mlp", "cpu-2", strategies=["dp", "tp"], batch=8, measure=True, steps=2,
+                  plot=tmp_path / "m.png")
+    rows = {r["strategy"]: r for r in out["rows"]}
+    for r in rows.values():
+        assert r["measured_ms"] > 0 and len(r["measured_runs_ms"]) == 1
+        assert r["error"] == pytest.approx((r["simulated_ms"] - r["measured_ms"]) / r["measured_ms"])
+    assert rows["dp"]["speedup_vs_dp"] == pytest.approx(1.0)
+    assert rows["tp"]["speedup_vs_dp"] == pytest.approx(rows["dp"]["measured_ms"] / rows["tp"]["measured_ms"])
+    assert "measured" in compare_text(out)
+    assert (tmp_path / "m.png").read_bytes().startswith(PNG)
