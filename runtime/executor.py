@@ -58,7 +58,7 @@ class Executor:
 
     def __init__(self, graph: OperatorGraph, plan: Plan, *, rank: int, tensors: Mapping[str, torch.Tensor],
                  module: torch.nn.Module | None = None, float_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = 25 * 2**20, timeout_s: float = 60.0):
+                 bucket_bytes: int = 4 * 2**20, timeout_s: float = 60.0):
         self.graph = graph
         self.plan = plan
         self.rank = rank
@@ -66,6 +66,7 @@ class Executor:
         self.float_dtype = float_dtype
         self.where = "setup"
         self.step = 0
+        self.num_forwards = 0
         self.distributed = plan.num_devices > 1
         self.shards: dict[tuple[str, Region], torch.Tensor] = {}
         self.buffers: dict[tuple[str, Region], torch.Tensor] = {}
@@ -98,7 +99,24 @@ class Executor:
                 buffers[name] = self.buffers[key]
             self.op_buffers[op.name] = buffers
         self.redists = {op.name: self._redistribution(op) for op in graph}
-        groups = make_groups(plan.groups, timeout_s=timeout_s) if self.distributed else {}
+        # Per-op facts of the plan that every step reads (worked out once: a step is a hot loop).
+        self.boxes = {op.name: plan.parts[op.name][p][0] if (p := plan.local_part(op.name, rank)) is not None
+                      else None for op in graph}
+        self.out_refs = {op.name: tuple(TensorRef(op=op.name, index=i) for i in range(len(op.outputs)))
+                         for op in graph}
+        self.input_slices = {op.name: as_slices(op_def(op.kind).output_region(op, self.boxes[op.name], 0))
+                             for op in graph if op.kind == "input" and self.boxes[op.name] is not None}
+        self.grad_shapes = {ref: region_shape(edge.src_regions[j])
+                            for edges in plan.edges.values() for edge in edges
+                            if (ref := edge.ref) and (j := plan.local_part(ref.op, rank)) is not None}
+        self.wheres = {op.name: (f"forward of op {op.name!r} ({op.kind})", f"backward of op {op.name!r} ({op.kind})")
+                       for op in graph}
+        # Every process group, for gradient synchronization and for the exchanges between ops, created up
+        # front in the same (sorted) order on every rank.
+        device_sets = set(plan.groups).union(*(r.device_sets() for r in self.redists.values()))
+        groups = make_groups(sorted(device_sets), timeout_s=timeout_s) if self.distributed else {}
+        for r in self.redists.values():
+            r.bind(groups)
         self.sync = GradSync(plan.sync, rank=rank, groups=groups, bucket_bytes=bucket_bytes,
                              grad_of=self._grad_of, set_grad=self._set_grad)
         self.saved: dict[str, tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]]] = {}
@@ -139,7 +157,8 @@ class Executor:
         params = self.op_params[op.name]
         if op.kind != "opaque":
             return kernels.compute_part(op, box, inputs, params, training=True,
-                                        buffers=self.op_buffers[op.name], step=self.step)
+                                        buffers=self.op_buffers[op.name], step=self.step,
+                                        check=self.num_forwards == 0)
         target = None
         if op.attrs.get("target", "module") == "module":
             assert self.module is not None, "opaque ops need the model"
@@ -150,35 +169,38 @@ class Executor:
                 return torch.func.functional_call(sub, dict(params), args, kwargs, strict=False)
         return kernels.run_opaque(op, target, inputs, params)
 
-    def forward(self, batch: Sequence[torch.Tensor], *, step: int = 0) -> torch.Tensor:
+    def forward(self, batch: Sequence[torch.Tensor], *, step: int = 0, fail: bool = False) -> torch.Tensor:
         """Run the forward pass on the full synthetic batch `batch` (one tensor per `input` position);
-        returns this rank's share of the loss (a 0-dim tensor, zero when it holds no loss part)."""
+        returns this rank's share of the loss (a 0-dim tensor, zero when it holds no loss part).
+
+        `fail` (a test hook) raises in the first op this rank computes, as a failing kernel would."""
         self.step = step
         self.saved.clear()
         self.values.clear()
         self.grads.clear()
         for op in self.graph:
-            self.where = f"forward of op {op.name!r} ({op.kind})"
+            self.where = self.wheres[op.name][0]
             if op.name in self.constants:
                 continue
             edges = self.plan.edges[op.name]
             inputs = self.redists[op.name].forward([self._local_output(e) for e in edges])
-            p = self.plan.local_part(op.name, self.rank)
-            if p is None:
+            box = self.boxes[op.name]
+            if box is None:
                 continue
-            box = self.plan.parts[op.name][p][0]
             if op.kind == "input":
-                region = op_def(op.kind).output_region(op, box, 0)
                 full = batch[int(op.attrs["position"])]
-                outs = (self._cast(full[as_slices(region)]),)
+                outs = (self._cast(full[self.input_slices[op.name]]),)
                 leaves: list[torch.Tensor | None] = []
             else:
                 leaves = [x.detach().requires_grad_(True) if x is not None and e.needs_grad else x
                           for e, x in zip(edges, inputs, strict=True)]
+                if fail:
+                    raise RuntimeError("injected fault (test hook)")
                 outs = self._compute(op, box, leaves)
             self.saved[op.name] = (leaves, outs)
             self.values[op.name] = tuple(o.detach() for o in outs)
         self.where = "loss"
+        self.num_forwards += 1
         loss_part = self.values.get(self.plan.loss_op)
         if loss_part is None:
             return torch.zeros((), dtype=self.float_dtype)
@@ -190,8 +212,12 @@ class Executor:
         ref = edge.ref
         buf = self.grads.get(ref)
         if buf is None:
-            j = self.plan.local_part(ref.op, self.rank)
-            shape = region_shape(edge.src_regions[j])
+            shape = self.grad_shapes[ref]
+            if tuple(piece.shape) == shape:
+                # The first contribution covers the whole output part: keep it, add later ones into it.
+                # It is a gradient buffer nothing else reads (a leaf's .grad or a received buffer).
+                self.grads[ref] = piece
+                return
             buf = self.grads[ref] = torch.zeros(shape, dtype=piece.dtype)
         buf[slices].add_(piece)
 
@@ -200,17 +226,17 @@ class Executor:
         replicated parameter gradients (waits for the all-reduces before returning)."""
         loss = self.saved.get(self.plan.loss_op)
         if loss is not None:
-            self.grads[TensorRef(op=self.plan.loss_op, index=0)] = torch.ones_like(loss[1][0])
+            self.grads[self.out_refs[self.plan.loss_op][0]] = torch.ones_like(loss[1][0])
         for op in reversed(self.graph.ops):
-            self.where = f"backward of op {op.name!r} ({op.kind})"
+            self.where = self.wheres[op.name][1]
             if op.name in self.constants:
                 continue
             in_grads: list[torch.Tensor | None] = [None] * len(op.inputs)
             saved = self.saved.pop(op.name, None)
             if saved is not None and op.kind != "input":
                 leaves, outs = saved
-                pairs = [(o, self.grads.pop(TensorRef(op=op.name, index=i)))
-                         for i, o in enumerate(outs) if TensorRef(op=op.name, index=i) in self.grads]
+                pairs = [(o, self.grads.pop(ref)) for o, ref in zip(outs, self.out_refs[op.name], strict=True)
+                         if ref in self.grads]
                 pairs = [(o, g) for o, g in pairs if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -235,7 +261,8 @@ class Executor:
 
     def _set_grad(self, e: SyncEntry, value: torch.Tensor) -> None:
         if e.region is not None:
-            self.shards[(e.fqn, e.region)].grad = value.clone()
+            # `value` is this gradient's own reduced buffer (or a slice of a bucket used once): no copy.
+            self.shards[(e.fqn, e.region)].grad = value
             return
         for (fqn, region), shard in self.shards.items():
             if fqn == e.fqn:

@@ -44,7 +44,7 @@ Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor],
 
 def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
                  training: bool = True, buffers: Mapping[str, Tensor] | None = None,
-                 step: int = 0) -> tuple[Tensor, ...]:
+                 step: int = 0, check: bool = True) -> tuple[Tensor, ...]:
     """The outputs of part `box` of `op`, each shaped as `output_region(op, box, i)`.
 
     `inputs` holds one tensor per entry of `input_regions(op, box)` (None where that is None), `params`
@@ -52,7 +52,8 @@ def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params
     (batchnorm's running statistics; updated in place in training; with momentum None also
     `num_batches_tracked`, already counting this batch). Where the box covers part of a dim without an
     output axis the outputs are partial sums. `training` switches dropout and batchnorm; `step` varies the
-    dropout mask from one training step to the next.
+    dropout mask from one training step to the next. `check` asserts the output shapes against the
+    registry (the runtime checks the first step only: the shapes do not change between steps).
     """
     kernel = _KERNELS.get(op.kind)
     if kernel is None:
@@ -60,6 +61,8 @@ def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params
                          f"(the runtime feeds input and constant ops and calls run_opaque for opaque ones)")
     ctx = _Context(training=training, buffers=dict(buffers or {}), step=step)
     outputs = kernel(op, box, inputs, params, ctx)
+    if not check:
+        return outputs
     entry = op_def(op.kind)
     for i, out in enumerate(outputs):
         expected = _shape(entry.output_region(op, box, i))
@@ -163,18 +166,31 @@ def _pad_window(x: Tensor, need: tuple[Range, Range], have: tuple[Range, Range],
     return F.pad(x, (left, right, top, bottom), value=value)
 
 
+def _symmetric_pads(need: tuple[Range, Range], have: tuple[Range, Range]) -> tuple[int, int] | None:
+    """(rows, columns) of padding when the window runs equally far past both borders of each axis (a
+    part that covers the whole height and width): the kernel's own padding then does it without the
+    copy of an explicit pad (and its backward). None when the padding is one-sided (a halo part)."""
+    top, bottom = _pads(need[0], have[0])
+    left, right = _pads(need[1], have[1])
+    if have[0][1] <= have[0][0] or have[1][1] <= have[1][0] or top != bottom or left != right:
+        return None
+    return (top, left)
+
+
 # ---------------------------------------------------------------- layers with weights
 
 
 def _conv2d(op, box, inputs, params, ctx):
     entry = op_def(op.kind)
     (region,) = entry.input_regions(op, box)
-    x = _pad_window(inputs[0], entry.needed_window(op, box), (region[2], region[3]), 0.0)
+    need, have = entry.needed_window(op, box), (region[2], region[3])
+    padding = _symmetric_pads(need, have)
+    x = inputs[0] if padding is not None else _pad_window(inputs[0], need, have, 0.0)
     weight = params["weight"]
     # a part holds whole groups or lies inside one: its group count follows from the channel counts
     groups = x.shape[1] // weight.shape[1]
-    return (F.conv2d(x, weight, params.get("bias"), stride=_pair(op.attrs.get("stride", 1)), padding=0,
-                     dilation=_pair(op.attrs.get("dilation", 1)), groups=groups),)
+    return (F.conv2d(x, weight, params.get("bias"), stride=_pair(op.attrs.get("stride", 1)),
+                     padding=padding or 0, dilation=_pair(op.attrs.get("dilation", 1)), groups=groups),)
 
 
 def _linear(op, box, inputs, params, ctx):
@@ -252,7 +268,11 @@ def _pool2d(op, box, inputs, params, ctx):
     kernel = _pair(a["kernel"])
     stride = _pair(a.get("stride") or a["kernel"])
     if a.get("mode", "max") == "max":
-        # -inf padding never wins a max, so the explicit pad acts like torch's implicit one
+        # -inf padding never wins a max, so the explicit pad acts like torch's implicit one (which
+        # allows at most half a kernel)
+        padding = _symmetric_pads(need, have)
+        if padding is not None and all(2 * p <= k for p, k in zip(padding, kernel, strict=True)):
+            return (F.max_pool2d(inputs[0], kernel, stride, padding, _pair(a.get("dilation", 1))),)
         x = _pad_window(inputs[0], need, have, -math.inf)
         return (F.max_pool2d(x, kernel, stride, 0, _pair(a.get("dilation", 1))),)
     x = _pad_window(inputs[0], need, have, 0.0)

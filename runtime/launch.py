@@ -16,6 +16,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -33,7 +34,23 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "runtime.train")
 
 
 class LaunchError(RuntimeError):
-    """A worker failed (or timed out); the message names the rank and what it was doing."""
+    """A worker failed (or timed out); the message (one line) names the rank and what it was doing."""
+
+
+def one_line(message: str, limit: int = 400) -> str:
+    """`message` on one line (newlines folded), at most `limit` characters."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _exit_reason(rank: int, exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} was killed by {name}"
+    return f"rank {rank} exited with code {exitcode}"
 
 
 def torchrun_env() -> tuple[int, int] | None:
@@ -78,6 +95,27 @@ def _worker(rank: int, world_size: int, fn: Callable[..., Any], kwargs: dict[str
             dist.destroy_process_group()
 
 
+def _root_cause(failed: list[int], procs: list[Any], pending: dict[Any, tuple[int, Any]], result_dir: Path,
+                grace_s: float = 1.0) -> str:
+    """The message of the rank that failed first. A rank that dies makes its peers fail moments later
+    (their receives see the closed connection), so wait up to `grace_s` for those, then blame a rank that
+    died without a word (a signal) or else the rank that wrote its error first."""
+    end = time.monotonic() + grace_s
+    while pending and time.monotonic() < end:
+        for sentinel in multiprocessing.connection.wait(list(pending), timeout=max(0.0, end - time.monotonic())):
+            rank, p = pending.pop(sentinel)
+            p.join()
+            if p.exitcode != 0:
+                failed.append(rank)
+    errors = {rank: result_dir / f"rank{rank}.err" for rank in failed}
+    silent = [rank for rank in failed if not errors[rank].exists()]
+    if silent:
+        rank = min(silent)
+        return f"{_exit_reason(rank, procs[rank].exitcode)} (no error message; the other ranks were stopped)"
+    rank = min(failed, key=lambda r: (errors[r].stat().st_mtime_ns, r))
+    return errors[rank].read_text()
+
+
 def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None = None, backend: str = "gloo",
            timeout_s: float = DEFAULT_TIMEOUT_S, wall_timeout_s: float | None = None,
            num_threads: int | None = None, start_method: str = "forkserver") -> list[Any]:
@@ -114,14 +152,14 @@ def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None 
                 if not ready:
                     failure = f"the run exceeded {wall_timeout_s} s"
                     break
+                failed = []
                 for sentinel in ready:
                     rank, p = pending.pop(sentinel)
                     p.join()
                     if p.exitcode != 0:
-                        err = Path(result_dir) / f"rank{rank}.err"
-                        failure = (err.read_text() if err.exists()
-                                   else f"rank {rank} exited with code {p.exitcode}")
-                        break
+                        failed.append(rank)
+                if failed:
+                    failure = _root_cause(failed, procs, pending, Path(result_dir))
         finally:
             for p in procs:
                 if p.is_alive():
@@ -129,7 +167,7 @@ def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None 
             for p in procs:
                 p.join()
         if failure is not None:
-            raise LaunchError(failure)
+            raise LaunchError(one_line(failure))
         results = []
         for rank in range(nproc):
             with open(Path(result_dir) / f"rank{rank}.pkl", "rb") as f:

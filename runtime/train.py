@@ -1,9 +1,14 @@
 """The training loop of one rank, synthetic batches, optimizers, and verification against one process.
 
 Owns `Workload` (what a model builder returns to the runtime), `TrainOptions`, `train_rank` (the function
-every rank runs: build, shard, train K steps, time them, optionally gather and verify), `synthetic_batch`,
+every rank runs: build, shard, optionally resume from a checkpoint, train K steps, time them, save
+checkpoints, optionally gather and verify), `train_step` (one step, what is timed), `synthetic_batch`,
 `integer_highs`, `reference_train` and `compare`. Imports `soap`, torch and the other `runtime` modules
 only (no simulator, no search, no soapflow: the caller passes a picklable `build` function instead).
+
+Checkpoints (`runtime.checkpoint`) are gathered on rank 0 as full tensors and restored by loading them
+into the freshly built model before it is sharded, and by slicing the optimizer state per shard: a run
+resumes under any strategy and process count.
 
 Synthetic data: step `s` draws every example tensor from a generator seeded by (seed, s, position), the
 same on every rank and in the reference. Floating tensors are standard normal (drawn in float32, then
@@ -23,6 +28,8 @@ exactly DDP's computation, which the tests check against `DistributedDataParalle
 from __future__ import annotations
 
 import math
+import os
+import signal
 import statistics
 import time
 import types
@@ -34,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.checkpoint import Checkpoint, assemble, load_checkpoint, save_checkpoint, shard_state
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices
 from runtime.plan import Plan, build_plan
 from soap.config import ParallelConfig
@@ -41,6 +49,7 @@ from soap.graph import OperatorGraph
 from soap.strategy import Strategy
 
 OPTIMIZERS = ("sgd", "adam")
+FAULTS = ("raise", "kill")
 # Ops that move elements without changing what they mean: an integer input keeps its range through them.
 _SHAPE_OPS = frozenset({"reshape", "transpose", "slice", "split", "concat"})
 
@@ -66,6 +75,10 @@ class TrainOptions:
 
     `dtype` is the dtype floating tensors compute in (float64 makes verification tight); `verify` gathers
     the parameters on rank 0 and compares losses and parameters with single-process training.
+    `checkpoint_dir` receives a checkpoint every `checkpoint_every` steps (0: only after the last step);
+    `resume_from` is a checkpoint file to continue from (its step count is the first step run).
+    `fault` = (kind, rank, step) is a test hook: at the start of that step that rank raises inside its first
+    op's forward (`"raise"`) or SIGKILLs itself (`"kill"`).
     """
 
     steps: int = 3
@@ -75,10 +88,18 @@ class TrainOptions:
     seed: int = 0
     dtype: str = "float32"
     verify: bool = False
-    bucket_mb: float = 25.0
+    bucket_mb: float = 4.0
     timeout_s: float = 60.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume_from: str | None = None
+    fault: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be non-negative, got {self.checkpoint_every}")
+        if self.fault is not None and self.fault[0] not in FAULTS:
+            raise ValueError(f"unknown fault {self.fault[0]!r}; known: {', '.join(FAULTS)}")
         if self.steps < 1:
             raise ValueError(f"steps must be positive, got {self.steps}")
         if self.optimizer not in OPTIMIZERS:
@@ -181,13 +202,95 @@ def _gather_params(executor: Executor, plan: Plan, rank: int) -> tuple[dict[str,
     return full, replica_diff
 
 
+def train_step(executor: Executor, optimizer: torch.optim.Optimizer | None, batch: Sequence[torch.Tensor], *,
+               step: int, fail: bool = False) -> torch.Tensor:
+    """One training step (forward, backward with gradient synchronization, optimizer update) on the full
+    global `batch`; returns this rank's share of the loss. Errors become `ExecutionError` naming the op."""
+    try:
+        local = executor.forward(batch, step=step, fail=fail)
+        executor.backward()
+        executor.where = "optimizer step"
+        if optimizer is not None:
+            optimizer.step()
+        executor.zero_grad()
+    except Exception as exc:
+        raise ExecutionError(f"step {step}, {executor.where}: {type(exc).__name__}: {exc}") from exc
+    return local
+
+
+def _restore(module: nn.Module, ckpt: Checkpoint) -> None:
+    """Load a checkpoint's full parameters and buffers into the freshly built `module`."""
+    tensors = named_tensors(module)
+    saved = {**ckpt.params, **ckpt.buffers}
+    for name, value in saved.items():
+        if name not in tensors:
+            raise ValueError(f"checkpoint tensor {name!r} is not in the model")
+        if tuple(tensors[name].shape) != tuple(value.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
+                             f"the model's is {tuple(tensors[name].shape)}")
+    with torch.no_grad():
+        for name, value in saved.items():
+            tensors[name].copy_(value)
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, executor: Executor, plan: Plan, ckpt: Checkpoint,
+                       options: TrainOptions) -> None:
+    if ckpt.optimizer != options.optimizer:
+        raise ValueError(f"the checkpoint was written with optimizer {ckpt.optimizer}, this run uses "
+                         f"{options.optimizer}")
+    for fqn, region, shard in executor.shard_items():
+        full = ckpt.optimizer_state.get(fqn)
+        if full:
+            state = shard_state(full, region, plan.param_shapes[fqn])
+            optimizer.state[shard] = {k: v.to(shard.dtype) if isinstance(v, torch.Tensor) and v.dim() else v
+                                      for k, v in state.items()}
+
+
+def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: Plan, *, rank: int,
+          module: nn.Module, step: int, losses: Sequence[float], options: TrainOptions,
+          meta: Mapping[str, Any]) -> None:
+    """Gather every rank's shards, optimizer state and buffers on rank 0, which writes the checkpoint;
+    returns once it is on disk (a barrier), so a rank that dies afterwards cannot spoil it."""
+    items = []
+    for fqn, region, shard in executor.shard_items():
+        state = optimizer.state.get(shard, {}) if optimizer is not None else {}
+        items.append((fqn, region, shard.detach().clone(),
+                      {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}))
+    buffers = [(fqn, region, t.clone()) for (fqn, region), t in sorted(executor.buffers.items())]
+    gathered: list[Any] = [(items, buffers)]
+    if plan.num_devices > 1:
+        gathered = [None] * plan.num_devices if rank == 0 else None
+        dist.gather_object((items, buffers), gathered, dst=0)
+    if rank == 0:
+        initial = named_tensors(module)
+        all_items = [it for rank_items, _ in gathered for it in rank_items]
+        params = assemble([(f, r, t) for f, r, t, _ in all_items], initial)
+        state: dict[str, dict[str, Any]] = {}
+        for fqn, region, shard, shard_state_ in all_items:
+            for key, value in shard_state_.items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape == shard.shape:
+                    full = state.setdefault(fqn, {}).get(key)
+                    if full is None:
+                        full = state[fqn][key] = torch.zeros(plan.param_shapes[fqn], dtype=value.dtype)
+                    full[as_slices(region)] = value
+                else:
+                    state.setdefault(fqn, {}).setdefault(key, value)
+        bufs = assemble([b for _, rank_buffers in gathered for b in rank_buffers], initial)
+        save_checkpoint(options.checkpoint_dir, Checkpoint(
+            step=step, params=params, buffers=bufs, optimizer=options.optimizer, optimizer_state=state,
+            losses=tuple(losses), meta=dict(meta)))
+    if plan.num_devices > 1:
+        dist.barrier()
+
+
 def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], graph: Mapping[str, Any],
                strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions) -> dict[str, Any]:
     """Train on this rank (torch.distributed initialized when world_size > 1); the launcher's target.
 
     `graph` is `OperatorGraph.to_dict()` and `strategy` the per-op configs, so every rank runs exactly
-    the plan the caller validated. Returns `rank`, `losses` (per step), `step_time_ms` (per step) and,
-    on rank 0 with `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
+    the plan the caller validated. Returns `rank`, `first_step` (0, or the resumed checkpoint's step),
+    `losses` and `step_time_ms` (per step run), `step_time_ms_per_rank` (every rank's list) and, on rank 0
+    with `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
     """
     g = OperatorGraph.from_dict(graph)
     plan = build_plan(g, strategy_from_configs(strategy), world_size)
@@ -195,42 +298,51 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
     torch.manual_seed(options.seed)
     workload = build()
     module = workload.module.to(dtype)
+    ckpt = load_checkpoint(options.resume_from) if options.resume_from is not None else None
+    if ckpt is not None:
+        _restore(module, ckpt)
     executor = Executor(g, plan, rank=rank, tensors=named_tensors(module), module=module, float_dtype=dtype,
                         bucket_bytes=int(options.bucket_mb * 2**20), timeout_s=options.timeout_s)
     # A rank may hold no parameter at all (every op with weights placed elsewhere).
     optimizer = make_optimizer(executor.parameters(), options) if executor.parameters() else None
+    if ckpt is not None and optimizer is not None:
+        _restore_optimizer(optimizer, executor, plan, ckpt, options)
+    first_step = ckpt.step if ckpt is not None else 0
     highs = integer_highs(g, module)
     losses: list[float] = []
     times_ms: list[float] = []
-    for step in range(options.steps):
+    meta = {"graph": g.name, "fingerprint": g.fingerprint, "seed": options.seed, "num_devices": world_size}
+    for step in range(first_step, options.steps):
         batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
+        fault = options.fault is not None and options.fault[1:] == (rank, step)
+        if fault and options.fault[0] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         if world_size > 1:
             dist.barrier()
         start = time.perf_counter()
-        try:
-            local = executor.forward(batch, step=step)
-            executor.backward()
-            executor.where = "optimizer step"
-            if optimizer is not None:
-                optimizer.step()
-            executor.zero_grad()
-        except Exception as exc:
-            raise ExecutionError(f"step {step}, {executor.where}: {type(exc).__name__}: {exc}") from exc
+        local = train_step(executor, optimizer, batch, step=step, fail=fault)
         times_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(executor.all_reduce_loss(local))
-    median_ms = statistics.median(times_ms)
-    per_rank: list[Any] = [median_ms]
+        done = step + 1
+        if options.checkpoint_dir is not None and (
+                done == options.steps or (options.checkpoint_every and done % options.checkpoint_every == 0)):
+            _save(executor, optimizer, plan, rank=rank, module=module, step=done, losses=losses,
+                  options=options, meta=meta)
+    per_rank: list[Any] = [times_ms]
     if world_size > 1:
         per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, median_ms)
-    result: dict[str, Any] = {"rank": rank, "losses": losses, "step_time_ms": times_ms,
-                              "median_step_time_ms": median_ms, "median_step_time_ms_per_rank": per_rank}
+        dist.all_gather_object(per_rank, times_ms)
+    median_ms = statistics.median(times_ms) if times_ms else float("nan")
+    result: dict[str, Any] = {
+        "rank": rank, "first_step": first_step, "losses": losses, "step_time_ms": times_ms,
+        "median_step_time_ms": median_ms, "step_time_ms_per_rank": per_rank,
+        "median_step_time_ms_per_rank": [statistics.median(t) if t else float("nan") for t in per_rank]}
     if options.verify:
         gathered = _gather_params(executor, plan, rank)
         if gathered is not None:
             params, replica_diff = gathered
             ref_losses, ref_params = reference_train(build, g, strategy, options)
-            result["verify"] = compare(losses, params, ref_losses, ref_params) | {
+            result["verify"] = compare(losses, params, ref_losses[first_step:], ref_params) | {
                 "max_replica_abs_diff": replica_diff}
     return result
 

@@ -3,19 +3,24 @@
 A thin composition: capture the model once here, resolve the strategy (a baseline or a strategy file)
 against the `cpu-N` topology, then start one process per device (`runtime.launch`) that trains with the
 SPMD interpreter (`runtime.train.train_rank`). Under torchrun (the env:// variables set) this process is
-one rank of the job instead and trains in place.
+one rank of the job instead and trains in place. A failing rank surfaces as `runtime.launch.LaunchError`
+(one line naming the rank and, when known, the op); docs/runtime.md describes checkpoints and failures.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from runtime.launch import DEFAULT_TIMEOUT_S, init_distributed, launch, torchrun_env
+from runtime.checkpoint import checkpoint_step, latest_checkpoint
+from runtime.launch import DEFAULT_TIMEOUT_S, LaunchError, init_distributed, launch, one_line, torchrun_env
 from runtime.train import TrainOptions, Workload, train_rank
 from soap.strategy import read_strategy_doc
 from soap.topology import load_topology
@@ -23,6 +28,7 @@ from soapflow.api import capture_model, resolve_strategy
 from soapflow.models import default_loss, load_model
 
 BACKENDS = ("gloo", "nccl")
+FAULT_ENV = "SOAPFLOW_TEST_FAULT"
 
 
 def build_workload(ref: str, batch_size: int) -> Workload:
@@ -45,25 +51,59 @@ def _num_devices(strategy_ref: str, nproc: int | None) -> int:
     return 2
 
 
+def _fault_hook() -> tuple[str, int, int] | None:
+    """The test hook `SOAPFLOW_TEST_FAULT=KIND:RANK:STEP` (KIND: raise or kill), read here, in the caller,
+    and passed to the ranks explicitly."""
+    value = os.environ.get(FAULT_ENV)
+    if not value:
+        return None
+    kind, _, rest = value.partition(":")
+    rank, _, step = rest.partition(":")
+    if not (rank.isdigit() and step.isdigit()):
+        raise ValueError(f"{FAULT_ENV} must be KIND:RANK:STEP, got {value!r}")
+    return kind, int(rank), int(step)
+
+
 def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: int = 10,
         backend: str = "gloo", verify: bool = False, batch: int | None = None, lr: float = 0.01,
         optimizer: str = "sgd", seed: int = 0, momentum: float = 0.0, dtype: str = "float32",
-        timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None) -> dict[str, Any]:
+        timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+        resume: bool = False, bucket_mb: float = 4.0) -> dict[str, Any]:
     """Train `model_ref` under `strategy_ref` for `steps` steps in `nproc` processes (one per device).
 
-    Returns `losses` (per step), `step_time_ms` (the median step time of each rank, in rank order),
-    `verify` (`max_loss_rel_diff`, `max_param_rel_diff` against single-process training; None unless
-    `verify`), and the resolved `nproc`, `batch_size`, `steps`, `strategy`. `nproc` defaults to the
-    strategy file's device count, else 2. Bad input raises `ValueError` (one line).
+    Returns `losses` (per step run), `first_step` (0, or the step a resumed run started at),
+    `step_time_ms` (the median step time of each rank, in rank order), `step_times_ms` (every rank's
+    list), `iteration_time_ms` (median over steps of the slowest rank's time), `verify`
+    (`max_loss_rel_diff`, `max_param_rel_diff` against single-process training; None unless `verify`),
+    `checkpoint` (the newest checkpoint file written or None), and the resolved `nproc`, `batch_size`,
+    `steps`, `strategy`. `nproc` defaults to the strategy file's device count, else 2.
+
+    `checkpoint_dir` receives a full (unsharded) checkpoint every `checkpoint_every` steps and after the
+    last; `resume` continues from its newest complete checkpoint (any strategy, any process count). Every
+    process group has the timeout `timeout_s`. Bad input raises `ValueError` (one line); a rank that fails
+    or dies raises `LaunchError` (a RuntimeError, one line naming the rank and, when known, the op).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend nccl needs CUDA devices; this machine has none (use gloo)")
     if backend == "nccl":
-        raise ValueError("backend nccl is not supported yet: the runtime computes on CPU tensors (use gloo)")
+        raise ValueError("backend nccl is not supported: the runtime computes on CPU tensors (use gloo)")
+    if checkpoint_dir is None and (checkpoint_every or resume):
+        raise ValueError("checkpoint_every and resume need checkpoint_dir")
+    resume_from = None
+    if resume:
+        found = latest_checkpoint(checkpoint_dir)
+        if found is None:
+            warnings.warn(f"no complete checkpoint in {checkpoint_dir}: starting from step 0", stacklevel=2)
+        elif checkpoint_step(found) > steps:
+            raise ValueError(f"the newest checkpoint in {checkpoint_dir} is at step {checkpoint_step(found)}, "
+                             f"past the {steps} steps asked for")
+        else:
+            resume_from = str(found)
     options = TrainOptions(steps=steps, lr=lr, optimizer=optimizer, momentum=momentum, seed=seed,
-                           dtype=dtype, verify=verify, timeout_s=timeout_s)
+                           dtype=dtype, verify=verify, timeout_s=timeout_s, bucket_mb=bucket_mb,
+                           checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+                           checkpoint_every=checkpoint_every, resume_from=resume_from, fault=_fault_hook())
     env = torchrun_env()
     world = env[1] if env is not None else _num_devices(strategy_ref, nproc)
     if env is not None and nproc is not None and nproc != world:
@@ -76,12 +116,14 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
               "strategy": {name: cfg.to_dict() for name, cfg in strategy.items()},
               "options": options}
     if env is not None:
-        init_distributed(rank=env[0], world_size=world, backend=backend, timeout_s=timeout_s)
-        results = [train_rank(env[0], world, **kwargs)]
+        results = [run_torchrun_rank(env[0], world, backend=backend, timeout_s=timeout_s,
+                                     num_threads=num_threads, kwargs=kwargs)]
     else:
         results = launch(train_rank, world, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
                          num_threads=num_threads)
     first = results[0]
+    per_rank = first["step_time_ms_per_rank"]
+    newest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
     return {
         "model": model_ref,
         "strategy": strategy_ref,
@@ -89,12 +131,28 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         "backend": backend,
         "batch_size": spec.batch_size,
         "steps": steps,
+        "first_step": first["first_step"],
         "losses": first["losses"],
         "step_time_ms": first["median_step_time_ms_per_rank"],
-        "step_times_ms": [r["step_time_ms"] for r in results],
+        "step_times_ms": per_rank,
         "verify": (None if "verify" not in first
                    else {k: v for k, v in first["verify"].items()}),
         "rank": env[0] if env is not None else None,
-        "iteration_time_ms": statistics.median(max(ts) for ts in zip(*[r["step_time_ms"] for r in results],
-                                                                      strict=True)),
+        "iteration_time_ms": (statistics.median(max(ts) for ts in zip(*per_rank, strict=True))
+                              if first["losses"] else None),
+        "checkpoint": None if newest is None else str(newest),
     }
+
+
+def run_torchrun_rank(rank: int, world: int, *, backend: str, timeout_s: float, num_threads: int | None,
+                      kwargs: dict[str, Any]) -> dict[str, Any]:
+    """This process is rank `rank` of a torchrun job: train in place; failures become `LaunchError`."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    init_distributed(rank=rank, world_size=world, backend=backend, timeout_s=timeout_s)
+    try:
+        return train_rank(rank, world, **kwargs)
+    except Exception as exc:
+        raise LaunchError(one_line(f"rank {rank}: {type(exc).__name__}: {exc}")) from exc
+    finally:
+        dist.destroy_process_group()

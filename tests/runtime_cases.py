@@ -92,6 +92,9 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "rnnlm": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4),
     "transformer": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
                                      vocab=32),
+    # Verified in float64: its BatchNorm stack at a tiny batch makes float32 results differ by more than
+    # 1e-5 between any two summation orders (float64 agrees to about 1e-14).
+    "resnet18": functools.partial(zoo_build, "resnet18", 8, num_classes=4, image_size=64),
 }
 
 
@@ -232,3 +235,57 @@ def train_case(label: str, model: str, strategy: Strategy, graph: OperatorGraph,
                options: TrainOptions | None = None) -> dict[str, Any]:
     return {"label": label, "kind": "train", "build": MODELS[model], "graph": graph.to_dict(),
             "strategy": configs(strategy), "options": options or TrainOptions(steps=3, lr=0.05, verify=True)}
+
+
+def space_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random) -> Strategy:
+    """A uniformly drawn point of the search's own proposal space (`search.space.ConfigSpace`): the
+    strategies the MCMC can actually emit (contiguous or node-aligned device sets)."""
+    from search.space import ConfigSpace
+    from soap.topology import load_topology
+
+    space = ConfigSpace(graph, load_topology(f"cpu-{num_devices}"))
+    base = Strategy({op.name: ParallelConfig.single(0) for op in graph})
+    return space.random_strategy(rng, base)
+
+
+@functools.cache
+def graph_of(model: str) -> OperatorGraph:
+    """The captured graph of a test model (captured once per test session: capture takes about a second)."""
+    return capture_workload(MODELS[model])
+
+
+def baseline_case(model: str, name: str, num_devices: int, **kwargs: Any) -> dict[str, Any] | None:
+    """A case for baseline `name` (dp, mp, tp, expert), or None where it does not apply to the model."""
+    from search.baselines import BASELINES, BaselineNotApplicable
+    from soap.topology import load_topology
+
+    graph = graph_of(model)
+    try:
+        strategy = BASELINES[name](graph, load_topology(f"cpu-{num_devices}"))
+    except BaselineNotApplicable:
+        return None
+    return train_case(f"{model}/{name}", model, strategy, graph, **kwargs)
+
+
+def failures(results: list[dict[str, Any]], tol: float = TOL) -> list[str]:
+    """One line per case of rank 0's `results` that differs from its reference by more than `tol`."""
+    bad = []
+    for r in results:
+        if "verify" in r:
+            v = r["verify"]
+            worst = max(v["max_loss_rel_diff"], v["max_param_rel_diff"])
+            if not worst <= tol or v["nan_params"] or v["params_not_held"]:
+                bad.append(f"{r['label']}: loss {v['max_loss_rel_diff']:.3g}, param {v['max_param_rel_diff']:.3g} "
+                           f"({v['worst_param']}), nan {v['nan_params']}, not held {v['params_not_held']}")
+        elif not r["max_param_rel_diff"] <= tol:
+            bad.append(f"{r['label']}: DDP vs chunked-BatchNorm reference {r['max_param_rel_diff']:.3g}")
+    return bad
+
+
+def small_mlp(batch_size: int = 8) -> tuple:
+    """The zoo MLP at test size (16-32-16), as a model function for `soapflow.runner.run`."""
+    return zoo.ZOO["mlp"].build(batch_size, sizes=(16, 32, 16))
+
+
+def small_transformer(batch_size: int = 4) -> tuple:
+    return zoo.ZOO["transformer"].build(batch_size, layers=2, d_model=16, heads=2, seq=8, vocab=32)

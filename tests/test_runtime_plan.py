@@ -164,3 +164,58 @@ def test_single_process_interpreter_equals_plain_pytorch(optimizer):
     v = result["verify"]
     assert v["max_loss_rel_diff"] == 0.0 and v["max_param_rel_diff"] == 0.0, v
     assert len(result["losses"]) == 3
+
+
+def test_gradient_sync_groups_are_exactly_the_holders():
+    """On 4 devices: fc0 data parallel over (1, 2), fc1 over (3, 0): each weight is all-reduced within its
+    own pair, and no group contains a rank that does not hold the parameter."""
+    g = mlp_graph()
+    s = strategy(g, cfg((0, 1, 2, 3), sample=4), fc0=cfg((1, 2), sample=2), relu0=cfg((1, 2), sample=2),
+                 fc1=cfg((3, 0), sample=2))
+    plan = build_plan(g, s, 4)
+    assert {e.fqn: e.group for e in plan.sync} == {"fc0.weight": (1, 2), "fc0.bias": (1, 2),
+                                                   "fc1.weight": (0, 3), "fc1.bias": (0, 3)}
+    assert plan.groups == ((0, 3), (1, 2))
+
+
+def test_grad_sync_launches_buckets_during_backward_and_writes_sums_back(monkeypatch):
+    """A bucket is launched (asynchronously) as soon as it is full, before `finish`; a bucket of one
+    gradient is reduced in place, a larger one through a flat buffer; `finish` writes the sums back."""
+    from runtime import collectives
+    from runtime.plan import SyncEntry
+
+    launched = []
+
+    class Work:
+        def __init__(self, t):
+            self.t = t
+
+        def wait(self):
+            self.t.mul_(2)  # the "sum" over a group of two equal replicas
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        launched.append((t.numel(), group))
+        return Work(t)
+
+    monkeypatch.setattr(collectives.dist, "all_reduce", all_reduce)
+    entries = [SyncEntry(fqn=f, region=((0, n),), group=(0, 1), ready_after=op, numel=n, dtype="float32")
+               for f, n, op in [("big", 300, "fc1"), ("a", 10, "fc0"), ("b", 20, "fc0")]]
+    grads = {e.fqn: torch.full((e.numel,), 1.0) for e in entries}
+    out = {}
+    sync = collectives.GradSync(entries, rank=0, groups={(0, 1): "G"}, bucket_bytes=1000,
+                                grad_of=lambda e: grads[e.fqn], set_grad=lambda e, v: out.__setitem__(e.fqn, v))
+    sync.ready("fc1")
+    assert launched == [(300, "G")]  # 1200 bytes: launched at once, overlapping the rest of backward
+    sync.ready("fc0")
+    assert launched == [(300, "G")]  # 120 bytes: waits for more
+    sync.finish()
+    assert launched == [(300, "G"), (30, "G")]
+    assert out["big"] is grads["big"] and torch.equal(out["big"], torch.full((300,), 2.0))
+    assert torch.equal(out["a"], torch.full((10,), 2.0)) and torch.equal(out["b"], torch.full((20,), 2.0))
+    # A rank outside the group takes no part.
+    other = collectives.GradSync(entries, rank=2, groups={(0, 1): None}, bucket_bytes=1, grad_of=None,
+                                 set_grad=None)
+    other.ready("fc1")
+    other.ready("fc0")
+    other.finish()
+    assert len(launched) == 2

@@ -1,0 +1,109 @@
+"""The runtime against single-process training, in real processes on gloo (DESIGN section 6).
+
+Every case trains 3 SGD steps under a strategy and compares the losses and the final parameters with the
+unpartitioned model trained in one process on the same batches: float32 within 1e-5 relative. BatchNorm
+under a sample split normalizes each part with its own batch statistics, as DDP does; for it the reference
+normalizes the same sample chunks separately, and a DDP case checks that this reference is DDP's result.
+
+A launch costs seconds, so each test starts its processes once and trains all its cases in sequence
+(`runtime_cases.run_cases`). The default run keeps a representative subset; `-m slow` runs the rest.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import runtime_cases as rc
+
+from runtime.launch import launch
+from runtime.train import TrainOptions
+
+MODELS = ("mlp", "cnn", "rescnn", "rnnlm", "transformer")
+BASELINES = ("dp", "mp", "tp", "expert")
+
+
+def run_and_check(cases: list[dict], nproc: int = 2) -> list[dict]:
+    results = launch(rc.run_cases, nproc, kwargs={"cases": cases}, timeout_s=60, wall_timeout_s=900,
+                     num_threads=1)
+    rank0 = results[0]
+    assert [r["label"] for r in rank0] == [c["label"] for c in cases]
+    bad = rc.failures(rank0)
+    assert not bad, "\n".join(bad)
+    return rank0
+
+
+def random_cases(models: tuple[str, ...], count: int, nproc: int, seed: int) -> list[dict]:
+    """`count` random strategies over `models`, half drawn from the search's proposal space and half with
+    arbitrary device subsets and orders (layouts crossing device sets, partial sums, halos)."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(count):
+        model = models[i % len(models)]
+        graph = rc.graph_of(model)
+        draw = rc.space_strategy if i % 2 == 0 else rc.random_strategy
+        cases.append(rc.train_case(f"{model}/random{i}", model, draw(graph, nproc, rng), graph))
+    return cases
+
+
+def test_representative_strategies_match_single_process():
+    """One launch: a baseline per model, the hand-written mixed strategy, 10 random strategies, tiny gradient
+    buckets (many all-reduces in flight), Adam, and BatchNorm under a sample split against DDP."""
+    cases = [c for c in (rc.baseline_case("mlp", "tp", 2), rc.baseline_case("rescnn", "expert", 2),
+                         rc.baseline_case("rnnlm", "dp", 2), rc.baseline_case("transformer", "tp", 2))
+             if c is not None]
+    cases.append(rc.train_case("cnn/mixed", "cnn", rc.mixed_cnn_strategy(rc.graph_of("cnn")), rc.graph_of("cnn")))
+    cases.append(rc.baseline_case("mlp", "dp", 2, options=TrainOptions(steps=3, lr=0.05, verify=True,
+                                                                       bucket_mb=1e-4)))
+    cases[-1]["label"] = "mlp/dp-small-buckets"
+    cases.append(rc.baseline_case("cnn", "dp", 2, options=TrainOptions(steps=3, lr=0.01, verify=True,
+                                                                       optimizer="adam")))
+    cases[-1]["label"] = "cnn/dp-adam"
+    cases += random_cases(MODELS, 10, 2, seed=1)
+    bn_graph = rc.graph_of("bncnn")
+    bn_dp = rc.baseline_case("bncnn", "dp", 2)
+    cases += [bn_dp, {**bn_dp, "label": "bncnn/ddp", "kind": "ddp"}]
+    assert len(cases) == 19 and bn_graph is not None
+    run_and_check(cases)
+
+
+@pytest.mark.slow
+def test_baselines_and_mixed_match_single_process():
+    cases = [c for m in MODELS for b in BASELINES if (c := rc.baseline_case(m, b, 2)) is not None]
+    assert len(cases) >= 16
+    graph = rc.graph_of("cnn")
+    cases.append(rc.train_case("cnn/mixed", "cnn", rc.mixed_cnn_strategy(graph), graph))
+    float64 = TrainOptions(steps=3, lr=0.05, verify=True, dtype="float64")
+    cases.append(rc.baseline_case("resnet18", "dp", 2, options=float64))
+    cases.append(rc.baseline_case("resnet18", "tp", 2, options=float64))
+    momentum = TrainOptions(steps=3, lr=0.05, momentum=0.9, verify=True)
+    cases.append({**rc.baseline_case("transformer", "expert", 2, options=momentum), "label": "transformer/momentum"})
+    run_and_check(cases)
+
+
+@pytest.mark.slow
+def test_random_strategies_match_single_process():
+    """The property test: 30 seeded random valid strategies over all five models."""
+    run_and_check(random_cases(MODELS, 30, 2, seed=0))
+
+
+@pytest.mark.slow
+def test_batchnorm_under_sample_split_matches_ddp():
+    bn = [rc.baseline_case("bncnn", b, 2) for b in ("dp", "expert", "tp")]
+    ddp = rc.baseline_case("bncnn", "dp", 2)
+    res = rc.baseline_case("resnet18", "expert", 2, options=TrainOptions(steps=3, lr=0.05, verify=True,
+                                                                          dtype="float64"))
+    cases = [c for c in bn if c is not None] + [res, {**ddp, "label": "bncnn/ddp", "kind": "ddp"}]
+    graph = rc.graph_of("bncnn")
+    cases += [rc.train_case(f"bncnn/random{i}", "bncnn", rc.random_strategy(graph, 2, random.Random(i)), graph)
+              for i in range(4)]
+    run_and_check(cases)
+
+
+@pytest.mark.slow
+def test_four_processes_match_single_process():
+    cases = [c for m in MODELS for b in BASELINES if (c := rc.baseline_case(m, b, 4)) is not None]
+    ddp = rc.baseline_case("bncnn", "dp", 4)
+    cases += [ddp, {**ddp, "label": "bncnn/ddp", "kind": "ddp"}]
+    cases += random_cases(MODELS, 12, 4, seed=4)
+    run_and_check(cases, nproc=4)
