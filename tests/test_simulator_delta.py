@@ -1,0 +1,140 @@
+"""Reference equivalence: delta simulation equals full simulation exactly, over random one-op proposals.
+
+Each case runs a chain of random proposals (a random op, a random valid config) on one `Simulator` and
+checks every proposal against a fresh full simulation of the proposed strategy on a second one: the
+iteration time and peak memory per device bit for bit (integer nanoseconds, bytes), plus bytes moved and
+the task count; every `CHECK_TIMES_EVERY`-th proposal also every task's start and end and the summary.
+Proposals are accepted or rejected at random, and after a reject the restored state is checked against
+the strategy it came back to. The default run makes >= 1,000 proposals over builder graphs and two
+captured zoo models on cpu-2, p100-4x4 and k80-16x4; `-m slow` runs a longer chain on inception_v3.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_simulator_support import chain, data_parallel, mlp, random_config, random_strategy, small_cnn
+
+from search.space import ConfigSpace
+from simulator import AnalyticalCostModel, FixedCostModel, Simulator
+from soap.graph import OperatorGraph
+from soap.topology import DeviceTopology, load_topology
+
+CHECK_TIMES_EVERY = 10
+
+
+def _state(sim: Simulator) -> tuple:
+    return (sim._iteration_ns, sim.peak_memory_bytes, sim._moved, sim.num_tasks)
+
+
+def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int, seed: int, cost_model=None,
+              start: str = "dp", sampler: str = "support") -> int:
+    """Run `proposals` random proposals; return how many changed the config (not no-ops)."""
+    rng = random.Random(seed)
+    cost_model = cost_model or AnalyticalCostModel()
+    sim = Simulator(graph, topology, cost_model)
+    ref = Simulator(graph, topology, cost_model)
+    devices = tuple(range(topology.num_devices))
+    current = random_strategy(graph, topology, rng) if start == "random" else data_parallel(graph, devices)
+    sim.full(current)
+    space = ConfigSpace(graph, topology)
+    names = list(space.ops) or [op.name for op in graph]
+    changed = 0
+    for k in range(proposals):
+        if sampler == "space":
+            name, cfg = space.propose(rng)
+        else:
+            name = rng.choice(names)
+            cfg = random_config(graph[name], topology.num_devices, rng)
+        changed += cfg != current[name]
+        proposed = current.with_config(name, cfg)
+        t_ms = sim.propose(name, cfg)
+        full = ref.full(proposed)
+        assert sim.strategy == proposed
+        assert t_ms == full.iteration_time_ms
+        assert _state(sim) == _state(ref), f"proposal {k}: {name} -> {cfg}"
+        if k % CHECK_TIMES_EVERY == 0:
+            delta = sim.timeline()
+            assert delta.task_times() == full.task_times(), f"proposal {k}: {name} -> {cfg}"
+            assert delta.summary() == full.summary()
+        if rng.random() < 0.5:
+            sim.accept()
+            current = proposed
+        else:
+            sim.reject()
+            assert sim.strategy == current
+            if k % CHECK_TIMES_EVERY == 1:
+                ref.full(current)
+                assert _state(sim) == _state(ref), f"after rejecting proposal {k}"
+    # the final state, every task, against a fresh simulator
+    fresh = Simulator(graph, topology, cost_model).full(current)
+    assert sim.timeline().task_times() == fresh.task_times()
+    return changed
+
+
+BUILDER_CASES = [
+    # (graph, topology, start, sampler, proposals): 64-device cases are the costly ones (a full reference
+    # simulation per proposal), so they get fewer proposals
+    ("mlp", "cpu-2", "dp", "support", 250),
+    ("mlp", "p100-4x4", "random", "space", 150),
+    ("chain", "p100-4x4", "dp", "space", 60),
+    ("chain", "k80-16x4", "dp", "space", 25),
+    ("small_cnn", "cpu-2", "random", "support", 200),
+    ("small_cnn", "p100-4x4", "dp", "space", 80),
+    ("small_cnn", "k80-16x4", "dp", "support", 15),
+]
+BUILDERS = {"mlp": lambda: mlp(batch=64), "chain": lambda: chain(batch=64, depth=6), "small_cnn": small_cnn}
+
+
+@pytest.mark.parametrize(("graph_name", "topology", "start", "sampler", "proposals"), BUILDER_CASES)
+def test_delta_equals_full_on_builder_graphs(graph_name, topology, start, sampler, proposals):
+    graph = BUILDERS[graph_name]()
+    changed = run_chain(graph, load_topology(topology), proposals=proposals, seed=len(graph_name) + proposals,
+                        start=start, sampler=sampler)
+    assert changed >= proposals // 2
+
+
+def test_delta_equals_full_under_the_fixed_cost_model():
+    """Equal durations everywhere make ready-time ties common: the static keys must break them alike."""
+    graph = small_cnn()
+    run_chain(graph, load_topology("p100-4x4"), proposals=60, seed=7,
+              cost_model=FixedCostModel(fwd_each_ms=0.01, bwd_each_ms=0.02, update_each_ms=0.005,
+                                        reduce_each_ms=0.001))
+
+
+def test_the_default_run_makes_at_least_1000_proposals():
+    assert sum(c[-1] for c in BUILDER_CASES) + 60 + sum(c[-1] for c in ZOO_CASES) >= 1000
+
+
+@pytest.fixture(scope="module")
+def zoo_graphs() -> dict[str, OperatorGraph]:
+    from soapflow.api import capture_model
+
+    return {name: capture_model(name, batch_size=batch)[1] for name, batch in (("resnet18", 16), ("rnnlm", 8))}
+
+
+ZOO_CASES = [("resnet18", "p100-4x4", 40), ("rnnlm", "k80-16x4", 60), ("resnet18", "cpu-2", 200)]
+
+
+@pytest.mark.parametrize(("model", "topology", "proposals"), ZOO_CASES)
+def test_delta_equals_full_on_zoo_models(zoo_graphs, model, topology, proposals):
+    changed = run_chain(zoo_graphs[model], load_topology(topology), proposals=proposals, seed=proposals,
+                        sampler="space")
+    assert changed >= proposals // 2
+
+
+@pytest.mark.slow
+def test_delta_equals_full_on_inception_v3_long_chain():
+    from soapflow.api import capture_model
+
+    _, graph = capture_model("inception_v3", batch_size=64)
+    run_chain(graph, load_topology("p100-4x4"), proposals=200, seed=1, sampler="space")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["p100-4x4", "k80-16x4"])
+def test_delta_equals_full_from_random_strategies_long(topology):
+    """Random starting strategies on many devices make all-to-all resharding: thousands of transfers."""
+    run_chain(chain(batch=64, depth=6), load_topology(topology), proposals=60, seed=3, start="random")
+    run_chain(small_cnn(), load_topology(topology), proposals=60, seed=4, start="random")

@@ -1,0 +1,202 @@
+"""Hand-computed timelines on 2-3-op graphs under the fixed cost model: exact start and end of every task.
+
+Every op part costs 1 ms forward and 2 ms backward, an optimizer step 0.5 ms. On `cpu-N` each process
+reaches the loopback hub over its own link pair (5 GB/s = 5 bytes/ns, 20 us per link), so a transfer of
+B bytes between two processes crosses two links: ``40,000 ns + B / 5`` (alpha-beta along the route),
+rounded to whole ns. The activations here are float32 [4, 8]: 128 bytes, so one transfer takes 40,026 ns.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_simulator_support import Net
+
+from simulator import FixedCostModel, Simulator, simulate
+from simulator.comm import Comm
+from soap.config import ParallelConfig
+from soap.strategy import Strategy
+from soap.topology import load_topology
+
+MS = 1_000_000  # ns
+COSTS = FixedCostModel(fwd_each_ms=1.0, bwd_each_ms=2.0, update_each_ms=0.5)
+T_128 = round(40_000 + 128 / 5)  # one 128-byte transfer between two cpu-N processes, ns
+
+
+def on(*devices: int, **degrees: int) -> ParallelConfig:
+    return ParallelConfig(degrees=degrees, devices=devices)
+
+
+def linear_loss(batch: int = 4):
+    """x[4, 8] -> fc (linear 8 -> 8) -> mse against y."""
+    net = Net("linear_loss", batch)
+    x = net.input("x", (batch, 8))
+    h = net.linear("fc", x, 8)
+    y = net.input("y", (batch, 8), role="target")
+    net.mse("loss", h, y)
+    return net.graph()
+
+
+def times(timeline) -> dict[str, tuple[int, int]]:
+    """Task name -> (start ns, end ns)."""
+    out = {}
+    for rec in timeline.tasks():
+        assert rec.name not in out, rec.name
+        out[rec.name] = (round(rec.start_ms * MS), round(rec.end_ms * MS))
+    return out
+
+
+def test_one_device_chain():
+    graph = linear_loss()
+    strategy = Strategy({name: on(0) for name in ("x", "fc", "y", "loss")})
+    tl = simulate(graph, strategy, load_topology("cpu-2"), COSTS)
+    assert times(tl) == {
+        "fc fwd[0]": (0, 1 * MS),
+        "loss fwd[0]": (1 * MS, 2 * MS),
+        "loss bwd[0]": (2 * MS, 4 * MS),
+        "fc bwd[0]": (4 * MS, 6 * MS),
+        "fc update[0]": (6 * MS, 6_500_000),
+    }
+    assert tl.iteration_time_ns == 6_500_000
+    assert tl.iteration_time_ms == 6.5
+    assert (tl.compute_ms, tl.comm_ms, tl.sync_ms) == (6.5, 0.0, 0.0)
+    assert tl.bytes_moved == 0
+    # memory: fc holds weight [8, 8] + bias [8] = 288 bytes as parameter, gradient and one optimizer copy,
+    # plus the activations of the parts on the device (x, fc's output; y and the scalar loss)
+    assert tl.peak_memory_bytes == (3 * 288 + 128 + 128 + 128 + 4, 0)
+    assert tl.device_busy_ms == (6.5, 0.0)
+
+
+def test_transfer_and_its_gradient_cross_both_links_of_the_route():
+    graph = linear_loss()
+    strategy = Strategy({"x": on(0), "fc": on(0), "y": on(1), "loss": on(1)})
+    topo = load_topology("cpu-2")
+    tl = simulate(graph, strategy, topo, COSTS)
+    t1 = 1 * MS + T_128
+    t2 = t1 + 3 * MS + T_128  # loss forward and backward on device 1, then the gradient back
+    assert times(tl) == {
+        "fc fwd[0]": (0, 1 * MS),
+        "fc -> loss [0->0]": (1 * MS, t1),
+        "loss fwd[0]": (t1, t1 + 1 * MS),
+        "loss bwd[0]": (t1 + 1 * MS, t1 + 3 * MS),
+        "grad loss -> fc [0->0]": (t1 + 3 * MS, t2),
+        "fc bwd[0]": (t2, t2 + 2 * MS),
+        "fc update[0]": (t2 + 2 * MS, t2 + 2_500_000),
+    }
+    assert tl.iteration_time_ns == 6_500_000 + 2 * T_128
+    records = {r.name: r for r in tl.tasks()}
+    forward, backward = records["fc -> loss [0->0]"], records["grad loss -> fc [0->0]"]
+    assert forward.links == topo.route(0, 1) and len(forward.links) == 2
+    assert backward.links == topo.route(1, 0)
+    assert forward.devices == backward.devices == ()
+    assert forward.category == backward.category == "transfer" and forward.nbytes == backward.nbytes == 128
+    assert tl.bytes_moved == 256
+    assert tl.comm_ms == pytest.approx(2 * T_128 / MS, abs=1e-12)
+    assert tl.compute_ms == pytest.approx(6.5, abs=1e-12)
+    # device 1 keeps the 128 bytes it receives for the backward pass
+    assert tl.peak_memory_bytes == (3 * 288 + 128 + 128, 128 + 4 + 128)
+
+
+def test_transfers_sharing_a_link_run_one_at_a_time():
+    """Two producers on processes 0 and 2 feed an add on process 1: both transfers need the hub -> 1 link,
+    so the second waits for the first (lower input slot first); in backward both gradients leave over
+    1 -> hub, the one of the later op first (its backward position comes first)."""
+    net = Net("fan_in", 4)
+    a = net.linear("fa", net.input("xa", (4, 8)), 8)
+    b = net.linear("fb", net.input("xb", (4, 8)), 8)
+    s = net.add2("add", a, b)
+    net.mse("loss", s, net.input("y", (4, 8), role="target"))
+    graph = net.graph()
+    strategy = Strategy({"xa": on(0), "fa": on(0), "xb": on(2), "fb": on(2), "add": on(1), "y": on(1),
+                         "loss": on(1)})
+    tl = simulate(graph, strategy, load_topology("cpu-3"), COSTS)
+    T = T_128
+    f = 1 * MS + 2 * T  # add starts when the second transfer lands
+    b0 = f + 2 * MS + 4 * MS  # add and loss forward (1 ms each), then loss and add backward (2 ms each)
+    assert times(tl) == {
+        "fa fwd[0]": (0, 1 * MS),
+        "fb fwd[0]": (0, 1 * MS),
+        "fa -> add [0->0]": (1 * MS, 1 * MS + T),
+        "fb -> add [0->0]": (1 * MS + T, f),
+        "add fwd[0]": (f, f + 1 * MS),
+        "loss fwd[0]": (f + 1 * MS, f + 2 * MS),
+        "loss bwd[0]": (f + 2 * MS, f + 4 * MS),
+        "add bwd[0]": (f + 4 * MS, b0),
+        "grad add -> fb [0->0]": (b0, b0 + T),
+        "grad add -> fa [0->0]": (b0 + T, b0 + 2 * T),
+        "fb bwd[0]": (b0 + T, b0 + T + 2 * MS),
+        "fa bwd[0]": (b0 + 2 * T, b0 + 2 * T + 2 * MS),
+        "fb update[0]": (b0 + T + 2 * MS, b0 + T + 2_500_000),
+        "fa update[0]": (b0 + 2 * T + 2 * MS, b0 + 2 * T + 2_500_000),
+    }
+    assert tl.iteration_time_ns == b0 + 2 * T + 2_500_000
+
+
+def test_data_parallel_gradient_sync_is_a_ring_all_reduce_before_the_updates():
+    """fc and loss split 2 ways on the sample dim: each process runs half the batch, then fc's 288 bytes of
+    gradient are all-reduced over processes 0 and 1 (ring: 2 hops 0 -> 1, 1 -> 0, each over 2 links;
+    2(n-1) = 2 steps of a 144-byte chunk), then each process updates its replica."""
+    graph = linear_loss()
+    dp2 = on(0, 1, sample=2)
+    strategy = Strategy({"x": dp2, "fc": dp2, "y": dp2, "loss": dp2})
+    topo = load_topology("cpu-2")
+    tl = simulate(graph, strategy, topo, COSTS)
+    sync_ns = round(2 * (40_000 + 144 / 5))
+    assert sync_ns == 80_058
+    got = times(tl)
+    for p in (0, 1):
+        assert got[f"fc fwd[{p}]"] == (0, 1 * MS)
+        assert got[f"loss fwd[{p}]"] == (1 * MS, 2 * MS)
+        assert got[f"loss bwd[{p}]"] == (2 * MS, 4 * MS)
+        assert got[f"fc bwd[{p}]"] == (4 * MS, 6 * MS)
+        assert got[f"fc update[{p}]"] == (6 * MS + sync_ns, 6_500_000 + sync_ns)
+    (sync,) = [r for r in tl.tasks() if r.category == "allreduce"]
+    assert (round(sync.start_ms * MS), round(sync.end_ms * MS)) == (6 * MS, 6 * MS + sync_ns)
+    assert set(sync.links) == set(topo.route(0, 1)) | set(topo.route(1, 0))  # every link of the ring
+    assert sync.nbytes == 2 * (2 - 1) * 288  # each process sends 2(n-1)/n of the 288-byte buffer
+    assert len(got) == 11  # 5 tasks per process and the all-reduce
+    assert tl.iteration_time_ns == 6_500_000 + sync_ns
+    assert tl.sync_ms == pytest.approx(sync_ns / MS, abs=1e-12)
+    assert tl.compute_ms == pytest.approx(6.5, abs=1e-12)
+    assert tl.bytes_moved == 576
+
+
+def test_ring_all_reduce_formula_on_three_processes():
+    """Ring 0 -> 1 -> 2 -> 0 on cpu-3: each hop crosses 2 links, no link carries two hops; 4 steps."""
+    comm = Comm(load_topology("cpu-3"))
+    res, ns = comm.collective((0, 1, 2), 3000)
+    assert ns == round(4 * (40_000 + 1000 / 5))
+    assert len(res) == 6
+    # all-gather and reduce-scatter take n - 1 = 2 steps
+    assert comm.collective((0, 1, 2), 3000, "allgather")[1] == round(2 * (40_000 + 1000 / 5))
+    # across nodes on k80-16x4: a step lasts as long as the slowest hop (latency of its route plus the
+    # chunk over its narrowest link, divided by the number of hops sharing that link)
+    topo = load_topology("k80-16x4")
+    comm = Comm(topo)
+    res, ns = comm.collective((0, 1, 4), 3_000_000)
+    chunk = 1_000_000
+    hops = [topo.route(0, 1), topo.route(1, 4), topo.route(4, 0)]
+    load: dict[int, int] = {}
+    for hop in hops:
+        for link in hop:
+            load[link] = load.get(link, 0) + 1
+    step = max(sum(topo.links[i].latency_us * 1e3 for i in hop)
+               + chunk * max(load[i] / topo.links[i].bandwidth_gbps for i in hop) for hop in hops)
+    assert ns == round(4 * step)
+    assert set(res) == {topo.num_devices + i for i in load}
+
+
+def test_full_and_propose_agree_on_a_hand_checked_case():
+    """The delta path on a hand-checked case: moving the loss to process 1 adds the two transfers."""
+    graph = linear_loss()
+    topo = load_topology("cpu-2")
+    sim = Simulator(graph, topo, COSTS)
+    sim.full(Strategy({name: on(0) for name in ("x", "fc", "y", "loss")}))
+    assert sim.iteration_time_ms == 6.5
+    sim.full(Strategy({"x": on(0), "fc": on(0), "y": on(1), "loss": on(0)}))
+    assert sim.propose("loss", on(1)) == (6_500_000 + 2 * T_128) / MS
+    assert sim.timeline().bytes_moved == 256
+    sim.reject()
+    # y's 128 bytes travel to the loss on process 0 at time 0, long before fc is done: no delay
+    assert sim.iteration_time_ms == 6.5
+    assert sim.timeline().bytes_moved == 128
+    assert times(sim.timeline())["y -> loss [0->0]"] == (0, T_128)
