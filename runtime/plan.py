@@ -102,7 +102,7 @@ class Plan:
         return tuple(device for _, device in self.parts[op])
 
 
-def _needs_grad(graph: OperatorGraph) -> dict[TensorRef, bool]:
+def needs_grad(graph: OperatorGraph) -> dict[TensorRef, bool]:
     """Which tensors carry a gradient: floating outputs of ops downstream of some parameter."""
     out: dict[TensorRef, bool] = {}
     for op in graph:
@@ -169,9 +169,9 @@ def _pairwise_equal_or_disjoint(regions: list[Region]) -> bool:
 def build_plan(graph: OperatorGraph, strategy: Strategy, num_devices: int) -> Plan:
     """The plan for `graph` under `strategy` on `num_devices` ranks (the strategy is already validated)."""
     op_parts = {op.name: tuple(parts(op, strategy[op.name])) for op in graph}
-    needs_grad = _needs_grad(graph)
+    grad_needed = needs_grad(graph)
     edges = {
-        op.name: tuple(_edge(graph, strategy, op_parts, op.name, slot, ref, needs_grad[ref])
+        op.name: tuple(_edge(graph, strategy, op_parts, op.name, slot, ref, grad_needed[ref])
                        for slot, ref in enumerate(op.inputs))
         for op in graph
     }
@@ -209,7 +209,7 @@ def build_plan(graph: OperatorGraph, strategy: Strategy, num_devices: int) -> Pl
     groups = tuple(sorted({e.group for e in sync if len(e.group) > 1}))
     loss = graph.ops[-1]
     assert loss.outputs[0].numel == 1, f"the last op {loss.name!r} must be the scalar loss"
-    return Plan(parts=op_parts, edges=edges, needs_grad=needs_grad,
+    return Plan(parts=op_parts, edges=edges, needs_grad=grad_needed,
                 shards={f: {r: tuple(sorted(d)) for r, d in regs.items()} for f, regs in shards.items()},
                 param_shapes=shapes, sync=tuple(sync), groups=groups, loss_op=loss.name,
                 num_devices=num_devices)

@@ -181,14 +181,27 @@ class MeasuredCostModel:
     """Times from a cost database, keyed by `soap.costdb.part_key`; `fallback` (analytical by default)
     prices parts the database lacks, optimizer steps and partial-sum reductions.
 
+    A part that is a whole op (one device runs it while the others wait for it, as under model
+    parallelism) is priced with the measurement's solo times where it has them; a part of a split op with
+    its times measured while all devices run parts at once (`soap.costdb`). On devices that share
+    hardware (local CPU processes) the two differ by the contention between the devices; `solo=False`
+    always uses the concurrent times.
+    `overhead_ms` is added to the forward and to the backward time of every part found in the database:
+    the runtime's own cost per op part and pass (interpreter, redistribution bookkeeping, autograd call),
+    which timing a part alone does not see; calibration fits it (`simulator.calibration.fit_overhead`).
     `hits` and `misses` count lookups (reporting only: they never change a result).
     """
 
-    __slots__ = ("db", "fallback", "hits", "misses")
+    __slots__ = ("db", "fallback", "hits", "misses", "overhead_ms", "solo")
 
-    def __init__(self, db: CostDatabase, fallback: CostModel | None = None):
+    def __init__(self, db: CostDatabase, fallback: CostModel | None = None, *, overhead_ms: float = 0.0,
+                 solo: bool = True):
+        if not (overhead_ms >= 0 and math.isfinite(overhead_ms)):
+            raise ValueError(f"overhead_ms must be finite and >= 0, got {overhead_ms}")
         self.db = db
         self.fallback: CostModel = fallback if fallback is not None else AnalyticalCostModel()
+        self.overhead_ms = float(overhead_ms)
+        self.solo = solo
         self.hits = 0
         self.misses = 0
 
@@ -200,7 +213,9 @@ class MeasuredCostModel:
             self.misses += 1
             return self.fallback.compute_ms(op, box, device)
         self.hits += 1
-        return (found.fwd_ms, found.bwd_ms)
+        if self.solo and found.solo_fwd_ms is not None and part_share(op, box) == 1.0:
+            return (found.solo_fwd_ms + self.overhead_ms, found.solo_bwd_ms + self.overhead_ms)
+        return (found.fwd_ms + self.overhead_ms, found.bwd_ms + self.overhead_ms)
 
     def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
         return self.fallback.update_ms(op, param_bytes, device)

@@ -1,8 +1,9 @@
 """The cost database: measured forward and backward times of op parts, one JSON object per line.
 
-Owns `Measurement` (one timed part), `CostDatabase` (lookup by key) and the file functions `load`,
-`append` and `save`. The runtime writes measurements, the simulator's `MeasuredCostModel` reads them;
-both build keys with `part_key`, so a part the runtime timed is exactly the part the simulator looks up.
+Owns `Measurement` (one timed part), `CostDatabase` (lookup by key; `CostDatabase.load` and `.save` are
+the file functions as methods) and the file functions `load`, `append` and `save`. The runtime writes
+measurements, the simulator's `MeasuredCostModel` reads them; both build keys with `part_key`, so a part
+the runtime timed is exactly the part the simulator looks up.
 
 File layout (JSON lines, UTF-8; one measurement per line, later lines win over earlier ones)::
 
@@ -16,10 +17,14 @@ attrs signature). Shapes are those of the part's regions (`soap.opdef`), halos i
 height split of a convolution is keyed by the shapes its part really reads. Parameter shapes and the attrs
 signature tell apart ops whose tensors have equal shapes but whose work differs (a 1x1 and a padded 3x3
 convolution); the signature is canonical JSON of the attrs minus those that only name things
-(`NAMING_ATTRS`). `fwd_ms` and `bwd_ms` are medians in milliseconds after warm-up; `repeats` and
-`source` are informational and not part of the key. A line that is not a valid measurement is skipped
-with a warning (a crashed writer leaves at most one); `append` and `save` write a temporary file in the
-same folder and rename it over the database, so readers never see a half-written file.
+(`NAMING_ATTRS`). `fwd_ms` and `bwd_ms` are medians in milliseconds after warm-up, timed while every
+device of the machine runs a part at once (as under a split); the optional `solo_fwd_ms` and
+`solo_bwd_ms` are the same part timed alone (as when the part is a whole op and the other devices
+wait). They differ where devices share hardware - local processes on the cores of one CPU - and are
+equal on separate GPUs. `repeats` and `source` are informational; none of these is part of the key.
+A line that is not a valid measurement is skipped with a warning (a crashed writer leaves at most one);
+`append` and `save` write a temporary file in the same folder and rename it over the database, so
+readers never see a half-written file.
 
 Must not import torch, the simulator, the search or the runtime.
 """
@@ -78,6 +83,8 @@ class Measurement:
     dtype: str = "float32"
     fwd_ms: float
     bwd_ms: float
+    solo_fwd_ms: float | None = None
+    solo_bwd_ms: float | None = None
     repeats: int = 0
     source: str = ""
 
@@ -93,6 +100,11 @@ class Measurement:
         object.__setattr__(self, "params", _shapes(self.params, "params"))
         object.__setattr__(self, "fwd_ms", _ms(self.fwd_ms, "fwd_ms"))
         object.__setattr__(self, "bwd_ms", _ms(self.bwd_ms, "bwd_ms"))
+        if (self.solo_fwd_ms is None) != (self.solo_bwd_ms is None):
+            raise ValueError("solo_fwd_ms and solo_bwd_ms go together (both or neither)")
+        if self.solo_fwd_ms is not None:
+            object.__setattr__(self, "solo_fwd_ms", _ms(self.solo_fwd_ms, "solo_fwd_ms"))
+            object.__setattr__(self, "solo_bwd_ms", _ms(self.solo_bwd_ms, "solo_bwd_ms"))
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 0:
             raise ValueError(f"repeats must be a non-negative integer, got {self.repeats!r}")
 
@@ -101,10 +113,13 @@ class Measurement:
         return (self.device_kind, self.op_kind, self.dtype, self.inputs, self.outputs, self.params, self.attrs)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device_kind": self.device_kind, "op_kind": self.op_kind, "dtype": self.dtype,
-                "inputs": [list(s) for s in self.inputs], "outputs": [list(s) for s in self.outputs],
-                "params": [list(s) for s in self.params], "attrs": self.attrs,
-                "fwd_ms": self.fwd_ms, "bwd_ms": self.bwd_ms, "repeats": self.repeats, "source": self.source}
+        out = {"device_kind": self.device_kind, "op_kind": self.op_kind, "dtype": self.dtype,
+               "inputs": [list(s) for s in self.inputs], "outputs": [list(s) for s in self.outputs],
+               "params": [list(s) for s in self.params], "attrs": self.attrs,
+               "fwd_ms": self.fwd_ms, "bwd_ms": self.bwd_ms, "repeats": self.repeats, "source": self.source}
+        if self.solo_fwd_ms is not None:
+            out |= {"solo_fwd_ms": self.solo_fwd_ms, "solo_bwd_ms": self.solo_bwd_ms}
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Measurement:
@@ -116,6 +131,7 @@ class Measurement:
         return cls(device_kind=d["device_kind"], op_kind=d["op_kind"], dtype=d.get("dtype", "float32"),
                    inputs=d["inputs"], outputs=d["outputs"], params=d.get("params", []),
                    attrs=d.get("attrs", ""), fwd_ms=d["fwd_ms"], bwd_ms=d["bwd_ms"],
+                   solo_fwd_ms=d.get("solo_fwd_ms"), solo_bwd_ms=d.get("solo_bwd_ms"),
                    repeats=d.get("repeats", 0), source=d.get("source", ""))
 
 
@@ -169,6 +185,15 @@ class CostDatabase:
     def __contains__(self, key: object) -> bool:
         return key in self._by_key
 
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, missing_ok: bool = False) -> CostDatabase:
+        """The module function `load` (corrupt lines skipped with a warning)."""
+        return load(path, missing_ok=missing_ok)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """The module function `save`: the whole database, one line per key, atomically."""
+        save(path, self)
+
 
 def _lines(measurements: Iterable[Measurement]) -> str:
     return "".join(json.dumps(m.to_dict(), sort_keys=True) + "\n" for m in measurements)
@@ -180,6 +205,7 @@ def _write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the database is a file to ship
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,301 @@
+"""Measurement on the local device: op parts (forward, backward) and point-to-point and collective transfers.
+
+Owns `PartJob` (one op part to time, self-contained so that it pickles into worker processes),
+`part_jobs` (the distinct parts of a graph under one or more strategies), `time_part` (warm-up, then the
+median of repeats), `measure_parts` (time what the cost database lacks and append it, atomically),
+`time_comm` (alpha-beta samples of send/recv, all-reduce and all-gather between the ranks of a launched
+job) and `time_step` (one rank's training step, the runtime's own loop, for the per-op overhead fit).
+
+Op parts run through `runtime.kernels.compute_part`, the very kernels the executor calls, on detached
+leaf inputs and parameter shards exactly as the executor passes them, so a measured part is what a rank
+computes. Keys come from `soap.costdb.part_key`: the simulator's `MeasuredCostModel` looks up the same
+key for the same part. Imports `soap`, torch and the other `runtime` modules only (never the simulator
+or the search): measured costs reach the simulator through the cost database file.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime import kernels
+from runtime.executor import TORCH_DTYPES
+from runtime.plan import needs_grad as plan_needs_grad
+from soap import costdb
+from soap.config import parts
+from soap.graph import Operator, OperatorGraph, TensorRef
+from soap.opdef import Box
+from soap.registry import op_def
+from soap.strategy import Strategy
+
+# Op kinds no kernel computes: the runtime feeds them (input, constant) or calls the model (opaque).
+UNTIMED_KINDS = frozenset({"input", "constant", "opaque"})
+_INT_DTYPES = frozenset({"int64", "int32", "int16", "int8", "uint8"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartJob:
+    """One op part to time: the op (as `Operator.to_dict()`), its box, the dtypes of its inputs, for
+    integer inputs the exclusive upper bound of their values (embedding rows, class count), and which
+    inputs carry a gradient in the graph (the executor computes input gradients only for those)."""
+
+    op: Mapping[str, Any]
+    box: Box
+    input_dtypes: tuple[str, ...]
+    int_highs: tuple[int, ...]
+    needs_grad: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.input_dtypes) == len(self.int_highs) == len(self.needs_grad):
+            raise ValueError(f"input_dtypes {self.input_dtypes}, int_highs {self.int_highs} and needs_grad "
+                             f"{self.needs_grad} differ in length")
+
+    def operator(self) -> Operator:
+        return Operator.from_dict(self.op)
+
+
+def _int_high(graph: OperatorGraph, op: Operator, slot: int) -> int:
+    """Values an integer input of `op` may take: rows of the embedding it indexes, classes of the loss."""
+    if op.kind == "embedding" and slot == 0 and "weight" in op.params:
+        return int(op.params["weight"].shape[0])
+    if op.kind == "loss" and slot == 1 and op.inputs:
+        shape = graph.tensor(op.inputs[0]).shape
+        return int(shape[1]) if len(shape) > 1 else 2
+    return 2
+
+
+def job_for(graph: OperatorGraph, op: Operator, box: Box, needs_grad: Mapping[TensorRef, bool] | None = None
+            ) -> PartJob:
+    """The `PartJob` of part `box` of `op` in `graph` (`needs_grad`: `runtime.plan.needs_grad(graph)`)."""
+    grads = needs_grad if needs_grad is not None else plan_needs_grad(graph)
+    dtypes = tuple(graph.tensor(ref).dtype for ref in op.inputs)
+    highs = tuple(_int_high(graph, op, slot) for slot in range(len(op.inputs)))
+    return PartJob(op=op.to_dict(), box=tuple(tuple(r) for r in box), input_dtypes=dtypes, int_highs=highs,
+                   needs_grad=tuple(bool(grads.get(ref, False)) for ref in op.inputs))
+
+
+def part_jobs(graph: OperatorGraph, strategies: Iterable[Strategy | Mapping[str, Any]], *,
+              device_kind: str = "cpu") -> list[PartJob]:
+    """Every distinct part (by cost-database key) of the timed kinds under the given strategies, once."""
+    seen: set[costdb.Key] = set()
+    out: list[PartJob] = []
+    grads = plan_needs_grad(graph)
+    for strategy in strategies:
+        for op in graph:
+            if op.kind in UNTIMED_KINDS or op.name not in strategy:
+                continue
+            for box, _ in parts(op, strategy[op.name]):
+                key = costdb.part_key(op, box, device_kind)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(job_for(graph, op, box, grads))
+    return out
+
+
+def _inputs(job: PartJob, op: Operator, gen: torch.Generator) -> list[torch.Tensor | None]:
+    entry = op_def(op.kind)
+    out: list[torch.Tensor | None] = []
+    for region, dtype, high, grad in zip(entry.input_regions(op, job.box), job.input_dtypes, job.int_highs,
+                                         job.needs_grad, strict=True):
+        if region is None:
+            out.append(None)
+            continue
+        shape = tuple(hi - lo for lo, hi in region)
+        if dtype in _INT_DTYPES:
+            out.append(torch.randint(0, max(1, high), shape, generator=gen, dtype=TORCH_DTYPES[dtype]))
+        elif dtype == "bool":
+            out.append(torch.randint(0, 2, shape, generator=gen).bool())
+        else:
+            x = torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
+            out.append(x.requires_grad_(grad))
+    return out
+
+
+def _params(op: Operator, box: Box, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    entry = op_def(op.kind)
+    params = {}
+    for name, region in entry.param_regions(op, box).items():
+        shape = tuple(hi - lo for lo, hi in region)
+        dtype = TORCH_DTYPES[op.params[name].dtype]
+        params[name] = (torch.randn(shape, generator=gen) * 0.1).to(dtype).requires_grad_(True)
+    buffers = {}
+    for name, region in entry.buffer_regions(op, box).items():
+        shape = tuple(hi - lo for lo, hi in region)
+        buffers[name] = torch.ones(shape) if "var" in name else torch.zeros(shape)
+    return params, buffers
+
+
+def time_part(job: PartJob, *, warmup: int = 2, repeats: int = 7, max_s: float = 2.0) -> tuple[float, float, int]:
+    """(forward ms, backward ms, repeats done) of one part: `warmup` untimed passes, then the medians of
+    up to `repeats` timed ones (fewer when they would take longer than `max_s`, at least 3)."""
+    op = job.operator()
+    gen = torch.Generator().manual_seed(0)
+    inputs = _inputs(job, op, gen)
+    params, buffers = _params(op, job.box, gen)
+    leaves = [x for x in (*inputs, *params.values()) if x is not None and x.requires_grad]
+    fwd: list[float] = []
+    bwd: list[float] = []
+    start_all = time.perf_counter()
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        outs = kernels.compute_part(op, job.box, inputs, params, training=True, buffers=buffers, step=i)
+        t1 = time.perf_counter()
+        pairs = [(o, torch.ones_like(o)) for o in outs if o.requires_grad]
+        t2 = time.perf_counter()
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        t3 = time.perf_counter()
+        for x in leaves:
+            x.grad = None
+        if i >= warmup:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t3 - t2) * 1e3)
+            if len(fwd) >= 3 and time.perf_counter() - start_all > max_s:
+                break
+    return statistics.median(fwd), statistics.median(bwd), len(fwd)
+
+
+def measurement(job: PartJob, fwd_ms: float, bwd_ms: float, *, device_kind: str, repeats: int,
+                source: str, solo: tuple[float, float] | None = None) -> costdb.Measurement:
+    kind, op_kind, dtype, inputs, outputs, params, attrs = costdb.part_key(job.operator(), job.box, device_kind)
+    return costdb.Measurement(device_kind=kind, op_kind=op_kind, dtype=dtype, inputs=inputs, outputs=outputs,
+                              params=params, attrs=attrs, fwd_ms=fwd_ms, bwd_ms=bwd_ms, repeats=repeats,
+                              source=source, solo_fwd_ms=solo[0] if solo else None,
+                              solo_bwd_ms=solo[1] if solo else None)
+
+
+def time_jobs(jobs: Sequence[PartJob], *, warmup: int = 2, repeats: int = 7, max_s: float = 2.0,
+              progress: Callable[[int, int], None] | None = None) -> list[tuple[float, float, int]]:
+    """`time_part` of every job, in order (`progress(done, total)` after each)."""
+    out = []
+    for i, job in enumerate(jobs):
+        out.append(time_part(job, warmup=warmup, repeats=repeats, max_s=max_s))
+        if progress is not None:
+            progress(i + 1, len(jobs))
+    return out
+
+
+def _rank_time_jobs(rank: int, world_size: int, *, jobs: Sequence[PartJob], warmup: int, repeats: int,
+                    max_s: float) -> list[tuple[float, float, int]]:
+    # Every rank times every part at the same time as the others, so each part runs while the other
+    # processes compete for the cores and memory bandwidth as they do in a training run.
+    return time_jobs(jobs, warmup=warmup, repeats=repeats, max_s=max_s)
+
+
+def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: str = "cpu", nproc: int = 1,
+                  warmup: int = 2, repeats: int = 7, max_s: float = 2.0, timeout_s: float = 600.0,
+                  progress: Callable[[int, int], None] | None = None, source: str = "runtime"
+                  ) -> tuple[costdb.CostDatabase, int]:
+    """Time the jobs whose keys the database at `db_path` lacks and append them (one atomic write).
+
+    Every part is timed here alone (one thread); with `nproc` > 1 it is also timed in `nproc` concurrent
+    processes (one thread each), whose median is stored as the part's time and the lone time as its solo
+    time (`soap.costdb`); with 1 the lone time is the part's time.
+    Returns the database with the new measurements and how many were timed. `db_path` None keeps the
+    measurements in memory only.
+    """
+    db = costdb.load(db_path, missing_ok=True) if db_path is not None else costdb.CostDatabase()
+    todo: list[PartJob] = []
+    keys: set[costdb.Key] = set()
+    for job in jobs:
+        key = costdb.part_key(job.operator(), job.box, device_kind)
+        if key not in db and key not in keys:
+            keys.add(key)
+            todo.append(job)
+    if not todo:
+        return db, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank of a run
+    try:
+        solo = time_jobs(todo, warmup=warmup, repeats=repeats, max_s=max_s, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+    if nproc <= 1:
+        new = [measurement(job, f, b, device_kind=device_kind, repeats=n, source=source)
+               for job, (f, b, n) in zip(todo, solo, strict=True)]
+    else:
+        from runtime.launch import launch
+
+        per_rank = launch(_rank_time_jobs, nproc, kwargs={"jobs": list(todo), "warmup": warmup,
+                                                          "repeats": repeats, "max_s": max_s},
+                          timeout_s=timeout_s, wall_timeout_s=timeout_s, num_threads=1)
+        new = [measurement(job, statistics.median(r[i][0] for r in per_rank),
+                           statistics.median(r[i][1] for r in per_rank), device_kind=device_kind,
+                           repeats=min(r[i][2] for r in per_rank), source=source, solo=solo[i][:2])
+               for i, job in enumerate(todo)]
+    for m in new:
+        db.add(m)
+    if db_path is not None:
+        costdb.append(db_path, new)
+    return db, len(new)
+
+
+# ---------------------------------------------------------------------- communication
+
+
+COMM_KINDS = ("p2p", "allreduce", "allgather")
+
+
+def time_comm(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int = 5, warmup: int = 2,
+              kinds: Sequence[str] = COMM_KINDS) -> dict[str, list[tuple[int, float]]]:
+    """(bytes, median ms) per size of each kind between the ranks of a launched job (float32 tensors).
+
+    `p2p`: rank 0 sends `bytes` to rank 1 and rank 1 sends them back; half the round trip is one
+    transfer. `allreduce`: `bytes` on every rank, summed. `allgather`: `bytes` in all, `bytes / world`
+    from each rank. A barrier starts every repeat, so the ranks start together.
+    """
+    out: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
+    # the first transfers of a fresh process group set up connections and buffers: not timed
+    warm = torch.ones(max(sizes) // 4 if sizes else 1)
+    for _ in range(warmup):
+        dist.all_reduce(warm)
+        dist.all_gather([torch.empty_like(warm) for _ in range(world_size)], warm)
+    for kind in kinds:
+        for nbytes in sizes:
+            numel = max(1, nbytes // 4)
+            x = torch.ones(numel)
+            chunks = [torch.empty(max(1, numel // world_size)) for _ in range(world_size)]
+            times = []
+            for i in range(warmup + repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if kind == "p2p":
+                    if rank == 0:
+                        dist.send(x, 1)
+                        dist.recv(x, 1)
+                    elif rank == 1:
+                        dist.recv(x, 0)
+                        dist.send(x, 0)
+                elif kind == "allreduce":
+                    dist.all_reduce(x)
+                elif kind == "allgather":
+                    dist.all_gather(chunks, chunks[rank].clone())
+                else:
+                    raise ValueError(f"unknown communication kind {kind!r}; known: {', '.join(COMM_KINDS)}")
+                elapsed = (time.perf_counter() - t0) * 1e3
+                if i >= warmup:
+                    times.append(elapsed / 2 if kind == "p2p" else elapsed)
+            out[kind].append((numel * 4, statistics.median(times)))
+    return out
+
+
+# ---------------------------------------------------------------------- a whole step
+
+
+def time_step(rank: int, world_size: int, *, build: Callable[[], Any], graph: Mapping[str, Any],
+              strategy: Mapping[str, Mapping[str, Any]], steps: int = 5) -> dict[str, Any]:
+    """The runtime's training loop (`runtime.train.train_rank`) for `steps` steps; its result."""
+    from runtime.train import TrainOptions, train_rank
+
+    return train_rank(rank, world_size, build=build, graph=graph, strategy=strategy,
+                      options=TrainOptions(steps=steps))
+
+
+__all__ = ["COMM_KINDS", "UNTIMED_KINDS", "PartJob", "job_for", "measure_parts", "measurement", "part_jobs",
+           "time_comm", "time_jobs", "time_part", "time_step"]

@@ -1,0 +1,294 @@
+"""`calibrate`: measure this machine and write a machine profile; what `soapflow calibrate` calls.
+
+The stages, in order:
+
+1. op parts: capture the calibration workloads (small MLP, CNN and LSTM/attention models of this module,
+   NOT the models `soapflow validate` or the accuracy benchmark checks), take every distinct part of each
+   op whole, split on the sample dim and split as the `tp` baseline splits it, and time them forward and
+   backward in N concurrent processes (`runtime.measure.measure_parts`; parts already in the cost
+   database are not timed again);
+2. communication: time point-to-point, all-reduce and all-gather between N local processes over a
+   spread of sizes (`runtime.measure.time_comm`);
+3. fits (`simulator.calibration`): the analytical model's per-op-kind efficiency, bandwidth efficiency
+   and launch cost from the op parts; link latency and bandwidth from the transfers;
+4. runtime overhead: train each calibration workload (dp, tp, mp) for a few steps and fit the runtime's
+   cost per op part pass that the simulator (measured parts, fitted links) leaves unexplained;
+5. write the profile (a topology file with a ``calibration`` key, loadable by `load_topology`) and report.
+
+Must not be imported by `runtime`, `simulator` or `search`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from runtime.launch import launch
+from runtime.measure import measure_parts, part_jobs, time_comm, time_step
+from search.baselines import BASELINES, BaselineNotApplicable
+from simulator.calibration import (
+    CommSample,
+    MachineProfile,
+    OpSample,
+    StepSample,
+    fit_comm,
+    fit_compute,
+    fit_overhead,
+    profile_devices,
+    write_profile,
+)
+from simulator.costmodel import MeasuredCostModel
+from simulator.engine import simulate
+from soap.config import ParallelConfig
+from soap.costdb import part_key
+from soap.strategy import Strategy
+from soap.topology import DeviceTopology, load_topology
+from soapflow.api import capture_model
+from soapflow.runner import build_workload
+from soapflow.zoo.cnn import resnet18
+from soapflow.zoo.mlp import mlp
+from soapflow.zoo.rnn import rnnlm
+from soapflow.zoo.transformer import transformer
+
+# Sizes (bytes) of the transfers timed: 4 KiB to 16 MiB, a factor 4 apart.
+COMM_SIZES = tuple(4096 * 4 ** i for i in range(7))
+
+
+# -- calibration workloads (importable by reference, so that worker processes can rebuild them) -----------
+
+
+def calib_mlp(batch_size: int = 48) -> tuple:
+    return mlp(batch_size, sizes=(768, 1536, 384, 1536, 512))
+
+
+def calib_cnn(batch_size: int = 12) -> tuple:
+    return resnet18(batch_size, num_classes=40, image_size=40)
+
+
+def calib_lstm(batch_size: int = 12) -> tuple:
+    return rnnlm(batch_size, hidden=192, embed=160, vocab=2500, steps=12, layers=1)
+
+
+def calib_attention(batch_size: int = 6) -> tuple:
+    return transformer(batch_size, layers=1, d_model=160, heads=4, seq=48, vocab=1500)
+
+
+WORKLOADS = (f"{__name__}:calib_mlp", f"{__name__}:calib_cnn", f"{__name__}:calib_lstm",
+             f"{__name__}:calib_attention")
+TINY_WORKLOADS = (f"{__name__}:calib_mlp",)
+
+
+def _with_links(topology: DeviceTopology, *, latency_us: float | None = None,
+                bandwidth_gbps: float | None = None) -> DeviceTopology:
+    links = tuple(type(link)(id=link.id, src=link.src, dst=link.dst, kind=link.kind, spec=link.spec,
+                             bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else link.bandwidth_gbps,
+                             latency_us=latency_us if latency_us is not None else link.latency_us)
+                  for link in topology.links)
+    return DeviceTopology(name=topology.name, devices=topology.devices, links=links)
+
+
+def _step_sample(ref: str, graph, strategy: Strategy, *, name: str, topology: DeviceTopology, db,
+                 profile: MachineProfile, nproc: int, backend: str, steps: int, timeout_s: float) -> StepSample:
+    """Train `ref` under `strategy` for `steps` + 1 steps; the measured iteration time (median over the
+    steps after the first, slowest rank) beside the simulated one and its slopes (see `StepSample`)."""
+    kwargs = {"build": functools.partial(build_workload, ref, graph.batch_size), "graph": graph.to_dict(),
+              "strategy": {n: cfg.to_dict() for n, cfg in strategy.items()}, "steps": steps + 1}
+    results = launch(time_step, nproc, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
+                     wall_timeout_s=timeout_s, num_threads=1)
+    per_step = [max(ts) for ts in zip(*[r["step_time_ms"] for r in results], strict=True)]
+    measured = statistics.median(per_step[1:])
+
+    def sim(topo: DeviceTopology, overhead_ms: float) -> float:
+        model = MeasuredCostModel(db, fallback=profile.analytical(), overhead_ms=overhead_ms)
+        return simulate(graph, strategy, topo, model).summary()["iteration_time_ms"]
+
+    base = sim(topology, 0.0)
+    # slopes of the simulated time: per ms of overhead per pass, per ms of extra latency per hop, per
+    # extra ms per GB (halving the bandwidth adds 1e3 / bandwidth ms per GB)
+    link = topology.links[0]
+    passes = max(0.0, sim(topology, 1.0) - base)
+    hops = max(0.0, sim(_with_links(topology, latency_us=link.latency_us + 1e3), 0.0) - base)
+    slower = sim(_with_links(topology, bandwidth_gbps=link.bandwidth_gbps / 2), 0.0)
+    gb = max(0.0, (slower - base) / (1e3 / link.bandwidth_gbps))
+    return StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=measured, base_ms=base,
+                      num_passes=passes, num_hops=hops, num_gb=gb)
+
+
+def _single(graph, device: int = 0) -> Strategy:
+    return Strategy({op.name: ParallelConfig.single(device) for op in graph})
+
+
+def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
+    out = {"single": _single(graph)}
+    for name in ("dp", "tp", "mp"):
+        try:
+            out[name] = BASELINES[name](graph, topology)
+        except BaselineNotApplicable:
+            pass
+    return out
+
+
+class _Stages:
+    """Progress reporting: `progress({"stage": ..., "elapsed_s": ..., ...})`."""
+
+    def __init__(self, progress: Callable[[Mapping[str, Any]], None] | None):
+        self.progress = progress
+        self.start = time.monotonic()
+
+    def __call__(self, stage: str, **info: Any) -> None:
+        if self.progress is not None:
+            self.progress({"stage": stage, "elapsed_s": time.monotonic() - self.start, **info})
+
+
+def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike = "machine.json",
+              costdb: str | os.PathLike | None = None, progress: Callable[[Mapping[str, Any]], None] | None = None,
+              *, workloads: tuple[str, ...] = WORKLOADS, repeats: int = 5, comm_sizes: tuple[int, ...] = COMM_SIZES,
+              comm_repeats: int = 5, overhead_steps: int = 4, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Measure this machine with `nproc` local processes and write the machine profile `output`.
+
+    The cost database (`costdb`; default ``<output stem>.costdb.jsonl`` beside the
+    output) receives every part timed and is reused: parts already there are not timed again. Returns a
+    JSON-able report (the fitted figures, the fits' errors, what was measured, elapsed time). Bad input
+    raises `ValueError`.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}; known: gloo, nccl")
+    if backend == "nccl":
+        raise ValueError("backend nccl is not supported yet: the runtime computes on CPU tensors (use gloo)")
+    if nproc < 2:
+        raise ValueError(f"--nproc must be at least 2 (transfers are measured between processes), got {nproc}")
+    stage = _Stages(progress)
+    output = Path(output)
+    db_path = Path(costdb) if costdb is not None else output.with_name(f"{output.stem}.costdb.jsonl")
+    preset = load_topology(f"cpu-{nproc}")
+    device = preset.devices[0]
+
+    # 1. op parts
+    captured = []
+    jobs = []
+    for ref in workloads:
+        stage("capture", workload=ref.rpartition(":")[2])
+        _, graph = capture_model(ref)
+        strategies = _strategies(graph, preset)
+        captured.append((ref, graph, strategies))
+        jobs += part_jobs(graph, strategies.values(), device_kind=device.kind)
+    stage("op parts", parts=len(jobs))
+    db, num_timed = measure_parts(jobs, os.fspath(db_path), device_kind=device.kind, nproc=nproc,
+                                  repeats=repeats, timeout_s=timeout_s, source="calibrate")
+    samples = []
+    for job in jobs:
+        op = job.operator()
+        found = db.lookup(part_key(op, job.box, device.kind))
+        if found is not None:
+            samples.append(OpSample(op=op, box=job.box, fwd_ms=found.fwd_ms, bwd_ms=found.bwd_ms))
+
+    # 2. communication
+    stage("communication", sizes=len(comm_sizes))
+    per_rank = launch(time_comm, nproc, kwargs={"sizes": comm_sizes, "repeats": comm_repeats},
+                      backend=backend, timeout_s=timeout_s, wall_timeout_s=timeout_s, num_threads=1)
+    comm_samples = [CommSample(kind=kind, nbytes=nbytes, world=nproc,
+                               time_ms=max(1e-6, statistics.median(r[kind][i][1] for r in per_rank)))
+                    for kind in per_rank[0] for i, (nbytes, _) in enumerate(per_rank[0][kind])]
+
+    # 3. fits
+    stage("fit")
+    compute = fit_compute(samples, device)
+    comm = fit_comm(comm_samples, preset)
+    fitted_links = DeviceTopology(name=output.stem, devices=preset.devices, links=tuple(
+        type(link)(id=link.id, src=link.src, dst=link.dst, kind=link.kind, spec=link.spec,
+                   bandwidth_gbps=comm.bandwidth_gbps, latency_us=comm.latency_us) for link in preset.links))
+    topology, efficiency, bw_eff = profile_devices(fitted_links, compute)
+    profile = MachineProfile(topology=topology, efficiency={device.kind: efficiency},
+                             bandwidth_efficiency={device.kind: bw_eff}, launch_us={device.kind: compute.launch_us})
+
+    # 4. runtime overhead per op part pass and per transfer, from training steps of the workloads
+    steps: list[StepSample] = []
+    for ref, graph, strategies in captured:
+        for name in ("dp", "tp", "mp"):
+            if name not in strategies:
+                continue
+            stage("runtime overhead", workload=ref.rpartition(":")[2], strategy=name)
+            steps.append(_step_sample(ref, graph, strategies[name], name=name, topology=topology, db=db,
+                                      profile=profile, nproc=nproc, backend=backend, steps=overhead_steps,
+                                      timeout_s=timeout_s))
+    extra = fit_overhead(steps)
+    overhead_ms, extra_latency_ms = extra.overhead_ms, extra.extra_latency_ms
+    link = topology.links[0]
+    topology = _with_links(topology, latency_us=link.latency_us + extra_latency_ms * 1e3,
+                           bandwidth_gbps=1e3 / (1e3 / link.bandwidth_gbps + extra.extra_ms_per_gb))
+
+    try:
+        costdb_ref = os.path.relpath(db_path, output.parent if output.parent != Path("") else Path("."))
+    except ValueError:
+        costdb_ref = os.fspath(db_path)
+    report: dict[str, Any] = {
+        "nproc": nproc, "backend": backend, "num_threads": 1,
+        "comm": {"latency_us": comm.latency_us, "bandwidth_gbps": comm.bandwidth_gbps,
+                 "alpha_beta": {k: {"alpha_us": a, "beta_gbps": b} for k, (a, b) in comm.alpha_beta.items()},
+                 "median_abs_error": comm.median_abs_error, "max_abs_error": comm.max_abs_error,
+                 "default_median_abs_error": comm.default_median_abs_error,
+                 "samples": [{"kind": s.kind, "bytes": s.nbytes, "time_ms": s.time_ms} for s in comm_samples]},
+        "compute": {"median_abs_error": compute.median_abs_error,
+                    "default_median_abs_error": compute.default_median_abs_error,
+                    "num_samples": compute.num_samples},
+        "extra_latency_us": extra_latency_ms * 1e3, "extra_ms_per_gb": extra.extra_ms_per_gb,
+        "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
+                   "num_passes": s.num_passes, "num_hops": s.num_hops} for s in steps],
+    }
+    profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
+                             bandwidth_efficiency=profile.bandwidth_efficiency, launch_us=profile.launch_us,
+                             overhead_us=overhead_ms * 1e3, costdb=costdb_ref, report={"fit": report})
+    write_profile(output, profile)
+    stage("done")
+    dev = topology.devices[0]
+    return {
+        "output": os.fspath(output), "costdb": os.fspath(db_path), "nproc": nproc, "backend": backend,
+        "elapsed_s": time.monotonic() - stage.start,
+        "parts_measured": num_timed, "parts_total": len(samples),
+        "peak_tflops": {k: v / 1e12 for k, v in dev.peak_flops.items()},
+        "memory_bandwidth_gbps": dev.memory_bandwidth_gbps,
+        "efficiency": dict(efficiency), "bandwidth_efficiency": bw_eff, "launch_us": compute.launch_us,
+        "overhead_us": overhead_ms * 1e3, "latency_us": topology.links[0].latency_us,
+        "bandwidth_gbps": topology.links[0].bandwidth_gbps,
+        **{k: v for k, v in report.items() if k not in ("nproc", "backend")},
+    }
+
+
+def calibrate_text(report: Mapping[str, Any]) -> str:
+    """The report for people: fitted figures, fit errors, where the profile went."""
+    lines = [f"machine profile: {report['output']}  (cost database: {report['costdb']}, "
+             f"{report['parts_measured']} new part(s) timed of {report['parts_total']})",
+             f"processes: {report['nproc']} ({report['backend']}, 1 thread each), "
+             f"elapsed {report['elapsed_s']:.1f} s", ""]
+    peak = report["peak_tflops"].get("float32")
+    lines.append(f"device: peak {peak * 1e3:.1f} GFLOP/s (float32), memory {report['memory_bandwidth_gbps']:.1f} "
+                 f"GB/s x {report['bandwidth_efficiency']:.2f}, launch {report['launch_us']:.1f} us, "
+                 f"runtime overhead {report['overhead_us']:.1f} us per op pass")
+    eff = report["efficiency"]
+    lines.append("efficiency (fraction of peak) by op kind: "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in sorted(eff.items(), key=lambda kv: -kv[1])))
+    c = report["compute"]
+    lines.append(f"op part fit: median |error| {c['median_abs_error']:.1%} over {c['num_samples']} parts "
+                 f"(default constants: {c['default_median_abs_error']:.1%})")
+    comm = report["comm"]
+    lines.append("")
+    lines.append(f"links: latency {report['latency_us']:.1f} us per hop ({comm['latency_us']:.1f} raw + "
+                 f"{report['extra_latency_us']:.1f} runtime), bandwidth {report['bandwidth_gbps']:.3f} GB/s "
+                 f"({comm['bandwidth_gbps']:.3f} raw, + {report['extra_ms_per_gb']:.0f} ms/GB runtime); "
+                 f"raw transfer fit median |error| {comm['median_abs_error']:.1%} (max {comm['max_abs_error']:.1%}; "
+                 f"preset figures: {comm['default_median_abs_error']:.1%})")
+    for kind, ab in comm["alpha_beta"].items():
+        lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")
+    lines.append("")
+    for s in report["steps"]:
+        lines.append(f"step {s['workload']:<20} measured {s['measured_ms']:8.2f} ms   simulated without overhead "
+                     f"{s['simulated_ms']:8.2f} ms   {s['num_passes']:.0f} op passes, {s['num_hops']:.0f} hops")
+    return "\n".join(lines)
+
+
+__all__ = ["COMM_SIZES", "TINY_WORKLOADS", "WORKLOADS", "calibrate", "calibrate_text"]

@@ -1,0 +1,170 @@
+"""Calibration: the least-squares fits recover known constants from synthetic measurements, the machine
+profile round-trips through `load_topology`, and (slow) a tiny `calibrate` run end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simulator.calibration import (
+    CommSample,
+    MachineProfile,
+    OpSample,
+    StepSample,
+    alpha_beta,
+    cost_model_for,
+    fit_comm,
+    fit_compute,
+    fit_overhead,
+    profile_devices,
+    read_profile,
+    simulated_comm_ms,
+    write_profile,
+)
+from simulator.costmodel import AnalyticalCostModel, MeasuredCostModel
+from soap.config import ParallelConfig, parts
+from soap.topology import DeviceTopology, Link, load_topology
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    from soap.capture import capture
+    from soapflow.models import default_loss
+    from soapflow.zoo.mlp import mlp
+
+    out = []
+    for batch, sizes in ((8, (64, 256, 32)), (32, (512, 1024, 128)), (64, (16, 2048, 8))):
+        module, (x, target) = mlp(batch, sizes=sizes)
+        out.append(capture(module, x, target, default_loss, name="m", batch_size=batch))
+    return out
+
+
+def synthetic_samples(graphs, model, device) -> list[OpSample]:
+    samples = []
+    for g in graphs:
+        for op in g:
+            if op.kind in ("input", "constant"):
+                continue
+            for degree in (1, 2, 4):
+                cfg = ParallelConfig(degrees={"sample": degree}, devices=tuple(range(degree)))
+                box = parts(op, cfg)[0][0]
+                fwd, bwd = model.compute_ms(op, box, device)
+                samples.append(OpSample(op=op, box=box, fwd_ms=fwd, bwd_ms=bwd))
+    return samples
+
+
+def test_fit_compute_recovers_known_constants(graphs) -> None:
+    device = load_topology("cpu-2").devices[0]
+    truth = AnalyticalCostModel(efficiency={"cpu": {"linear": 0.37}}, bandwidth_efficiency={"cpu": 0.45},
+                                launch_us={"cpu": 23.0})
+    fit = fit_compute(synthetic_samples(graphs, truth, device), device)
+    assert fit.efficiency["linear"] == pytest.approx(0.37, rel=1e-3)
+    assert fit.bandwidth_efficiency == pytest.approx(0.45, rel=1e-3)
+    assert fit.launch_us == pytest.approx(23.0, rel=1e-3)
+    assert fit.median_abs_error < 1e-4 < fit.default_median_abs_error
+
+
+def test_fit_compute_above_the_datasheet_peak_raises_the_peak(graphs) -> None:
+    topo = load_topology("cpu-2")
+    device = topo.devices[0]
+    fast = DeviceTopology(name="fast", devices=tuple(
+        type(d)(id=d.id, kind=d.kind, node=d.node, peak_flops={k: 3 * v for k, v in d.peak_flops.items()},
+                memory_bandwidth_gbps=d.memory_bandwidth_gbps, memory_bytes=d.memory_bytes)
+        for d in topo.devices), links=topo.links)
+    truth = AnalyticalCostModel(efficiency={"cpu": {"linear": 0.9}}, launch_us={"cpu": 5.0})
+    fit = fit_compute(synthetic_samples(graphs, truth, fast.devices[0]), device)
+    assert fit.efficiency["linear"] == pytest.approx(2.7, rel=1e-3)  # 0.9 of a 3x faster device
+    topology, eff, _ = profile_devices(topo, fit)
+    assert eff["linear"] == pytest.approx(1.0)
+    assert topology.devices[0].peak_flops["float32"] == pytest.approx(2.7 * device.peak_flops["float32"], rel=1e-3)
+
+
+def test_fit_comm_recovers_link_figures() -> None:
+    preset = load_topology("cpu-2")
+    truth = DeviceTopology(name="t", devices=preset.devices, links=tuple(
+        Link(id=link.id, src=link.src, dst=link.dst, kind=link.kind, bandwidth_gbps=1.7, latency_us=33.0)
+        for link in preset.links))
+    samples = [CommSample(kind=k, nbytes=n, time_ms=simulated_comm_ms(truth, CommSample(kind=k, nbytes=n,
+                                                                                          time_ms=1.0)))
+               for k in ("p2p", "allreduce", "allgather") for n in (4096, 65536, 1 << 20, 1 << 24)]
+    fit = fit_comm(samples, preset)
+    assert fit.latency_us == pytest.approx(33.0, rel=1e-2)
+    assert fit.bandwidth_gbps == pytest.approx(1.7, rel=1e-2)
+    assert fit.median_abs_error < 1e-3 < fit.default_median_abs_error
+    alpha, beta = fit.alpha_beta["p2p"]
+    assert alpha == pytest.approx(66.0, rel=1e-2) and beta == pytest.approx(1.7, rel=1e-2)  # 2 hops
+
+
+def test_alpha_beta_line() -> None:
+    samples = [CommSample(kind="p2p", nbytes=n, time_ms=(40 + n / 2e3) / 1e3) for n in (1e3, 1e5, 1e7)]
+    alpha, beta = alpha_beta(samples)
+    assert alpha == pytest.approx(40, rel=1e-6) and beta == pytest.approx(2.0, rel=1e-6)
+
+
+def test_fit_overhead_recovers_known_overhead() -> None:
+    samples = [StepSample(name=str(i), base_ms=b, num_passes=n, measured_ms=b + n * 0.08)
+               for i, (b, n) in enumerate(((10.0, 20), (100.0, 300), (3.0, 10)))]
+    fit = fit_overhead(samples)
+    assert (fit.overhead_ms, fit.extra_latency_ms, fit.extra_ms_per_gb) == pytest.approx((0.08, 0.0, 0.0))
+    rows = ((10.0, 20, 0, 0.0), (100.0, 300, 40, 0.01), (3.0, 10, 12, 0.0), (50.0, 60, 100, 0.05), (20.0, 5, 3, 0.2))
+    both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_hops=h, num_gb=gb,
+                       measured_ms=b + n * 0.08 + h * 0.03 + gb * 400.0)
+            for i, (b, n, h, gb) in enumerate(rows)]
+    fit = fit_overhead(both)
+    assert (fit.overhead_ms, fit.extra_latency_ms, fit.extra_ms_per_gb) == pytest.approx((0.08, 0.03, 400.0))
+    assert fit_overhead([StepSample(name="x", base_ms=10.0, num_passes=5, measured_ms=8.0)]).overhead_ms < 1e-9
+
+
+def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> None:
+    preset = load_topology("cpu-2")
+    links = tuple(Link(id=link.id, src=link.src, dst=link.dst, kind=link.kind, spec=link.spec,
+                       bandwidth_gbps=1.25, latency_us=41.0) for link in preset.links)
+    topology = DeviceTopology(name="machine", devices=preset.devices, links=links)
+    profile = MachineProfile(topology=topology, efficiency={"cpu": {"linear": 0.4, "*": 0.2}},
+                             bandwidth_efficiency={"cpu": 0.5}, launch_us={"cpu": 15.0}, overhead_us=70.0,
+                             costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}})
+    path = tmp_path / "machine.json"
+    write_profile(path, profile)
+    loaded = load_topology(str(path))
+    assert loaded.devices == topology.devices and loaded.links == topology.links
+    assert loaded.name == "machine"
+    back = read_profile(path)
+    assert back is not None and back.overhead_us == 70.0 and back.report == {"fit": {"nproc": 2}}
+    assert back.costdb == str(tmp_path / "machine.costdb.jsonl")  # relative to the profile
+    assert back.analytical().flop_efficiency("cpu", "linear") == 0.4
+    topo, model = cost_model_for(str(path))
+    assert topo == loaded
+    assert isinstance(model, MeasuredCostModel) and model.overhead_ms == pytest.approx(0.07)
+    assert model.fallback.flop_efficiency("cpu", "linear") == 0.4
+    assert cost_model_for("cpu-2")[1] is None
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(topology.to_dict()))
+    assert read_profile(plain) is None
+
+
+@pytest.mark.slow
+def test_calibrate_smoke(tmp_path: Path) -> None:
+    from soapflow.calibrate import TINY_WORKLOADS, calibrate, calibrate_text
+
+    out = tmp_path / "machine.json"
+    stages = []
+    report = calibrate(2, "gloo", out, progress=lambda info: stages.append(info["stage"]),
+                       workloads=TINY_WORKLOADS, repeats=2, comm_sizes=(4096, 1 << 16, 1 << 20), comm_repeats=2,
+                       overhead_steps=2, timeout_s=120)
+    assert stages[0] == "capture" and stages[-1] == "done"
+    topo = load_topology(str(out))
+    assert topo.num_devices == 2 and topo.links[0].latency_us == pytest.approx(report["latency_us"])
+    assert report["parts_measured"] > 0 and Path(report["costdb"]).is_file()
+    from soap import costdb
+
+    assert all(m.solo_fwd_ms is not None for m in costdb.load(report["costdb"]))  # timed alone and at once
+    profile = read_profile(out)
+    assert profile is not None and profile.overhead_us == pytest.approx(report["overhead_us"])
+    assert "efficiency" in calibrate_text(report)
+    again = calibrate(2, "gloo", out, workloads=TINY_WORKLOADS, repeats=2, comm_sizes=(4096, 1 << 16),
+                      comm_repeats=2, overhead_steps=2, timeout_s=120)
+    assert again["parts_measured"] == 0  # reused from the cost database
+    with pytest.raises(ValueError, match="nccl"):
+        calibrate(2, "nccl", out)
