@@ -248,6 +248,33 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
     return out, "\n".join(lines)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow.calibrate import calibrate, calibrate_text
+
+    bar = Progress("calibrating", enabled=None if not args.json else False)
+    try:
+        out = calibrate(nproc=args.nproc, backend=args.backend, output=args.output, costdb=args.costdb,
+                        progress=bar)
+    finally:
+        bar.close()
+    return out, calibrate_text(out)
+
+
+def cmd_validate(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow.validate import validate, validate_text
+
+    bar = Progress("validating", enabled=None if not args.json else False)
+    try:
+        out = validate(args.model, args.topology, strategies=args.strategies, seed=args.seed, steps=args.steps,
+                       batch=args.batch, plot=args.plot, progress=bar, costdb=args.costdb)
+    finally:
+        bar.close()
+    text = validate_text(out)
+    if args.plot:
+        text += f"\nscatter plot written to {args.plot}"
+    return out, text
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[dict, str]]] = {
     "simulate": cmd_simulate,
     "models": cmd_models,
@@ -256,6 +283,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], tuple[dict, str]]] = {
     "optimize": cmd_optimize,
     "compare": cmd_compare,
     "run": cmd_run,
+    "calibrate": cmd_calibrate,
+    "validate": cmd_validate,
 }
 
 
@@ -326,6 +355,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+
+    p = add("calibrate", "measure this machine and write a machine profile (a topology file) for -t")
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="local processes (default: 2)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="default: gloo")
+    p.add_argument("-o", "--output", default="machine.json", metavar="FILE",
+                   help="machine profile to write (default: machine.json)")
+    p.add_argument("--costdb", metavar="FILE",
+                   help="cost database to fill and reuse (default: beside the profile)")
+
+    p = add("validate", "predict and measure strategies here; report the simulator's error")
+    p.add_argument("model", nargs="+", metavar="MODEL", help="zoo names or path/to/file.py:function")
+    p.add_argument("--batch", type=int, help="global batch size (default: each model's)")
+    _topology_arg(p)
+    p.add_argument("--strategies", type=int, default=8, metavar="K", help="strategies per model (default: 8)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per round (default: 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random strategies")
+    p.add_argument("--plot", metavar="FILE.png", help="scatter plot of predicted against measured")
+    _costdb_arg(p)
     return parser
 
 

@@ -184,3 +184,16 @@ def test_run_json_verifies_tensor_parallel_training(capsys):
     doc = run_json(capsys, "run", "mlp", "--batch", "8", "-s", "tp", "--steps", "2", "--verify")
     assert len(doc["losses"]) == 2 and len(doc["step_time_ms"]) == 2
     assert doc["verify"]["max_loss_rel_diff"] < 1e-5 and doc["verify"]["max_param_rel_diff"] < 1e-5
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["calibrate", "--nproc", "1"], "--nproc must be at least 2"),
+    (["validate", "mlp", "-t", "p100-4x4"], "cpu-N"),
+    (["validate", "mlp", "-t", "cpu-2", "--strategies", "0"], "must be positive"),
+    (["validate", "no_such_model", "-t", "cpu-2", "--strategies", "2"], "neither a zoo model"),
+])
+def test_calibrate_and_validate_bad_input_one_line(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and lines[0].startswith("soapflow: error:"), err
+    assert message in lines[0], err
