@@ -24,7 +24,6 @@ import hashlib
 import io
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from soap.files import write_atomic
 
 FORMAT = "soapflow.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})\.ckpt$")
@@ -94,17 +95,7 @@ def save_checkpoint(directory: str | os.PathLike, ckpt: Checkpoint, *, keep: int
     data = payload.getvalue()
     header = f"{FORMAT} {len(data)} {hashlib.sha256(data).hexdigest()}\n".encode()
     path = checkpoint_path(directory, ckpt.step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, header + data)
     _fsync_dir(directory)
     for old in _candidates(directory)[keep:]:
         old.unlink(missing_ok=True)

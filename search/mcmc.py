@@ -338,6 +338,18 @@ def _run_workers(jobs: list[_WorkerJob], progress: Progress | None) -> list[dict
 # -------------------------------------------------------------------------------------------- the search
 
 
+def check_budgets(*, budget_s: float | None, max_proposals: int | None, jobs: int = 1) -> None:
+    """`ValueError` (one line) for budgets the search refuses; callers run it before any slow work."""
+    if budget_s is None and max_proposals is None:
+        raise ValueError("the search needs a time budget or a proposal budget")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"the search budget must be > 0 seconds, got {budget_s:g}")
+    if max_proposals is not None and max_proposals <= 0:
+        raise ValueError(f"the proposal budget must be > 0, got {max_proposals}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+
+
 def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: EvaluatorFactory,
            budget_s: float | None = None, max_proposals: int | None = None, seed: int = 0, jobs: int = 1,
            beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
@@ -349,14 +361,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     with {proposals, proposals_per_s, elapsed_s, best_ms} once the baselines are simulated (proposals 0,
     best_ms the best baseline's, inf if none fits), then on improvements and about twice a second.
     """
-    if budget_s is None and max_proposals is None:
-        raise ValueError("the search needs a time budget (budget_s) or a proposal budget (max_proposals)")
-    if budget_s is not None and not budget_s > 0:
-        raise ValueError(f"the time budget must be > 0 seconds, got {budget_s}")
-    if max_proposals is not None and max_proposals <= 0:
-        raise ValueError(f"the proposal budget must be > 0, got {max_proposals}")
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
     if random_chains < 0:
         raise ValueError(f"random_chains must be >= 0, got {random_chains}")
     if not beta_scale > 0:

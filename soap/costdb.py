@@ -34,13 +34,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from soap.files import write_atomic
 from soap.graph import Operator
 from soap.opdef import Box
 from soap.registry import op_def
@@ -199,19 +199,6 @@ def _lines(measurements: Iterable[Measurement]) -> str:
     return "".join(json.dumps(m.to_dict(), sort_keys=True) + "\n" for m in measurements)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the database is a file to ship
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def load(path: str | os.PathLike, *, missing_ok: bool = False) -> CostDatabase:
     """Read a cost database file; corrupt lines are skipped with one warning each.
 
@@ -246,9 +233,9 @@ def append(path: str | os.PathLike, measurements: Iterable[Measurement]) -> None
         old = ""
     if old and not old.endswith("\n"):
         old += "\n"  # a torn last line stays on its own line (and is skipped by `load`)
-    _write_atomic(path, old + _lines(measurements))
+    write_atomic(path, old + _lines(measurements))
 
 
 def save(path: str | os.PathLike, db: CostDatabase | Iterable[Measurement]) -> None:
     """Write the whole database (one line per key), atomically."""
-    _write_atomic(Path(path), _lines(db))
+    write_atomic(Path(path), _lines(db))

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Replace `path` with `text` atomically (temporary file, fsync, rename)."""
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace `path` with `data` (text is written as UTF-8) atomically: temporary file, fsync, rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -26,7 +26,7 @@ from typing import Any
 
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.evaluate import SimulatorEvaluators
-from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, search
+from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, check_budgets, search
 from simulator.engine import simulate
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph
@@ -126,18 +126,6 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
                    for c in result.chains],
         "strategy": summary,
     }
-
-
-def check_budgets(*, budget_s: float | None, max_proposals: int | None, jobs: int = 1) -> None:
-    """`ValueError` (one line) for search budgets the search would refuse, before any slow work."""
-    if budget_s is None and max_proposals is None:
-        raise ValueError("the search needs a time budget or a proposal budget")
-    if budget_s is not None and not budget_s > 0:
-        raise ValueError(f"the search budget must be > 0 seconds, got {budget_s:g}")
-    if max_proposals is not None and max_proposals <= 0:
-        raise ValueError(f"the proposal budget must be > 0, got {max_proposals}")
-    if jobs < 1:
-        raise ValueError(f"jobs must be at least 1, got {jobs}")
 
 
 def topology_and_cost_model(topology_ref: str | os.PathLike, cost_model: Any = None) -> tuple[DeviceTopology, Any]:
