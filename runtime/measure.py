@@ -131,25 +131,43 @@ def _params(op: Operator, box: Box, gen: torch.Generator) -> tuple[dict[str, tor
     return params, buffers
 
 
-def time_part(job: PartJob, *, warmup: int = 2, repeats: int = 7, max_s: float = 2.0) -> tuple[float, float, int]:
-    """(forward ms, backward ms, repeats done) of one part: `warmup` untimed passes, then the medians of
-    up to `repeats` timed ones (fewer when they would take longer than `max_s`, at least 3)."""
+def _on(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    if x is None or x.device == device:
+        return x
+    return x.detach().to(device).requires_grad_(x.requires_grad)
+
+
+def time_part(job: PartJob, *, warmup: int = 2, repeats: int = 7, max_s: float = 2.0,
+              device: str | torch.device = "cpu") -> tuple[float, float, int]:
+    """(forward ms, backward ms, repeats done) of one part on `device`: `warmup` untimed passes, then the
+    medians of up to `repeats` timed ones (fewer when they would take longer than `max_s`, at least 3).
+
+    On a CUDA device every timestamp waits for the device (`torch.cuda.synchronize`), so a time is the
+    kernels' time, not the launch's."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     op = job.operator()
     gen = torch.Generator().manual_seed(0)
-    inputs = _inputs(job, op, gen)
+    inputs = [_on(x, device) for x in _inputs(job, op, gen)]
     params, buffers = _params(op, job.box, gen)
+    params = {k: _on(v, device) for k, v in params.items()}
+    buffers = {k: v.to(device) for k, v in buffers.items()}
     leaves = [x for x in (*inputs, *params.values()) if x is not None and x.requires_grad]
     fwd: list[float] = []
     bwd: list[float] = []
     start_all = time.perf_counter()
     for i in range(warmup + repeats):
+        sync()
         t0 = time.perf_counter()
         outs = kernels.compute_part(op, job.box, inputs, params, training=True, buffers=buffers, step=i)
+        sync()
         t1 = time.perf_counter()
         pairs = [(o, torch.ones_like(o)) for o in outs if o.requires_grad]
+        sync()
         t2 = time.perf_counter()
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        sync()
         t3 = time.perf_counter()
         for x in leaves:
             x.grad = None
@@ -171,11 +189,12 @@ def measurement(job: PartJob, fwd_ms: float, bwd_ms: float, *, device_kind: str,
 
 
 def time_jobs(jobs: Sequence[PartJob], *, warmup: int = 2, repeats: int = 7, max_s: float = 2.0,
-              progress: Callable[[int, int], None] | None = None) -> list[tuple[float, float, int]]:
-    """`time_part` of every job, in order (`progress(done, total)` after each)."""
+              progress: Callable[[int, int], None] | None = None,
+              device: str | torch.device = "cpu") -> list[tuple[float, float, int]]:
+    """`time_part` of every job on `device`, in order (`progress(done, total)` after each)."""
     out = []
     for i, job in enumerate(jobs):
-        out.append(time_part(job, warmup=warmup, repeats=repeats, max_s=max_s))
+        out.append(time_part(job, warmup=warmup, repeats=repeats, max_s=max_s, device=device))
         if progress is not None:
             progress(i + 1, len(jobs))
     return out
@@ -190,8 +209,8 @@ def _rank_time_jobs(rank: int, world_size: int, *, jobs: Sequence[PartJob], warm
 
 def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: str = "cpu", nproc: int = 1,
                   warmup: int = 2, repeats: int = 7, max_s: float = 2.0, timeout_s: float = 600.0,
-                  progress: Callable[[int, int], None] | None = None, source: str = "runtime"
-                  ) -> tuple[costdb.CostDatabase, int]:
+                  progress: Callable[[int, int], None] | None = None, source: str = "runtime",
+                  device: str | torch.device = "cpu") -> tuple[costdb.CostDatabase, int]:
     """Time the jobs whose keys the database at `db_path` lacks and append them (one atomic write).
 
     Every part is timed here alone (one thread); with `nproc` > 1 it is also timed in `nproc` concurrent
@@ -200,6 +219,8 @@ def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: 
     Returns the database with the new measurements and how many were timed. `db_path` None keeps the
     measurements in memory only.
     """
+    if nproc > 1 and torch.device(device).type != "cpu":
+        raise ValueError(f"concurrent timing (nproc {nproc}) runs on CPU; time {device} parts with nproc 1")
     db = costdb.load(db_path, missing_ok=True) if db_path is not None else costdb.CostDatabase()
     todo: list[PartJob] = []
     keys: set[costdb.Key] = set()
@@ -213,7 +234,7 @@ def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank of a run
     try:
-        solo = time_jobs(todo, warmup=warmup, repeats=repeats, max_s=max_s, progress=progress)
+        solo = time_jobs(todo, warmup=warmup, repeats=repeats, max_s=max_s, progress=progress, device=device)
     finally:
         torch.set_num_threads(threads)
     if nproc <= 1:

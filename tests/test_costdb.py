@@ -133,8 +133,10 @@ def test_measure_parts_reuses_measured_keys(tiny_graph, tmp_path: Path) -> None:
     keys = {costdb.part_key(j.operator(), j.box, "cpu") for j in jobs}
     assert len(keys) == len(jobs)  # each distinct part once
     path = tmp_path / "db.jsonl"
-    db, timed = measure_parts(jobs[:3], os.fspath(path), warmup=1, repeats=3)
+    db, timed = measure_parts(jobs[:3], os.fspath(path), warmup=1, repeats=3, device="cpu")
     assert timed == 3 and len(costdb.load(path)) == 3
+    with pytest.raises(ValueError, match="nproc 1"):
+        measure_parts(jobs, os.fspath(path), nproc=2, device="cuda:0")
     db, timed = measure_parts(jobs, os.fspath(path), warmup=1, repeats=3)
     assert timed == len(jobs) - 3  # the first three are not timed again
     with warnings.catch_warnings():
