@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _topology_arg(p)
     p.add_argument("-s", "--strategy", action="append", metavar="STRATEGY",
-                   help="strategy file or baseline; repeat for several (default: all baselines)")
+                   help="strategy file to show beside the baselines; repeat for several")
     p.add_argument("--measure", action="store_true",
                    help="also run each strategy with the runtime here (topology cpu-N) and time it")
     p.add_argument("--steps", type=int, default=10, help="steps per measured run (default: 10)")

@@ -282,8 +282,10 @@ def optimize_text(out: Mapping[str, Any]) -> str:
 
 def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | None = None,
             batch: int | None = None, measure: bool = False, steps: int = 10, repeats: int = 1,
-            plot: str | os.PathLike | None = None, cost_model: Any = None) -> dict[str, Any]:
-    """Simulate each strategy (baseline names or strategy files; all baselines by default) and, with
+            plot: str | os.PathLike | None = None, cost_model: Any = None, baselines: bool = True
+            ) -> dict[str, Any]:
+    """Simulate the baselines (unless `baselines` is False) and each given strategy (baseline names or
+    strategy files) and, with
     `measure` on a ``cpu-N`` topology, train with it for `steps` steps in N processes (`soapflow.runner`)
     and put the measured iteration time beside the simulated one.
 
@@ -293,7 +295,9 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
     `speedup_vs_dp` (dp's time over the row's: measured when measuring, else simulated; None where dp is
     not defined or not listed), plus `simulated_speedup_vs_dp`, `measured_runs_ms`, `feasible`, `note`.
     """
-    refs = list(strategies) if strategies else list(BASELINES)
+    refs = list(dict.fromkeys([*(BASELINES if baselines else ()), *(strategies or ())]))  # each once
+    if not refs:
+        raise ValueError("compare needs at least one strategy")
     topology, cost_model = topology_and_cost_model(topology_ref, cost_model)
     nproc = None
     if measure:

@@ -171,9 +171,9 @@ def test_optimize_json_keys_and_strategy_file(capsys, tmp_path):
 
 
 def test_compare_json_rows(capsys):
-    doc = run_json(capsys, "compare", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "dp", "-s", "tp")
+    doc = run_json(capsys, "compare", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "tp")
     rows = {r["strategy"]: r for r in doc["rows"]}
-    assert set(rows) == {"dp", "tp"}
+    assert [r["strategy"] for r in doc["rows"]] == ["dp", "mp", "tp", "expert"]  # baselines always, once
     for r in rows.values():
         assert {"strategy", "simulated_ms", "measured_ms", "error", "speedup_vs_dp"} <= set(r)
         assert r["simulated_ms"] > 0 and r["measured_ms"] is None

@@ -142,7 +142,7 @@ def test_compare_simulated_rows_text_and_plot(tmp_path):
     found = _optimize(tmp_path)["best"]["strategy_file"]
     out = compare("mlp", "cpu-2", strategies=["dp", "tp", found], batch=8, plot=tmp_path / "cmp.png")
     rows = {r["strategy"]: r for r in out["rows"]}
-    assert set(rows) == {"dp", "tp", found}
+    assert list(rows) == ["dp", "mp", "tp", "expert", found]
     for r in rows.values():
         assert {"strategy", "simulated_ms", "measured_ms", "error", "speedup_vs_dp"} <= set(r)
         assert r["simulated_ms"] > 0 and r["measured_ms"] is None and r["error"] is None
@@ -162,7 +162,7 @@ def test_compare_measure_needs_this_machine():
 
 
 def test_compare_measures_on_this_machine(tmp_path):
-    out = compare("mlp", "cpu-2", strategies=["dp", "tp"], batch=8, measure=True, steps=2,
+    out = compare("mlp", "cpu-2", strategies=["dp", "tp"], baselines=False, batch=8, measure=True, steps=2,
                   plot=tmp_path / "m.png")
     rows = {r["strategy"]: r for r in out["rows"]}
     for r in rows.values():
