@@ -434,16 +434,16 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     reports = []
     min_peak = min(((c.peak_memory_bytes, n) for n, c in costs.items() if c is not None),
                    default=(math.inf, ""))
-    for outcome in outcomes:
-        for chain in outcome["chains"]:
-            reports.append(chain["report"])
-            min_peak = min(min_peak, chain["min_peak"])
-            cost = chain["best_cost"]
-            if cost.feasible and (best_cost is None or cost.time_ms < best_cost.time_ms):
-                best_name, best_cost = f"chain {chain['report'].name}", cost
-                best = chain["best"] if isinstance(chain["best"], Strategy) else _unplain(chain["best"])
     order = {s.name: i for i, s in enumerate(specs)}
-    reports.sort(key=lambda r: order[r.name])
+    # Workers hold every jobs-th chain: put them back in start order, so that ties break alike for any jobs.
+    chains = sorted((c for o in outcomes for c in o["chains"]), key=lambda c: order[c["report"].name])
+    for chain in chains:
+        reports.append(chain["report"])
+        min_peak = min(min_peak, chain["min_peak"])
+        cost = chain["best_cost"]
+        if cost.feasible and (best_cost is None or cost.time_ms < best_cost.time_ms):
+            best_name, best_cost = f"chain {chain['report'].name}", cost
+            best = chain["best"] if isinstance(chain["best"], Strategy) else _unplain(chain["best"])
     if best is None or best_cost is None:
         raise NoFeasibleStrategy(_no_fit_message(topology, min_peak))
     history = _merge_history(outcomes, feasible[best_baseline].time_ms if best_baseline else math.inf, offset)
