@@ -150,7 +150,7 @@ class Redistribution:
         self._sends: list[tuple[int, tuple[slice, ...], int]] = []
         self._recvs: list[tuple[int, int, tuple[int, ...], int]] = []
         # per edge, how the consumer part's input is made: None (not read here), ("local", slices of the
-        # constant), ("whole", k, slices of the producer part or None for a received piece), or
+        # constant or batch), ("whole", k, slices of the producer part or None for a received piece), or
         # ("build", shape, [(k, slices of the producer part or None, slices of the input)])
         self._inputs: list[tuple | None] = []
         # backward, per edge: ("add", grad slices, shape, producer slices), ("send", grad slices, shape,

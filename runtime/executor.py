@@ -9,7 +9,8 @@ How a step runs on one rank (DESIGN section 6), with `Plan` (runtime/plan.py) sa
 - forward, op by op in graph order: move the op's input regions to its part here (`Redistribution`:
   local slices and point-to-point pieces, partial sums added), then compute the part with
   `runtime.kernels.compute_part` on detached leaf copies of the inputs and on this rank's parameter
-  shards. An `input` part slices the synthetic batch; a `constant` is read from this rank's own buffer.
+  shards. Sources move nothing (`OpDef.everywhere`): an op reads its region of an `input` from the
+  global synthetic batch every rank holds, and of a `constant` from this rank's own buffer.
 - backward, op by op in reverse graph order: backpropagate the part from the gradients its consumers
   sent back (leaf gradients give the input gradients), send every input piece's gradient back to the
   rank it came from (added there), then hand the parameters that just became final to `GradSync`, which
@@ -75,7 +76,7 @@ class Executor:
         self.constants: dict[str, torch.Tensor] = {}
         for op in graph:
             entry = op_def(op.kind)
-            if entry.everywhere:
+            if op.kind == "constant":
                 self.constants[op.name] = self._cast(tensors[op.attrs["fqn"]]).detach()
             p = plan.local_part(op.name, rank)
             if p is None:
@@ -104,8 +105,6 @@ class Executor:
                       else None for op in graph}
         self.out_refs = {op.name: tuple(TensorRef(op=op.name, index=i) for i in range(len(op.outputs)))
                          for op in graph}
-        self.input_slices = {op.name: as_slices(op_def(op.kind).output_region(op, self.boxes[op.name], 0))
-                             for op in graph if op.kind == "input" and self.boxes[op.name] is not None}
         self.grad_shapes = {ref: region_shape(edge.src_regions[j])
                             for edges in plan.edges.values() for edge in edges
                             if (ref := edge.ref) and (j := plan.local_part(ref.op, rank)) is not None}
@@ -180,6 +179,10 @@ class Executor:
         self.grads.clear()
         for op in self.graph:
             self.where = self.wheres[op.name][0]
+            if op.kind == "input":
+                # Every rank holds the whole global batch and reads from it what its parts need.
+                self.constants[op.name] = self._cast(batch[int(op.attrs["position"])])
+                continue
             if op.name in self.constants:
                 continue
             edges = self.plan.edges[op.name]
@@ -187,16 +190,11 @@ class Executor:
             box = self.boxes[op.name]
             if box is None:
                 continue
-            if op.kind == "input":
-                full = batch[int(op.attrs["position"])]
-                outs = (self._cast(full[self.input_slices[op.name]]),)
-                leaves: list[torch.Tensor | None] = []
-            else:
-                leaves = [x.detach().requires_grad_(True) if x is not None and e.needs_grad else x
-                          for e, x in zip(edges, inputs, strict=True)]
-                if fail:
-                    raise RuntimeError("injected fault (test hook)")
-                outs = self._compute(op, box, leaves)
+            leaves = [x.detach().requires_grad_(True) if x is not None and e.needs_grad else x
+                      for e, x in zip(edges, inputs, strict=True)]
+            if fail:
+                raise RuntimeError("injected fault (test hook)")
+            outs = self._compute(op, box, leaves)
             self.saved[op.name] = (leaves, outs)
             self.values[op.name] = tuple(o.detach() for o in outs)
         self.where = "loss"
@@ -233,7 +231,7 @@ class Executor:
                 continue
             in_grads: list[torch.Tensor | None] = [None] * len(op.inputs)
             saved = self.saved.pop(op.name, None)
-            if saved is not None and op.kind != "input":
+            if saved is not None:
                 leaves, outs = saved
                 pairs = [(o, self.grads.pop(ref)) for o, ref in zip(outs, self.out_refs[op.name], strict=True)
                          if ref in self.grads]

@@ -47,7 +47,8 @@ class EdgePlan:
     `regions[p]` is the input region consumer part `p` reads (None: the part does not read this input);
     `src_regions[j]` is the region of the tensor producer part `j` outputs.
     `reduced` says the producer parts hold partial sums that the consumer adds up. `local` says every rank
-    makes the whole tensor itself (a constant): no transfers. `needs_grad` says a gradient flows back.
+    holds the whole tensor itself (a constant or the batch): no transfers. `needs_grad` says a gradient
+    flows back.
     """
 
     op: str
@@ -125,7 +126,8 @@ def _edge(graph: OperatorGraph, strategy: Strategy, op_parts: Mapping[str, tuple
     prod = graph[ref.op]
     cdef, pdef = op_def(cons.kind), op_def(prod.kind)
     regions = tuple(_as_region(cdef.input_regions(cons, box)[slot]) for box, _ in op_parts[consumer])
-    # A constant is a buffer every process holds (`OpDef.everywhere`): reading it never moves data.
+    # A constant (a buffer) and an input (the batch) exist on every process (`OpDef.everywhere`): reading
+    # them never moves data.
     local = pdef.everywhere
     pparts = op_parts[ref.op]
     reduced_flags = [pdef.reduced(prod, box) for box, _ in pparts]

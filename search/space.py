@@ -21,7 +21,7 @@ from the op's (degrees, devices) pairs with an explicit `random.Random`: degrees
 device sets their part count has, then a device set. The memo dicts are per instance and only cache pure
 functions of (graph, topology), so they never change a result.
 
-Ops whose output exists on every device for free (`OpDef.everywhere`: constants) and ops with a single
+Ops whose output exists on every device for free (`OpDef.everywhere`: the batch, constants) and ops with a single
 config are not proposal targets. Must not import torch, the runtime or soapflow.
 """
 

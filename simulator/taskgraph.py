@@ -15,7 +15,9 @@ Tasks of a strategy (times from the cost model and `simulator.comm`):
   intersect: a dependency when p and c share a device, else a transfer of the intersection on the route's
   links. When the producer holds partial sums (a reduction dim is split, `OpDef.reduced`), every consumer
   part with two or more contributions gets a *reduce* task on its device (the partials travel to it,
-  then one sum: a gather-then-add, not a reduce-scatter). Edges from ``constant`` ops make nothing;
+  then one sum: a gather-then-add, not a reduce-scatter). Edges from ``constant`` and ``input`` ops
+  (`OpDef.everywhere`: buffers every process holds, the batch its loader reads where it is needed) make
+  nothing;
 - backward mirrors forward: each consumer part sends the gradient of its intersection back to the
   producer part (a transfer across devices); where consumer parts read overlapping regions (a split
   along a dim the input does not have, or halos), the gradients a producer part receives overlap and a
@@ -29,7 +31,7 @@ Tasks of a strategy (times from the cost model and `simulator.comm`):
 
 Memory per device (an upper bound: no liveness analysis): parameters, their gradients and
 `optimizer_copies` optimizer copies of every parameter region a part holds, plus the outputs of its
-parts and the inputs it receives (activations saved for backward).
+parts, the inputs it receives and the batch regions it reads (activations saved for backward).
 """
 
 from __future__ import annotations
@@ -311,6 +313,13 @@ class Planner:
             out_bytes = sum(region_numel(entry.output_region(op, b, o)) * DTYPE_BYTES[spec.dtype]
                             for o, spec in enumerate(op.outputs))
             mem[dev.id] = mem.get(dev.id, 0) + out_bytes
+        for s, ref in enumerate(op.inputs):
+            # The batch moves nothing (`OpDef.everywhere`), but each device's loader holds what it reads.
+            src = facts.ops[facts.index[ref.op]]
+            if src.kind == "input":
+                itemsize = DTYPE_BYTES[src.outputs[ref.index].dtype]
+                for r, dev in zip(rows[s], devices, strict=True):
+                    mem[dev.id] += region_numel(r) * itemsize
         if facts.free[i]:
             plan.mem = mem
             return plan

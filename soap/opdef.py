@@ -99,7 +99,8 @@ class OpDef:
 
     kind: str = ""
     doc: str = ""
-    # True where the op's output exists on every device at no cost (buffers each process holds).
+    # True where the op's output exists on every device at no cost: buffers each process holds, and the
+    # batch, which each process's data loader reads where its consumers need it.
     everywhere: bool = False
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:

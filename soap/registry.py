@@ -110,10 +110,13 @@ class _AxisOp(OpDef):
 class Input(OpDef):
     """A tensor of the example batch. attrs: `position`, `role` (`input` or `target`).
 
-    dims: `sample` (axis 0), `d1`.. (attribute), all splittable. Reads nothing.
+    dims: `sample` (axis 0), `d1`.. (attribute), all splittable. Reads nothing. Every process's data
+    loader reads the region of the batch that its consumer parts need, so the batch exists on every device
+    for free (`everywhere`): feeding an op never moves data between devices, whatever the op's split.
     """
 
     kind = "input"
+    everywhere = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return tuple(axis_dims(op.outputs[0].shape))

@@ -31,7 +31,7 @@ from simulator.engine import simulate
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph
 from soap.opdef import DimKind
-from soap.registry import dims_of
+from soap.registry import dims_of, op_def
 from soap.strategy import Strategy, save_strategy
 from soap.topology import DeviceTopology, load_topology
 from soapflow.api import capture_model, resolve_strategy
@@ -155,6 +155,8 @@ def strategy_summary(graph: OperatorGraph, strategy: Strategy, topology: DeviceT
     summary of one iteration (`iteration_time_ms`, `peak_memory_bytes` per device, ...)."""
     groups: list[dict[str, Any]] = []
     for op in graph:
+        if op_def(op.kind).everywhere:
+            continue  # the batch and buffers: on every device whatever their config says
         cfg = strategy[op.name]
         split, devices = split_text(op, cfg), devices_text(cfg.devices)
         if groups and groups[-1]["split"] == split and groups[-1]["devices"] == devices:
@@ -190,7 +192,7 @@ def describe(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology)
     """A few sentences on the strategy: how many ops run data parallel on all devices, which ops with
     weights are sharded or placed elsewhere, how many devices are used."""
     n = topology.num_devices
-    ops = [op for op in graph if op.kind != "input"]
+    ops = [op for op in graph if not op_def(op.kind).everywhere]
     dp_all, sharded, whole, follow, other = [], [], [], [], []
     for op in ops:
         cfg = strategy[op.name]

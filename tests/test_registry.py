@@ -563,8 +563,10 @@ def test_pool_width_split_reads_a_halo():
 # ---------------------------------------------------------------- kinds the runtime feeds itself
 
 
-def test_constant_is_everywhere_and_sources_read_nothing():
-    assert op_def("constant").everywhere and not op_def("input").everywhere
+def test_sources_are_everywhere_and_read_nothing():
+    # Buffers every process holds and the batch its loader reads where needed: no transfers feed ops.
+    assert op_def("constant").everywhere and op_def("input").everywhere
+    assert not op_def("linear").everywhere
     for op in SOURCE_OPS[:2]:
         assert op_def(op.kind).input_regions(op, full_box(dims_of(op))) == ()
         with pytest.raises(ValueError, match="no partitioned kernel"):

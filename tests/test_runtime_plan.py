@@ -99,8 +99,8 @@ def test_partial_sums_into_a_sample_split_consumer_are_a_reduce_scatter():
         (1, 0, ((0, 4), (0, 16))), (1, 1, ((4, 8), (0, 16)))]
     # Megatron's pair: the column-parallel output feeds the row-parallel input without moving.
     assert not remote(plan.edges["fc1"][0]) and not remote(plan.edges["relu0"][0])
-    # The input is sample-split but fc0 needs all rows on both ranks: an all-gather.
-    assert len(remote(plan.edges["fc0"][0])) == 2
+    # fc0 needs all rows of the input on both ranks: each rank reads them from the batch it holds.
+    assert plan.edges["fc0"][0].local and not remote(plan.edges["fc0"][0])
     # Sharded weights are not synchronized; fc1's bias lives on the first in_features chunk only.
     assert plan.sync == ()
     assert plan.shards["fc1.bias"] == {((0, 16),): (0,)}
