@@ -230,6 +230,9 @@ class Executor:
             if op.name in self.constants:
                 continue
             in_grads: list[torch.Tensor | None] = [None] * len(op.inputs)
+            # Its consumers are done with the output: let it go now, as autograd frees activations during
+            # backward (holding every activation to the end costs memory and fresh pages every step).
+            self.values.pop(op.name, None)
             saved = self.saved.pop(op.name, None)
             if saved is not None:
                 leaves, outs = saved
