@@ -15,9 +15,11 @@ result).
 Every variant runs the same optimizer (`runtime.train.make_optimizer`: SGD, single-tensor path) on the
 same synthetic batches; a step is forward, loss, backward (gradient synchronization included) and the
 update, started after a barrier. The soapflow step is `runtime.train.train_step`, what `soapflow run`
-times. Writes benchmarks/results/runtime_overhead.md and .json.
+times. The variants share the worker processes, so all run with the allocator setting of
+`runtime.launch.keep_freed_memory`, as every rank of `soapflow run` does.
+Writes benchmarks/results/runtime_overhead.md and .json.
 
-    python benchmarks/runtime_overhead.py [--rounds 5] [--steps 5]
+    python benchmarks/runtime_overhead.py [--rounds 12] [--steps 5]
 """
 
 from __future__ import annotations
@@ -190,7 +192,7 @@ COMPARISONS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -243,7 +245,9 @@ def main() -> None:
         "and quartiles; `fast ratio` is the ratio of the two variants' 25th-percentile step times (their "
         "fastest quarter, the least disturbed by other load on the machine); `met` judges the median ratio. "
         "2 processes x 1 thread on gloo, SGD, float32; MLP 1024-4096-1024 (mse), small CNN "
-        "(2 convs + linear, 32x32, cross-entropy). Below 1 soapflow is faster.\n\n"
+        "(2 convs + linear, 32x32, cross-entropy). Below 1 soapflow is faster. All variants share the worker "
+        "processes, which run with `runtime.launch.keep_freed_memory` (freed memory stays mapped), as every "
+        "rank of `soapflow run` does.\n\n"
         f"```\n{table}\n```\n\nSetup: torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}.\n")
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from runtime import kernels
 from runtime.executor import TORCH_DTYPES
+from runtime.launch import keep_freed_memory
 from runtime.plan import needs_grad as plan_needs_grad
 from soap import costdb
 from soap.config import parts
@@ -233,6 +234,7 @@ def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: 
         return db, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank of a run
+    keep_freed_memory()  # as every rank of a run
     try:
         solo = time_jobs(todo, warmup=warmup, repeats=repeats, max_s=max_s, progress=progress, device=device)
     finally:

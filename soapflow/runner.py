@@ -20,7 +20,15 @@ import torch
 import torch.distributed as dist
 
 from runtime.checkpoint import checkpoint_step, latest_checkpoint
-from runtime.launch import DEFAULT_TIMEOUT_S, LaunchError, init_distributed, launch, one_line, torchrun_env
+from runtime.launch import (
+    DEFAULT_TIMEOUT_S,
+    LaunchError,
+    init_distributed,
+    keep_freed_memory,
+    launch,
+    one_line,
+    torchrun_env,
+)
 from runtime.train import TrainOptions, Workload, train_rank
 from soap.strategy import read_strategy_doc
 from soap.topology import load_topology
@@ -147,6 +155,7 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
 def run_torchrun_rank(rank: int, world: int, *, backend: str, timeout_s: float, num_threads: int | None,
                       kwargs: dict[str, Any]) -> dict[str, Any]:
     """This process is rank `rank` of a torchrun job: train in place; failures become `LaunchError`."""
+    keep_freed_memory()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     init_distributed(rank=rank, world_size=world, backend=backend, timeout_s=timeout_s)

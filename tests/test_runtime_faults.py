@@ -8,6 +8,7 @@ The faults are injected with the runner's test hook `SOAPFLOW_TEST_FAULT=KIND:RA
 
 from __future__ import annotations
 
+import platform
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from runtime.checkpoint import (
     save_checkpoint,
     shard_state,
 )
-from runtime.launch import LaunchError
+from runtime.launch import LaunchError, keep_freed_memory
 from soapflow.runner import FAULT_ENV, run
 
 CASES = Path(__file__).parent / "runtime_cases.py"
@@ -134,3 +135,8 @@ def test_adam_checkpoint_moves_between_strategies_and_process_counts(tmp_path):
     third = run(SMALL_TRANSFORMER, "mp", nproc=1, steps=5, resume=True, verify=True, **common)
     assert third["first_step"] == 4 and third["verify"]["max_param_rel_diff"] < 1e-10, third["verify"]
     assert third["verify"]["max_loss_rel_diff"] < 1e-10
+
+
+def test_ranks_keep_freed_memory_where_the_allocator_allows():
+    # glibc takes the setting (every rank calls it on start); elsewhere it is reported as not applied.
+    assert keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
