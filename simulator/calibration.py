@@ -17,11 +17,13 @@ constants are the ones that make the simulator reproduce the calibration measure
 - `fit_comm`: link latency and bandwidth of a topology. Simulated transfer and collective times are
   linear in (latency, 1/bandwidth) for a fixed topology, so this is a weighted non-negative linear least
   squares (scipy `nnls`);
-- `fit_overhead`: the runtime's own cost per op part and pass (its interpreter, redistribution
-  bookkeeping, autograd calls) and per transfer (on top of the raw link latency), from whole training
-  steps of calibration workloads: measured step time = simulated step time without them + (part passes
-  on the critical path) x overhead + (link hops on the critical path) x extra latency; non-negative
-  linear least squares (scipy `nnls`), the slopes taken from the simulator itself.
+- `fit_overhead`: what a training step adds to the parts timed alone - a factor on every part's time
+  (in a step an op finds its operands out of cache), the runtime's own cost per op part and pass (its
+  interpreter, redistribution bookkeeping, autograd calls) and per transfer (on top of the raw link
+  latency) - from whole training steps of calibration workloads: measured step time = simulated step
+  time without them + (compute on the critical path) x (factor - 1) + (part passes on the critical path)
+  x overhead + (link hops on the critical path) x extra latency + (GB on the critical path) x extra time
+  per GB; non-negative linear least squares (scipy `nnls`), the slopes taken from the simulator itself.
 
 Fits use calibration measurements only, never validation runs (`soapflow.validate` measures strategies
 of the models under test and compares; nothing here sees them).
@@ -33,7 +35,8 @@ The machine profile is a topology file (`soap.topology`: devices with fitted `pe
     "calibration": {"format": "soapflow.calibration/1", "device_kind": "cpu",
                     "efficiency": {"cpu": {"linear": 0.41, "conv2d": 0.3, "*": 0.2}},
                     "bandwidth_efficiency": {"cpu": 1.0}, "launch_us": {"cpu": 12.0},
-                    "overhead_us": 85.0, "costdb": "machine.costdb.jsonl", "comm": {...}, "fit": {...}}
+                    "overhead_us": 85.0, "compute_scale": 1.3, "costdb": "machine.costdb.jsonl",
+                    "comm": {...}, "fit": {...}}
 
 Must import only `soap`, the other `simulator` modules, numpy and scipy (no torch, runtime or search).
 """
@@ -108,7 +111,8 @@ class CommSample:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepSample:
     """A timed training step: `measured_ms`; the simulated time of the same step with no runtime overhead
-    and the fitted links (`base_ms`); and how much the simulated time grows per millisecond of overhead
+    and the fitted links (`base_ms`); and how much the simulated time grows when every measured part
+    takes twice as long (`compute_ms`: the compute on the critical path), per millisecond of overhead
     per op part pass (`num_passes`: the passes on the critical path), per millisecond of extra latency per
     link hop (`num_hops`) and per extra millisecond per GB on every link (`num_gb`: the GB moved on the
     critical path)."""
@@ -119,10 +123,11 @@ class StepSample:
     num_passes: float
     num_hops: float = 0.0
     num_gb: float = 0.0
+    compute_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.measured_ms > 0 and self.base_ms >= 0 and self.num_passes >= 0 and self.num_hops >= 0
-                and self.num_gb >= 0):
+                and self.num_gb >= 0 and self.compute_ms >= 0):
             raise ValueError(f"step sample {self.name}: bad figures {self}")
 
 
@@ -298,35 +303,39 @@ def fit_comm(samples: Sequence[CommSample], topology: DeviceTopology, *,
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OverheadFit:
-    """What the runtime adds to the simulated step (milliseconds): per op part pass, per link hop of a
-    transfer, per GB moved over a link."""
+    """What a training step adds to the simulated step: a factor on every measured part's time
+    (`compute_scale`, at least 1), and milliseconds per op part pass, per link hop of a transfer, per GB
+    moved over a link."""
 
     overhead_ms: float = 0.0
     extra_latency_ms: float = 0.0
     extra_ms_per_gb: float = 0.0
+    compute_scale: float = 1.0
 
 
 def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     """The non-negative least-squares solution, in relative residuals and with a robust loss (soft L1:
     one step disturbed by another job on the machine must not set a constant), of measured = base +
-    num_passes x overhead + num_hops x extra latency + num_gb x extra time per GB over the samples. The
-    extras are what the runtime adds to a raw transfer (slicing and copying the piece, the batched
-    send/receive, waking the waiting rank); a term no sample exercises stays 0."""
+    compute_ms x (compute scale - 1) + num_passes x overhead + num_hops x extra latency + num_gb x extra
+    time per GB over the samples. The transfer extras are what the runtime adds to a raw transfer (slicing
+    and copying the piece, the batched send/receive, waking the waiting rank); a term no sample exercises
+    stays 0 (a factor of 1)."""
     from scipy.optimize import least_squares, nnls
 
     if not samples:
         return OverheadFit()
-    a = np.asarray([[s.num_passes, s.num_hops, s.num_gb] for s in samples]) / \
+    a = np.asarray([[s.compute_ms, s.num_passes, s.num_hops, s.num_gb] for s in samples]) / \
         np.asarray([s.measured_ms for s in samples])[:, None]
     b = np.asarray([(s.measured_ms - s.base_ms) / s.measured_ms for s in samples])
-    used = [j for j in range(3) if a[:, j].any()]
-    coef = np.zeros(3)
+    used = [j for j in range(a.shape[1]) if a[:, j].any()]
+    coef = np.zeros(a.shape[1])
     if used:
         x0 = nnls(a[:, used], b)[0]
         robust = least_squares(lambda x: a[:, used] @ x - b, x0, bounds=(0.0, np.inf), loss="soft_l1",
                                f_scale=0.1, x_scale=np.maximum(x0, 1e-6))
         coef[used] = robust.x
-    return OverheadFit(overhead_ms=float(coef[0]), extra_latency_ms=float(coef[1]), extra_ms_per_gb=float(coef[2]))
+    return OverheadFit(compute_scale=1.0 + float(coef[0]), overhead_ms=float(coef[1]),
+                       extra_latency_ms=float(coef[2]), extra_ms_per_gb=float(coef[3]))
 
 
 # --------------------------------------------------------------------------------------- machine profile
@@ -335,34 +344,42 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MachineProfile:
     """A fitted machine: its topology, the analytical constants, the runtime overhead per op part pass
-    (microseconds), the cost database of measured parts (a path, or None) and the fit's report."""
+    (microseconds), the factor a training step puts on the time of a part timed alone (`compute_scale`),
+    the cost database of measured parts (a path, or None) and the fit's report."""
 
     topology: DeviceTopology
     efficiency: Mapping[str, Mapping[str, float]]
     bandwidth_efficiency: Mapping[str, float]
     launch_us: Mapping[str, float]
     overhead_us: float = 0.0
+    compute_scale: float = 1.0
     costdb: str | None = None
     report: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (self.overhead_us >= 0 and math.isfinite(self.overhead_us)):
             raise ValueError(f"overhead_us must be finite and >= 0, got {self.overhead_us}")
+        if not (self.compute_scale > 0 and math.isfinite(self.compute_scale)):
+            raise ValueError(f"compute_scale must be finite and > 0, got {self.compute_scale}")
 
     def analytical(self) -> AnalyticalCostModel:
-        """The calibrated analytical model (the runtime overhead folded into the launch cost)."""
-        launch = {k: v + self.overhead_us for k, v in self.launch_us.items()}
-        return AnalyticalCostModel(efficiency=self.efficiency, bandwidth_efficiency=self.bandwidth_efficiency,
-                                   launch_us=launch)
+        """The calibrated analytical model: its roofline times `compute_scale` (efficiencies divided by it,
+        the launch cost multiplied), then the runtime overhead folded into the launch cost."""
+        scale = self.compute_scale
+        return AnalyticalCostModel(
+            efficiency={d: {k: v / scale for k, v in eff.items()} for d, eff in self.efficiency.items()},
+            bandwidth_efficiency={d: v / scale for d, v in self.bandwidth_efficiency.items()},
+            launch_us={d: v * scale + self.overhead_us for d, v in self.launch_us.items()})
 
     def cost_model(self, db: costdb.CostDatabase | None = None) -> CostModel:
-        """Measured times from `db` (or the profile's cost database) plus the runtime overhead, the
-        calibrated analytical model for the rest."""
+        """Measured times from `db` (or the profile's cost database) with the step's factor and the runtime
+        overhead, the calibrated analytical model for the rest."""
         if db is None and self.costdb is not None:
             db = costdb.load(self.costdb, missing_ok=True)
         if db is None:
             return self.analytical()
-        return MeasuredCostModel(db, fallback=self.analytical(), overhead_ms=self.overhead_us / 1e3)
+        return MeasuredCostModel(db, fallback=self.analytical(), overhead_ms=self.overhead_us / 1e3,
+                                 scale=self.compute_scale)
 
     def to_dict(self) -> dict[str, Any]:
         kind = self.topology.devices[0].kind
@@ -371,7 +388,8 @@ class MachineProfile:
             "format": PROFILE_FORMAT, "device_kind": kind,
             "efficiency": {k: dict(v) for k, v in self.efficiency.items()},
             "bandwidth_efficiency": dict(self.bandwidth_efficiency), "launch_us": dict(self.launch_us),
-            "overhead_us": self.overhead_us, "costdb": self.costdb, **dict(self.report)}
+            "overhead_us": self.overhead_us, "compute_scale": self.compute_scale, "costdb": self.costdb,
+            **dict(self.report)}
         return doc
 
 
@@ -407,10 +425,12 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
     db = cal.get("costdb")
     if isinstance(db, str) and not os.path.isabs(db):
         db = os.fspath(Path(path).parent / db)
-    known = ("format", "device_kind", "efficiency", "bandwidth_efficiency", "launch_us", "overhead_us", "costdb")
+    known = ("format", "device_kind", "efficiency", "bandwidth_efficiency", "launch_us", "overhead_us",
+             "compute_scale", "costdb")
     return MachineProfile(topology=topology, efficiency=cal.get("efficiency", {}),
                           bandwidth_efficiency=cal.get("bandwidth_efficiency", {}),
                           launch_us=cal.get("launch_us", {}), overhead_us=float(cal.get("overhead_us", 0.0)),
+                          compute_scale=float(cal.get("compute_scale", 1.0)),
                           costdb=db if isinstance(db, str) else None,
                           report={k: v for k, v in cal.items() if k not in known})
 

@@ -186,21 +186,26 @@ class MeasuredCostModel:
     its times measured while all devices run parts at once (`soap.costdb`). On devices that share
     hardware (local CPU processes) the two differ by the contention between the devices; `solo=False`
     always uses the concurrent times.
-    `overhead_ms` is added to the forward and to the backward time of every part found in the database:
-    the runtime's own cost per op part and pass (interpreter, redistribution bookkeeping, autograd call),
-    which timing a part alone does not see; calibration fits it (`simulator.calibration.fit_overhead`).
+    Two corrections, both fitted by calibration (`simulator.calibration.fit_overhead`), cover what timing
+    a part alone in a loop does not see: every time found in the database is multiplied by `scale` (in a
+    training step an op finds its operands out of cache, evicted by the ops before it and by the other
+    processes), and `overhead_ms` is added to the forward and to the backward time of every such part
+    (the runtime's own cost per op part and pass: interpreter, redistribution bookkeeping, autograd call).
     `hits` and `misses` count lookups (reporting only: they never change a result).
     """
 
-    __slots__ = ("db", "fallback", "hits", "misses", "overhead_ms", "solo")
+    __slots__ = ("db", "fallback", "hits", "misses", "overhead_ms", "scale", "solo")
 
     def __init__(self, db: CostDatabase, fallback: CostModel | None = None, *, overhead_ms: float = 0.0,
-                 solo: bool = True):
+                 scale: float = 1.0, solo: bool = True):
         if not (overhead_ms >= 0 and math.isfinite(overhead_ms)):
             raise ValueError(f"overhead_ms must be finite and >= 0, got {overhead_ms}")
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"scale must be finite and > 0, got {scale}")
         self.db = db
         self.fallback: CostModel = fallback if fallback is not None else AnalyticalCostModel()
         self.overhead_ms = float(overhead_ms)
+        self.scale = float(scale)
         self.solo = solo
         self.hits = 0
         self.misses = 0
@@ -214,8 +219,10 @@ class MeasuredCostModel:
             return self.fallback.compute_ms(op, box, device)
         self.hits += 1
         if self.solo and found.solo_fwd_ms is not None and part_share(op, box) == 1.0:
-            return (found.solo_fwd_ms + self.overhead_ms, found.solo_bwd_ms + self.overhead_ms)
-        return (found.fwd_ms + self.overhead_ms, found.bwd_ms + self.overhead_ms)
+            fwd_ms, bwd_ms = found.solo_fwd_ms, found.solo_bwd_ms
+        else:
+            fwd_ms, bwd_ms = found.fwd_ms, found.bwd_ms
+        return (fwd_ms * self.scale + self.overhead_ms, bwd_ms * self.scale + self.overhead_ms)
 
     def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
         return self.fallback.update_ms(op, param_bytes, device)

@@ -20,6 +20,7 @@ Must not be imported by `runtime`, `simulator` or `search`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import statistics
@@ -42,7 +43,6 @@ from simulator.calibration import (
     profile_devices,
     write_profile,
 )
-from simulator.costmodel import MeasuredCostModel
 from simulator.engine import simulate
 from soap.config import ParallelConfig
 from soap.costdb import part_key
@@ -103,20 +103,22 @@ def _step_sample(ref: str, graph, strategy: Strategy, *, name: str, topology: De
     per_step = [max(ts) for ts in zip(*[r["step_time_ms"] for r in results], strict=True)]
     measured = statistics.median(per_step[1:])
 
-    def sim(topo: DeviceTopology, overhead_ms: float) -> float:
-        model = MeasuredCostModel(db, fallback=profile.analytical(), overhead_ms=overhead_ms)
+    def sim(topo: DeviceTopology, **changes: float) -> float:
+        model = dataclasses.replace(profile, **changes).cost_model(db)
         return simulate(graph, strategy, topo, model).summary()["iteration_time_ms"]
 
-    base = sim(topology, 0.0)
-    # slopes of the simulated time: per ms of overhead per pass, per ms of extra latency per hop, per
-    # extra ms per GB (halving the bandwidth adds 1e3 / bandwidth ms per GB)
+    base = sim(topology)
+    # slopes of the simulated time: per unit of compute scale (every part twice as long), per ms of
+    # overhead per pass, per ms of extra latency per hop, per extra ms per GB (halving the bandwidth adds
+    # 1e3 / bandwidth ms per GB)
     link = topology.links[0]
-    passes = max(0.0, sim(topology, 1.0) - base)
-    hops = max(0.0, sim(_with_links(topology, latency_us=link.latency_us + 1e3), 0.0) - base)
-    slower = sim(_with_links(topology, bandwidth_gbps=link.bandwidth_gbps / 2), 0.0)
+    compute = max(0.0, sim(topology, compute_scale=2.0 * profile.compute_scale) - base)
+    passes = max(0.0, sim(topology, overhead_us=profile.overhead_us + 1e3) - base)
+    hops = max(0.0, sim(_with_links(topology, latency_us=link.latency_us + 1e3)) - base)
+    slower = sim(_with_links(topology, bandwidth_gbps=link.bandwidth_gbps / 2))
     gb = max(0.0, (slower - base) / (1e3 / link.bandwidth_gbps))
     return StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=measured, base_ms=base,
-                      num_passes=passes, num_hops=hops, num_gb=gb)
+                      num_passes=passes, num_hops=hops, num_gb=gb, compute_ms=compute)
 
 
 def _single(graph, device: int = 0) -> Strategy:
@@ -238,11 +240,13 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                     "num_samples": compute.num_samples},
         "extra_latency_us": extra_latency_ms * 1e3, "extra_ms_per_gb": extra.extra_ms_per_gb,
         "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
-                   "num_passes": s.num_passes, "num_hops": s.num_hops} for s in steps],
+                   "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_hops": s.num_hops}
+                  for s in steps],
     }
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
                              bandwidth_efficiency=profile.bandwidth_efficiency, launch_us=profile.launch_us,
-                             overhead_us=overhead_ms * 1e3, costdb=costdb_ref, report={"fit": report})
+                             overhead_us=overhead_ms * 1e3, compute_scale=extra.compute_scale, costdb=costdb_ref,
+                             report={"fit": report})
     write_profile(output, profile)
     stage("done")
     dev = topology.devices[0]
@@ -253,7 +257,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         "peak_tflops": {k: v / 1e12 for k, v in dev.peak_flops.items()},
         "memory_bandwidth_gbps": dev.memory_bandwidth_gbps,
         "efficiency": dict(efficiency), "bandwidth_efficiency": bw_eff, "launch_us": compute.launch_us,
-        "overhead_us": overhead_ms * 1e3, "latency_us": topology.links[0].latency_us,
+        "overhead_us": overhead_ms * 1e3, "compute_scale": extra.compute_scale,
+        "latency_us": topology.links[0].latency_us,
         "bandwidth_gbps": topology.links[0].bandwidth_gbps,
         **{k: v for k, v in report.items() if k not in ("nproc", "backend")},
     }
@@ -268,7 +273,8 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
     peak = report["peak_tflops"].get("float32")
     lines.append(f"device: peak {peak * 1e3:.1f} GFLOP/s (float32), memory {report['memory_bandwidth_gbps']:.1f} "
                  f"GB/s x {report['bandwidth_efficiency']:.2f}, launch {report['launch_us']:.1f} us, "
-                 f"runtime overhead {report['overhead_us']:.1f} us per op pass")
+                 f"runtime overhead {report['overhead_us']:.1f} us per op pass, parts {report['compute_scale']:.2f}x "
+                 "slower in a training step than alone")
     eff = report["efficiency"]
     lines.append("efficiency (fraction of peak) by op kind: "
                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(eff.items(), key=lambda kv: -kv[1])))

@@ -3,6 +3,7 @@ profile round-trips through `load_topology`, and (slow) a tiny `calibrate` run e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -115,6 +116,31 @@ def test_fit_overhead_recovers_known_overhead() -> None:
     fit = fit_overhead(both)
     assert (fit.overhead_ms, fit.extra_latency_ms, fit.extra_ms_per_gb) == pytest.approx((0.08, 0.03, 400.0))
     assert fit_overhead([StepSample(name="x", base_ms=10.0, num_passes=5, measured_ms=8.0)]).overhead_ms < 1e-9
+    assert fit.compute_scale == 1.0  # no sample exercises it
+
+
+def test_profile_factor_scales_the_analytical_roofline_exactly(graphs) -> None:
+    topology = load_topology("cpu-2")
+    plain = MachineProfile(topology=topology, efficiency={"cpu": {"linear": 0.4, "*": 0.2}},
+                           bandwidth_efficiency={"cpu": 0.5}, launch_us={"cpu": 15.0})
+    slow = dataclasses.replace(plain, compute_scale=1.5)
+    device = topology.devices[0]
+    for op in graphs[1]:
+        box = parts(op, ParallelConfig.single(0))[0][0]
+        assert slow.analytical().compute_ms(op, box, device) == pytest.approx(
+            tuple(1.5 * t for t in plain.analytical().compute_ms(op, box, device)))
+
+
+def test_fit_overhead_recovers_the_step_factor_beside_the_overheads() -> None:
+    # (base, compute on the critical path, passes, hops): parts 1.3x slower in a step, 50 us per pass,
+    # 0.2 ms per hop
+    rows = ((10.0, 8.0, 20, 0), (100.0, 90.0, 300, 40), (30.0, 5.0, 200, 12), (50.0, 45.0, 60, 100),
+            (20.0, 2.0, 150, 3))
+    samples = [StepSample(name=str(i), base_ms=b, compute_ms=c, num_passes=n, num_hops=h,
+                          measured_ms=b + 0.3 * c + n * 0.05 + h * 0.2)
+               for i, (b, c, n, h) in enumerate(rows)]
+    fit = fit_overhead(samples)
+    assert (fit.compute_scale, fit.overhead_ms, fit.extra_latency_ms) == pytest.approx((1.3, 0.05, 0.2))
 
 
 def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> None:
@@ -124,7 +150,7 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
     topology = DeviceTopology(name="machine", devices=preset.devices, links=links)
     profile = MachineProfile(topology=topology, efficiency={"cpu": {"linear": 0.4, "*": 0.2}},
                              bandwidth_efficiency={"cpu": 0.5}, launch_us={"cpu": 15.0}, overhead_us=70.0,
-                             costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}})
+                             compute_scale=1.25, costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}})
     path = tmp_path / "machine.json"
     write_profile(path, profile)
     loaded = load_topology(str(path))
@@ -133,11 +159,14 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
     back = read_profile(path)
     assert back is not None and back.overhead_us == 70.0 and back.report == {"fit": {"nproc": 2}}
     assert back.costdb == str(tmp_path / "machine.costdb.jsonl")  # relative to the profile
-    assert back.analytical().flop_efficiency("cpu", "linear") == 0.4
+    # the analytical model carries the step's factor: efficiencies divided by it
+    assert back.compute_scale == 1.25
+    assert back.analytical().flop_efficiency("cpu", "linear") == pytest.approx(0.4 / 1.25)
     topo, model = cost_model_for(str(path))
     assert topo == loaded
     assert isinstance(model, MeasuredCostModel) and model.overhead_ms == pytest.approx(0.07)
-    assert model.fallback.flop_efficiency("cpu", "linear") == 0.4
+    assert model.scale == 1.25
+    assert model.fallback.flop_efficiency("cpu", "linear") == pytest.approx(0.4 / 1.25)
     assert cost_model_for("cpu-2")[1] is None
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps(topology.to_dict()))

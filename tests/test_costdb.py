@@ -112,8 +112,14 @@ def test_measured_cost_model_reads_the_database_with_fallback(tiny_graph, tmp_pa
     assert MeasuredCostModel(CostDatabase([m_solo]), solo=False).compute_ms(op, box, device) == (0.5, 0.75)
     with pytest.raises(ValueError, match="together"):
         Measurement(**{**m.to_dict(), "solo_fwd_ms": 0.125})
+    # the step's factor multiplies the measured time, then the overhead is added; fallback times are untouched
+    scaled = MeasuredCostModel(CostDatabase([m_solo, m_half]), overhead_ms=0.25, scale=2.0)
+    assert scaled.compute_ms(op, box, device) == (0.5, 1.0)
+    assert scaled.compute_ms(op, half, device) == (1.25, 1.25)
     with pytest.raises(ValueError, match="overhead_ms"):
         MeasuredCostModel(CostDatabase(), overhead_ms=-1)
+    with pytest.raises(ValueError, match="scale"):
+        MeasuredCostModel(CostDatabase(), scale=0.0)
 
 
 def test_measure_parts_reuses_measured_keys(tiny_graph, tmp_path: Path) -> None:
