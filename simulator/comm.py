@@ -1,7 +1,11 @@
 """Communication costs on a topology's links: point-to-point transfers and ring collectives.
 
 Owns `Comm`, which prices a transfer or a collective and names the resources it occupies. Resources are
-integers shared with the task graph: device i is resource i, link l is resource ``num_devices + l``.
+integers shared with the task graph: device i is resource i, link l is resource ``num_devices + l``. A
+transfer or collective occupies its links and, where the device kind is busy while communicating
+(`soap.devices.DeviceSpec.busy_while_communicating`: CPU processes, whose cores copy and reduce the data
+and whose exchanges block both ends), its devices too: on such devices communication does not overlap
+computation.
 
 Alpha-beta per link along the route (Hockney 1994): a transfer of B bytes from a to b occupies every link
 of ``route(a, b)`` at once, for ``sum(latency_us) + B / min(bandwidth_gbps)``.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+from soap.devices import DEVICE_SPECS
 from soap.topology import DeviceTopology
 
 ALLREDUCE = "allreduce"
@@ -46,11 +51,14 @@ class Comm:
     The caches hold pure functions of the topology, so they never change a result.
     """
 
-    __slots__ = ("topology", "num_devices", "_pairs", "_rings")
+    __slots__ = ("topology", "num_devices", "_busy", "_pairs", "_rings")
 
     def __init__(self, topology: DeviceTopology):
         self.topology = topology
         self.num_devices = topology.num_devices
+        # devices that cannot compute while they communicate (resource ids)
+        self._busy = frozenset(d.id for d in topology.devices
+                               if (spec := DEVICE_SPECS.get(d.kind)) is not None and spec.busy_while_communicating)
         # (src, dst) -> (resources, latency_ns, min bandwidth GB/s)
         self._pairs: dict[tuple[int, int], tuple[tuple[int, ...], float, float]] = {}
         # (group, kind) -> (resources, steps, upper envelope of the hops' (latency ns, ns per chunk byte))
@@ -61,7 +69,8 @@ class Comm:
         hit = self._pairs.get((src, dst))
         if hit is None:
             links = [self.topology.links[i] for i in self.topology.route(src, dst)]
-            hit = (tuple(self.num_devices + link.id for link in links),
+            ends = tuple(d for d in (src, dst) if d in self._busy)
+            hit = (ends + tuple(self.num_devices + link.id for link in links),
                    sum(link.latency_us for link in links) * 1e3,
                    min((link.bandwidth_gbps for link in links), default=math.inf))
             self._pairs[(src, dst)] = hit
@@ -98,5 +107,5 @@ class Comm:
                   max(load[i] / links[i].bandwidth_gbps for i in hop)) for hop in hops}
         envelope = tuple(sorted(p for p in pairs
                                 if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
-        res = tuple(sorted(self.num_devices + i for i in load))
+        res = tuple(d for d in group if d in self._busy) + tuple(sorted(self.num_devices + i for i in load))
         return res, _STEPS[kind](n), envelope

@@ -30,7 +30,12 @@ DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceSpec:
-    """One device kind as its datasheet describes it (one CUDA device, or one CPU process)."""
+    """One device kind as its datasheet describes it (one CUDA device, or one CPU process).
+
+    `busy_while_communicating`: the device's own compute moves its data, so a transfer or collective it
+    takes part in keeps it from computing. True for a CPU process (gloo copies, packs and reduces with the
+    cores that compute; the runtime's exchanges block both ends); GPUs have copy engines and overlap.
+    """
 
     kind: str
     model: str  # the product, form factor and memory size the figures are for
@@ -39,6 +44,7 @@ class DeviceSpec:
     memory_gb: float  # GB (1e9 bytes)
     nvlink_links: int  # NVLink bricks per GPU (0: none)
     source: str
+    busy_while_communicating: bool = False
 
     def __post_init__(self) -> None:
         peaks = {str(k): float(v) for k, v in dict(self.peak_tflops).items()}
@@ -121,7 +127,7 @@ _DEVICE_ROWS = (
         kind="cpu", model="one local CPU process (about one x86 core with AVX2)",
         peak_tflops={"float64": 0.025, "float32": 0.05, "bfloat16": 0.05, "float16": 0.05},
         memory_bandwidth_gbps=20, memory_gb=8, nvlink_links=0,
-        source="assumption (generic x86 core, AVX2); replaced by calibration"),
+        source="assumption (generic x86 core, AVX2); replaced by calibration", busy_while_communicating=True),
 )
 
 DEVICE_SPECS: Mapping[str, DeviceSpec] = MappingProxyType({row.kind: row for row in _DEVICE_ROWS})

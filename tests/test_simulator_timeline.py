@@ -87,13 +87,31 @@ def test_transfer_and_its_gradient_cross_both_links_of_the_route():
     forward, backward = records["fc -> loss [0->0]"], records["grad loss -> fc [0->0]"]
     assert forward.links == topo.route(0, 1) and len(forward.links) == 2
     assert backward.links == topo.route(1, 0)
-    assert forward.devices == backward.devices == ()
+    # CPU processes move data with the cores that compute: a transfer occupies both ends too
+    assert forward.devices == (0, 1) and backward.devices == (1, 0)
     assert forward.category == backward.category == "transfer" and forward.nbytes == backward.nbytes == 128
     assert tl.bytes_moved == 256
     assert tl.comm_ms == pytest.approx(2 * T_128 / MS, abs=1e-12)
     assert tl.compute_ms == pytest.approx(6.5, abs=1e-12)
     # device 1 keeps the 128 bytes it receives for the backward pass
     assert tl.peak_memory_bytes == (3 * 288 + 128 + 128, 128 + 4 + 128)
+
+
+def test_a_transfer_keeps_cpu_processes_from_computing_but_overlaps_on_gpus():
+    """fc_a and fc_b both run on device 0 and feed an add on device 1. fc_a's output is ready at 1 ms,
+    while device 0 computes fc_b (1-2 ms): a GPU sends it at once (its copy engine overlaps), a CPU process
+    only once fc_b is done (gloo copies with the core that computes)."""
+    net = Net("two_branches", 4)
+    x = net.input("x", (4, 8))
+    a, b = net.linear("fc_a", x, 8), net.linear("fc_b", x, 8)
+    net.mse("loss", net.add2("add", a, b), net.input("y", (4, 8), role="target"))
+    graph = net.graph()
+    strategy = Strategy({"x": on(0), "fc_a": on(0), "fc_b": on(0), "add": on(1), "y": on(1), "loss": on(1)})
+    for topology, start, devices in (("cpu-2", 2 * MS, (0, 1)), ("p100-1x2", 1 * MS, ())):
+        tl = simulate(graph, strategy, load_topology(topology), COSTS)
+        assert times(tl)["fc_b fwd[0]"] == (1 * MS, 2 * MS)
+        (send,) = [r for r in tl.tasks() if r.name == "fc_a -> add [0->0]"]
+        assert round(send.start_ms * MS) == start and send.devices == devices, topology
 
 
 def test_transfers_sharing_a_link_run_one_at_a_time():
@@ -152,6 +170,7 @@ def test_data_parallel_gradient_sync_is_a_ring_all_reduce_before_the_updates():
     (sync,) = [r for r in tl.tasks() if r.category == "allreduce"]
     assert (round(sync.start_ms * MS), round(sync.end_ms * MS)) == (6 * MS, 6 * MS + sync_ns)
     assert set(sync.links) == set(topo.route(0, 1)) | set(topo.route(1, 0))  # every link of the ring
+    assert sync.devices == (0, 1)  # and both processes, which reduce with their own cores
     assert sync.nbytes == 2 * (2 - 1) * 288  # each process sends 2(n-1)/n of the 288-byte buffer
     assert len(got) == 11  # 5 tasks per process and the all-reduce
     assert tl.iteration_time_ns == 6_500_000 + sync_ns
@@ -165,7 +184,8 @@ def test_ring_all_reduce_formula_on_three_processes():
     comm = Comm(load_topology("cpu-3"))
     res, ns = comm.collective((0, 1, 2), 3000)
     assert ns == round(4 * (40_000 + 1000 / 5))
-    assert len(res) == 6
+    # the three processes (busy while they communicate) and the six links of the hub
+    assert res[:3] == (0, 1, 2) and len(res) == 9 and min(res[3:]) >= 3
     # all-gather and reduce-scatter take n - 1 = 2 steps
     assert comm.collective((0, 1, 2), 3000, "allgather")[1] == round(2 * (40_000 + 1000 / 5))
     # across nodes on k80-16x4: a step lasts as long as the slowest hop (latency of its route plus the
