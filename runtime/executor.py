@@ -73,11 +73,12 @@ class Executor:
         self.buffers: dict[tuple[str, Region], torch.Tensor] = {}
         self.op_params: dict[str, dict[str, torch.Tensor]] = {}
         self.op_buffers: dict[str, dict[str, torch.Tensor]] = {}
-        self.constants: dict[str, torch.Tensor] = {}
+        # Outputs every rank holds whole (`OpDef.everywhere`): the buffers, and each step's global batch.
+        self.sources: dict[str, torch.Tensor] = {}
         for op in graph:
             entry = op_def(op.kind)
             if op.kind == "constant":
-                self.constants[op.name] = self._cast(tensors[op.attrs["fqn"]]).detach()
+                self.sources[op.name] = self._cast(tensors[op.attrs["fqn"]]).detach()
             p = plan.local_part(op.name, rank)
             if p is None:
                 continue
@@ -137,7 +138,7 @@ class Executor:
             edges, rank=self.rank, my_part=self.plan.local_part(op.name, self.rank),
             my_src_parts=[self.plan.local_part(e.ref.op, self.rank) for e in edges],
             dtypes=[self.torch_dtype(self.graph.tensor(e.ref).dtype) for e in edges],
-            local_tensor=lambda e: self.constants[e.ref.op])
+            local_tensor=lambda e: self.sources[e.ref.op])
 
     def parameters(self) -> list[torch.Tensor]:
         """This rank's parameter shards (leaf tensors), in a fixed order: what the optimizer updates."""
@@ -181,9 +182,9 @@ class Executor:
             self.where = self.wheres[op.name][0]
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
-                self.constants[op.name] = self._cast(batch[int(op.attrs["position"])])
+                self.sources[op.name] = self._cast(batch[int(op.attrs["position"])])
                 continue
-            if op.name in self.constants:
+            if op.name in self.sources:
                 continue
             edges = self.plan.edges[op.name]
             inputs = self.redists[op.name].forward([self._local_output(e) for e in edges])
@@ -227,7 +228,7 @@ class Executor:
             self.grads[self.out_refs[self.plan.loss_op][0]] = torch.ones_like(loss[1][0])
         for op in reversed(self.graph.ops):
             self.where = self.wheres[op.name][1]
-            if op.name in self.constants:
+            if op.name in self.sources:
                 continue
             in_grads: list[torch.Tensor | None] = [None] * len(op.inputs)
             # Its consumers are done with the output: let it go now, as autograd frees activations during
