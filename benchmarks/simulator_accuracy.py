@@ -12,7 +12,7 @@ Targets (per model): median |error| <= 10%, max |error| <= 25%, Spearman >= 0.9.
 Writes ``benchmarks/results/simulator_accuracy.{json,md,png}`` and the profile it used
 (``simulator_accuracy.machine.json`` with its cost database ``simulator_accuracy.costdb.jsonl``).
 
-    python benchmarks/simulator_accuracy.py [--strategies 8] [--steps 5] [--rounds 3] [--reuse-profile]
+    python benchmarks/simulator_accuracy.py [--strategies 8] [--steps 5] [--rounds 6] [--reuse-profile]
                                             [--models mlp small_cnn small_rnnlm small_transformer]
 """
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategies", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", nargs="+", default=list(model_refs()))
     p.add_argument("--reuse-profile", action="store_true",
