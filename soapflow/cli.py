@@ -192,11 +192,13 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
         raise CommandError(f"--budget must be > 0 seconds, got {args.budget}")
     if args.jobs < 1:
         raise CommandError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.measure_rounds < 0:
+        raise CommandError(f"--measure-rounds must be >= 0, got {args.measure_rounds}")
     bar = Progress("searching", total_s=args.budget, enabled=None if not args.json else False)
     try:
         out = optimize(args.model, args.topology, batch=args.batch, budget_s=args.budget, seed=args.seed,
                        jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
-                       plot=args.plot, cost_model=args.costdb)
+                       plot=args.plot, cost_model=args.costdb, measure_rounds=args.measure_rounds)
     finally:
         bar.close()
     text = optimize_text(out)
@@ -324,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE",
                    help="strategy file to write (default: strategy-MODEL-TOPOLOGY.json)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the convergence curve")
+    p.add_argument("--measure-rounds", type=int, default=0, metavar="N",
+                   help="with -t a machine profile of this machine: time the op parts of the best strategy and "
+                        "the baselines that its cost database lacks, then search again; up to N rounds")
     _costdb_arg(p)
 
     p = add("compare", "simulate the baselines and given strategies side by side (and measure them)")

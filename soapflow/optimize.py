@@ -2,9 +2,15 @@
 
 `optimize` is the stages in order: capture the model, load the topology, search (`search.mcmc`, with the
 simulator's delta simulation costing proposals), export the best strategy file, then simulate the best once
-more in full for its per-device summary. `compare` simulates a list of strategies (baselines or strategy
-files) and, on a ``cpu-N`` topology (or a machine profile of this machine) with `measure`, runs each with
-the runtime (`soapflow.runner.run`) to set measured times beside the simulated ones.
+more in full for its per-device summary. With `measure_rounds` on a machine profile of this machine, the
+search is followed by up to that many rounds of: time the op parts of the best strategy and of the
+baselines that the profile's cost database lacks (`runtime.measure`), then search again on the grown
+database; a search favours the strategies its cost model is most optimistic about, and this prices the
+one it recommends from measurements instead of the analytical fallback.
+
+`compare` simulates a list of strategies (baselines or strategy files) and, on a ``cpu-N`` topology (or a
+machine profile of this machine) with `measure`, runs each with the runtime (`soapflow.runner.run`) to set
+measured times beside the simulated ones.
 
 Both return plain JSON-able dicts whose keys DESIGN.md section 8 fixes (`optimize`: best
 {iteration_time_ms, strategy_file}, baselines, speedup_vs_dp, num_proposals, proposals_per_s, elapsed_s,
@@ -24,10 +30,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from runtime.measure import measure_parts, part_jobs
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.evaluate import SimulatorEvaluators
 from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, check_budgets, search
+from simulator.calibration import MachineProfile, read_profile
 from simulator.engine import simulate
+from soap import costdb
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph
 from soap.opdef import DimKind
@@ -44,7 +53,8 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
              max_proposals: int | None = None, out_path: str | os.PathLike | None = None,
              progress: Callable[[Mapping[str, Any]], None] | None = None,
              plot: str | os.PathLike | None = None, cost_model: Any = None, delta: bool = True,
-             beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1) -> dict[str, Any]:
+             beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
+             measure_rounds: int = 0) -> dict[str, Any]:
     """Search a strategy for `model_ref` on `topology_ref` and write it to `out_path`.
 
     `out_path` defaults to ``strategy-<model>-<topology>.json`` in the current folder. `budget_s` (wall
@@ -57,14 +67,41 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     nothing fits in memory raises `search.mcmc.NoFeasibleStrategy` (a `ValueError` naming the smallest
     memory need seen). Where data parallelism is not defined (the batch does not divide over the devices)
     the search runs without it and `baselines["dp"]` and `speedup_vs_dp` are None.
+    `measure_rounds` (see the module docstring) needs `topology_ref` to be a machine profile of this
+    machine's CPU processes with a cost database, and no `cost_model`; each round searches again with the
+    same budget. The report's `measured` says how many rounds searched again, how many parts were timed
+    and how many parts of the final best are still priced without a measurement.
     """
     check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
+    profile = _profile_to_measure(topology_ref, cost_model) if measure_rounds > 0 else None
     topology, cost_model = topology_and_cost_model(topology_ref, cost_model)  # fails fast, before capture
     spec, graph = capture_model(model_ref, batch_size=batch)
-    evaluators = SimulatorEvaluators(cost_model=cost_model, delta=delta)
-    result = search(graph, topology, evaluators=evaluators, budget_s=budget_s, max_proposals=max_proposals,
-                    seed=seed, jobs=jobs, beta_scale=beta_scale, random_chains=random_chains,
-                    progress=progress)
+
+    def run_search(model: Any) -> SearchResult:
+        return search(graph, topology, evaluators=SimulatorEvaluators(cost_model=model, delta=delta),
+                      budget_s=budget_s, max_proposals=max_proposals, seed=seed, jobs=jobs,
+                      beta_scale=beta_scale, random_chains=random_chains, progress=progress)
+
+    result = run_search(cost_model)
+    measured = {"rounds": 0, "parts_timed": 0}
+    for _ in range(measure_rounds if profile is not None else 0):
+        candidates = [result.best] + [BASELINES[name](graph, topology) for name, cost in result.baselines.items()
+                                      if cost is not None]
+        db, timed = measure_parts(part_jobs(graph, candidates, device_kind=topology.devices[0].kind),
+                                  profile.costdb, device_kind=topology.devices[0].kind,
+                                  nproc=topology.num_devices, source="optimize")
+        measured["parts_timed"] += timed
+        if timed == 0:
+            break  # the best and the baselines are priced from measurements already
+        measured["rounds"] += 1
+        cost_model = profile.cost_model(db)
+        result = run_search(cost_model)
+    if profile is not None:
+        kind = topology.devices[0].kind
+        db = costdb.load(profile.costdb, missing_ok=True)
+        measured["best_parts_unmeasured"] = sum(
+            1 for job in part_jobs(graph, [result.best], device_kind=kind)
+            if db.lookup(costdb.part_key(job.operator(), job.box, kind)) is None)
     path = Path(out_path) if out_path is not None else Path(f"strategy-{_slug(spec.name)}-{_slug(topology.name)}.json")
     save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
                   model=spec.name, predicted_ms=result.best_cost.time_ms)
@@ -72,11 +109,23 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
                         cost_model=cost_model)
     out = {"model": spec.name, "topology": topology.name, "num_devices": topology.num_devices,
            "batch_size": graph.batch_size, "seed": seed, "budget_s": budget_s, "max_proposals": max_proposals,
-           "jobs": jobs, "delta": delta, **out}
+           "jobs": jobs, "delta": delta, "measured": measured, **out}
     if plot is not None:
         write_convergence_plot(plot, out, title=f"{spec.name} on {topology.name}")
         out["plot"] = os.fspath(plot)
     return out
+
+
+def _profile_to_measure(topology_ref: str | os.PathLike, cost_model: Any) -> MachineProfile:
+    """The machine profile whose cost database measurement rounds grow (bad input: `ValueError`)."""
+    profile = read_profile(topology_ref) if Path(topology_ref).is_file() else None
+    if profile is None or profile.costdb is None or cost_model is not None:
+        raise ValueError("measuring op parts needs -t to be a machine profile of this machine (soapflow calibrate) "
+                         "with its cost database, and no --costdb")
+    if any(d.kind != "cpu" for d in profile.topology.devices):
+        raise ValueError("measuring op parts times them in local CPU processes: the profile must describe "
+                         "this machine's CPU processes")
+    return profile
 
 
 def search_report(result: SearchResult, *, graph: OperatorGraph, topology: DeviceTopology,
@@ -267,6 +316,10 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     lines.append("")
     lines.append(f"search: {out['num_proposals']:,} proposals in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
+    m = out.get("measured") or {}
+    if "best_parts_unmeasured" in m:
+        lines.append(f"measured on this machine: {m['parts_timed']} op part(s) timed, {m['rounds']} search(es) "
+                     f"again; {m['best_parts_unmeasured']} part(s) of the best still priced without a measurement")
     lines.append("what the best strategy does:")
     lines += [f"  {line}" for line in out["strategy"]["description"]]
     lines.append("layout (consecutive ops with the same layout grouped):")

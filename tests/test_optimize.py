@@ -172,3 +172,40 @@ def test_compare_measures_on_this_machine(tmp_path):
     assert rows["tp"]["speedup_vs_dp"] == pytest.approx(rows["dp"]["measured_ms"] / rows["tp"]["measured_ms"])
     assert "measured" in compare_text(out)
     assert (tmp_path / "m.png").read_bytes().startswith(PNG)
+
+
+def _empty_profile(tmp_path):
+    """A machine profile of cpu-2 (preset figures) with an empty cost database beside it."""
+    from simulator.calibration import MachineProfile, write_profile
+
+    (tmp_path / "machine.costdb.jsonl").write_text("")
+    path = tmp_path / "machine.json"
+    write_profile(path, MachineProfile(topology=load_topology("cpu-2"), efficiency={}, bandwidth_efficiency={},
+                                       launch_us={}, costdb="machine.costdb.jsonl"))
+    return path
+
+
+def test_measure_rounds_need_a_profile_of_this_machine(tmp_path):
+    for topology in ("cpu-2", "p100-1x2"):
+        with pytest.raises(ValueError, match="machine profile"):
+            optimize("mlp", topology, max_proposals=10, budget_s=None, out_path=tmp_path / "s.json",
+                     measure_rounds=1)
+    with pytest.raises(ValueError, match="no --costdb"):
+        optimize("mlp", str(_empty_profile(tmp_path)), max_proposals=10, budget_s=None,
+                 out_path=tmp_path / "s.json", measure_rounds=1, cost_model=str(tmp_path / "machine.costdb.jsonl"))
+
+
+@pytest.mark.slow
+def test_measure_rounds_price_the_best_from_measurements(tmp_path):
+    """Round 1 times the parts of the best and the baselines (the database starts empty) and searches
+    again; the next round finds them measured (or times the new best's parts), and the report says how many
+    parts of the final best lack a measurement."""
+    profile = _empty_profile(tmp_path)
+    out = optimize("tests/data/user_model.py:build", str(profile), max_proposals=60, budget_s=None,
+                   out_path=tmp_path / "s.json", measure_rounds=3)
+    m = out["measured"]
+    assert m["parts_timed"] > 0 and m["rounds"] >= 1
+    lines = (tmp_path / "machine.costdb.jsonl").read_text().splitlines()
+    assert len(lines) == m["parts_timed"]
+    assert m["best_parts_unmeasured"] == 0 or m["rounds"] == 3
+    assert "op part(s) timed" in optimize_text(out)
