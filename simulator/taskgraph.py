@@ -90,11 +90,11 @@ class GraphFacts:
         self.ops = graph.ops
         n = self.num_ops = len(graph.ops)
         self.index = {op.name: i for i, op in enumerate(graph.ops)}
+        # sources (the batch, buffers): on every device for free, no tasks
         self.everywhere = [op_def(op.kind).everywhere for op in graph.ops]
-        self.free = [op.kind in ("input", "constant") or self.everywhere[i] for i, op in enumerate(graph.ops)]
         requires = [False] * n
         for i, op in enumerate(graph.ops):
-            if self.free[i]:
+            if self.everywhere[i]:
                 continue
             requires[i] = bool(op.params) or any(
                 requires[self.index[r.op]] and graph.tensor(r).dtype in _FLOAT_DTYPES for r in op.inputs)
@@ -320,9 +320,6 @@ class Planner:
                 itemsize = DTYPE_BYTES[src.outputs[ref.index].dtype]
                 for r, dev in zip(rows[s], devices, strict=True):
                     mem[dev.id] += region_numel(r) * itemsize
-        if facts.free[i]:
-            plan.mem = mem
-            return plan
         fpos, bpos = keys.fwd_pos(i), keys.bwd_pos(i)
         needs_bwd = facts.needs_bwd[i]
         for c, (b, dev) in enumerate(zip(boxes, devices, strict=True)):
