@@ -84,21 +84,19 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
 
     result = run_search(cost_model)
     measured = {"rounds": 0, "parts_timed": 0}
-    for _ in range(measure_rounds if profile is not None else 0):
-        candidates = [result.best] + [BASELINES[name](graph, topology) for name, cost in result.baselines.items()
-                                      if cost is not None]
-        db, timed = measure_parts(part_jobs(graph, candidates, device_kind=topology.devices[0].kind),
-                                  profile.costdb, device_kind=topology.devices[0].kind,
-                                  nproc=topology.num_devices, source="optimize")
-        measured["parts_timed"] += timed
-        if timed == 0:
-            break  # the best and the baselines are priced from measurements already
-        measured["rounds"] += 1
-        cost_model = profile.cost_model(db)
-        result = run_search(cost_model)
     if profile is not None:
         kind = topology.devices[0].kind
-        db = costdb.load(profile.costdb, missing_ok=True)
+        for _ in range(measure_rounds):
+            candidates = [result.best] + [BASELINES[name](graph, topology)
+                                          for name, cost in result.baselines.items() if cost is not None]
+            db, timed = measure_parts(part_jobs(graph, candidates, device_kind=kind), profile.costdb,
+                                      device_kind=kind, nproc=topology.num_devices, source="optimize")
+            measured["parts_timed"] += timed
+            if timed == 0:
+                break  # the best and the baselines are priced from measurements already
+            measured["rounds"] += 1
+            cost_model = profile.cost_model(db)
+            result = run_search(cost_model)
         measured["best_parts_unmeasured"] = sum(
             1 for job in part_jobs(graph, [result.best], device_kind=kind)
             if db.lookup(costdb.part_key(job.operator(), job.box, kind)) is None)
