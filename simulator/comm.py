@@ -10,6 +10,15 @@ computation.
 Alpha-beta per link along the route (Hockney 1994): a transfer of B bytes from a to b occupies every link
 of ``route(a, b)`` at once, for ``sum(latency_us) + B / min(bandwidth_gbps)``.
 
+An *exchange* is what the runtime does to move one tensor between two partitionings in one pass: all the
+pieces at once, packed into one all-to-all over the ranks involved. It is one task occupying the union of
+the pieces' routes, for the largest route latency plus the time of its busiest link::
+
+    time = max over pieces of sum_{l in route} latency_l + max over links l of (bytes crossing l) / bandwidth_l
+
+A single piece costs exactly its transfer; pieces on disjoint links (both directions between two devices,
+say) overlap; pieces that share a link queue on it.
+
 Ring collectives (Patarasuk and Yuan 2009; what NCCL runs) over a group g_0 < g_1 < .. < g_{n-1}: n hops
 g_i -> g_{i+1 mod n}, each along its route; all-reduce is 2(n-1) steps (reduce-scatter, then all-gather),
 all-gather and reduce-scatter n-1 steps. In a step every hop sends B/n bytes at once, so a link that k
@@ -80,6 +89,30 @@ class Comm:
         """(resources, duration ns) of sending `nbytes` from device `src` to device `dst` (src != dst)."""
         res, latency_ns, bandwidth = self.route(src, dst)
         return res, max(0, round(latency_ns + nbytes / bandwidth))
+
+    def exchange(self, pieces: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], int]:
+        """(resources, duration ns) of moving every (src, dst, bytes) of `pieces` (src != dst) at once."""
+        if not pieces:
+            raise ValueError("an exchange needs at least one piece")
+        if len(pieces) == 1:
+            return self.transfer(*pieces[0])
+        per_pair: dict[tuple[int, int], int] = {}
+        for src, dst, nbytes in pieces:
+            per_pair[(src, dst)] = per_pair.get((src, dst), 0) + nbytes
+        links = self.topology.links
+        load: dict[int, int] = {}
+        busy: set[int] = set()
+        latency_ns = 0.0
+        for (src, dst), nbytes in per_pair.items():
+            res, lat, _ = self.route(src, dst)
+            latency_ns = max(latency_ns, lat)
+            for r in res:
+                if r < self.num_devices:
+                    busy.add(r)
+                else:
+                    load[r] = load.get(r, 0) + nbytes
+        slowest = max((nb / links[r - self.num_devices].bandwidth_gbps for r, nb in load.items()), default=0.0)
+        return tuple(sorted(busy)) + tuple(sorted(load)), max(0, round(latency_ns + slowest))
 
     def collective(self, group: tuple[int, ...], nbytes: int, kind: str = ALLREDUCE) -> tuple[tuple[int, ...], int]:
         """(resources, duration ns) of a ring `kind` over `group` (sorted device ids, >= 2) on `nbytes`."""

@@ -241,7 +241,7 @@ class Simulator:
             if sub == SUB_COMPUTE:
                 return f"{op.name} fwd[{a}]"
             src = op.inputs[e].op
-            return f"{src} -> {op.name} [{a}->{b}]" if sub == SUB_XFER else f"{op.name} sum input {e} [{a}]"
+            return f"{src} -> {op.name}" if sub == SUB_XFER else f"{op.name} sum input {e} [{a}]"
         if pos < 2 * n:
             op = facts.ops[2 * n - 1 - pos]
             if sub == SUB_COMPUTE:
@@ -249,7 +249,7 @@ class Simulator:
             if sub == SUB_SYNC:
                 return f"allreduce bucket {facts.bucket[2 * n - 1 - pos]} devices {a}..{b}"
             consumer = self.graph.consumers(op.name)[e][0]
-            return f"grad {consumer} -> {op.name} [{a}->{b}]" if sub == SUB_XFER else f"{op.name} sum grads [{a}]"
+            return f"grad {consumer} -> {op.name}" if sub == SUB_XFER else f"{op.name} sum grads [{a}]"
         return f"{facts.ops[pos - 2 * n].name} update[{a}]"
 
     # -- building ------------------------------------------------------------------------------------
@@ -378,8 +378,8 @@ class Simulator:
             tids += xs
             for x, t in zip(ep.fwd_xfer, xs, strict=True):
                 if src_f:
-                    mine.append((src_f[x[0]], t))
-                mine.append((t, target[x[1]]))
+                    mine += [(src_f[p], t) for p in x[0]]
+                mine += [(t, target[c]) for c in x[1]]
         if edge.grad:
             src_b, dst_b = cons.bwd, prod.bwd
             if ep.bwd_reduce:
@@ -398,8 +398,8 @@ class Simulator:
                                      [x[3] for x in ep.bwd_xfer], XFER, [x[2] for x in ep.bwd_xfer])
                 tids += xs
                 for x, t in zip(ep.bwd_xfer, xs, strict=True):
-                    mine.append((src_b[x[0]], t))
-                    mine.append((t, target[x[1]]))
+                    mine += [(src_b[c], t) for c in x[0]]
+                    mine += [(t, target[p]) for p in x[1]]
         links += mine
         return _Unit(tids, mine)
 

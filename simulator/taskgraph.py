@@ -12,16 +12,20 @@ Tasks of a strategy (times from the cost model and `simulator.comm`):
   ops of kind ``input`` and ``constant`` have none (zero compute: the batch is loaded where its parts are,
   buffers are everywhere);
 - per edge (producer output -> consumer input) and pair (producer part p, consumer part c) whose regions
-  intersect: a dependency when p and c share a device, else a transfer of the intersection on the route's
-  links. When the producer holds partial sums (a reduction dim is split, `OpDef.reduced`), every consumer
-  part with two or more contributions gets a *reduce* task on its device (the partials travel to it,
-  then one sum: a gather-then-add, not a reduce-scatter). Edges from ``constant`` and ``input`` ops
+  intersect: a dependency when p and c share a device, else the intersection travels. All the pieces of
+  one edge that travel in one pass make ONE exchange task (`Comm.exchange`: the union of their routes,
+  the largest latency plus the busiest link's bytes), after every sending part and before every receiving
+  part, because that is what the runtime does: it packs them into one all-to-all per consumer op and
+  pass (`runtime.collectives.exchange`; the simulator makes one per input edge). When the producer
+  holds partial sums (a reduction dim is split, `OpDef.reduced`), every consumer part with two or more
+  contributions gets a *reduce* task on its device (the partials travel to it, then one sum: a
+  gather-then-add, not a reduce-scatter). Edges from ``constant`` and ``input`` ops
   (`OpDef.everywhere`: buffers every process holds, the batch its loader reads where it is needed) make
   nothing;
 - backward mirrors forward: each consumer part sends the gradient of its intersection back to the
-  producer part (a transfer across devices); where consumer parts read overlapping regions (a split
-  along a dim the input does not have, or halos), the gradients a producer part receives overlap and a
-  reduce task adds them. A gradient edge exists when the consumer gets a gradient and the producer needs
+  producer part (across devices, again one exchange per edge); where consumer parts read overlapping
+  regions (a split along a dim the input does not have, or halos), the gradients a producer part
+  receives overlap and a reduce task adds them. A gradient edge exists when the consumer gets a gradient and the producer needs
   one (it or an ancestor has parameters; the tensor is floating point);
 - per bucket and device group: one all-reduce of the parameter gradients whose part regions are
   replicated over exactly that group (`simulator.comm`: one ring task). Buckets are fixed ranges of the
@@ -217,9 +221,10 @@ class OpPlan:
 class EdgePlan:
     """The dependencies, transfers and reduce tasks of one edge under (producer config, consumer config).
 
-    Forward entries: `fwd_dep` (p, c) on one device; `fwd_xfer` (p, c, bytes, resources, ns, key);
-    `fwd_reduce` (c, ns, key, device). Backward: `bwd_dep` (c, p); `bwd_xfer` (c, p, bytes, resources,
-    ns, key); `bwd_reduce` (p, ns, key, device). A reduce entry sits between the part's incoming data and
+    Forward entries: `fwd_dep` (p, c) on one device; `fwd_xfer` at most one exchange (sending parts p,
+    receiving parts c, bytes, resources, ns, key); `fwd_reduce` (c, ns, key, device). Backward: `bwd_dep`
+    (c, p); `bwd_xfer` at most one exchange (sending parts c, receiving parts p, bytes, resources, ns,
+    key); `bwd_reduce` (p, ns, key, device). A reduce entry sits between the part's incoming data and
     the consuming compute task. `recv` maps device -> bytes received (memory); `moved` is bytes sent.
     """
 
@@ -227,10 +232,10 @@ class EdgePlan:
 
     def __init__(self) -> None:
         self.fwd_dep: list[tuple[int, int]] = []
-        self.fwd_xfer: list[tuple[int, int, int, tuple[int, ...], int, int]] = []
+        self.fwd_xfer: list[tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...], int, int]] = []
         self.fwd_reduce: list[tuple[int, int, int, int]] = []
         self.bwd_dep: list[tuple[int, int]] = []
-        self.bwd_xfer: list[tuple[int, int, int, tuple[int, ...], int, int]] = []
+        self.bwd_xfer: list[tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...], int, int]] = []
         self.bwd_reduce: list[tuple[int, int, int, int]] = []
         self.recv: dict[int, int] = {}
         self.moved = 0
@@ -377,7 +382,7 @@ class Planner:
         return hit
 
     def _make_edge_plan(self, eid: int, pcfg: ParallelConfig, ccfg: ParallelConfig) -> EdgePlan:
-        facts, keys, comm = self.facts, self.keys, self.comm
+        facts, keys = self.facts, self.keys
         edge = facts.edges[eid]
         prod = self.op_plan(edge.src, pcfg)
         cons = self.op_plan(edge.dst, ccfg)
@@ -398,15 +403,17 @@ class Planner:
             pairs = list(zip(ps.tolist(), cs.tolist(), (numel[ps, cs] * edge.elem).tolist(), strict=True))
         fpos = keys.fwd_pos(edge.dst)
         contributions: dict[int, int] = {}
+        moving: list[tuple[int, int, int]] = []
         for p, c, nbytes in pairs:
             contributions[c] = contributions.get(c, 0) + 1
             if pdev[p] == cdev[c]:
                 plan.fwd_dep.append((p, c))
             else:
-                res, ns = comm.transfer(pdev[p], cdev[c], nbytes)
-                plan.fwd_xfer.append((p, c, nbytes, res, ns, keys.make(fpos, SUB_XFER, edge.slot, p, c)))
+                moving.append((p, c, nbytes))
                 plan.recv[cdev[c]] = plan.recv.get(cdev[c], 0) + nbytes
-                plan.moved += nbytes
+        if moving:
+            plan.moved += sum(nbytes for _, _, nbytes in moving)
+            plan.fwd_xfer.append(self._exchange(moving, pdev, cdev, keys.make(fpos, SUB_XFER, edge.slot, 0, 0)))
         if prod.reduced:
             inp_bytes = (np.clip(inp[:, :, 1] - inp[:, :, 0], 0, None).prod(axis=1) * edge.elem).tolist()
             for c in sorted(contributions):
@@ -419,14 +426,16 @@ class Planner:
         if edge.grad:
             bpos = keys.bwd_pos(edge.src)
             senders: dict[int, list[int]] = {}
+            back: list[tuple[int, int, int]] = []
             for p, c, nbytes in pairs:
                 senders.setdefault(p, []).append(c)
                 if pdev[p] == cdev[c]:
                     plan.bwd_dep.append((c, p))
                 else:
-                    res, ns = comm.transfer(cdev[c], pdev[p], nbytes)
-                    plan.bwd_xfer.append((c, p, nbytes, res, ns, keys.make(bpos, SUB_XFER, edge.use, c, p)))
-                    plan.moved += nbytes
+                    back.append((c, p, nbytes))
+            if back:
+                plan.moved += sum(nbytes for _, _, nbytes in back)
+                plan.bwd_xfer.append(self._exchange(back, cdev, pdev, keys.make(bpos, SUB_XFER, edge.use, 0, 0)))
             multi = [p for p in sorted(senders) if len(senders[p]) >= 2]
             if multi:
                 overlap = self._input_overlap(cons, edge.slot)
@@ -438,6 +447,13 @@ class Planner:
                         ns = ms_to_ns(self.cost_model.reduce_ms(out_bytes[p], len(cs), dev))
                         plan.bwd_reduce.append((p, ns, keys.make(bpos, SUB_REDUCE, edge.use, p, 0), pdev[p]))
         return plan
+
+    def _exchange(self, pieces: list[tuple[int, int, int]], src_dev: tuple[int, ...], dst_dev: tuple[int, ...],
+                  key: int) -> tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...], int, int]:
+        """The exchange entry of `pieces` (sending part, receiving part, bytes) of one edge and pass."""
+        res, ns = self.comm.exchange([(src_dev[a], dst_dev[b], nbytes) for a, b, nbytes in pieces])
+        return (tuple(sorted({a for a, _, _ in pieces})), tuple(sorted({b for _, b, _ in pieces})),
+                sum(nbytes for _, _, nbytes in pieces), res, ns, key)
 
     # -- all-reduces -----------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
-"""Structural counts: which transfers, reductions and all-reduces a strategy creates, and on which links.
+"""Structural counts: which exchanges, reductions and all-reduces a strategy creates, and on which links.
 
-All on p100-4x4 devices 0-3 (node 0: NVLink all-to-all, so a transfer p -> c crosses exactly the one link
-``route(p, c)``), fixed costs; the counts do not depend on times.
+All on p100-4x4 devices 0-3 (node 0: NVLink all-to-all, so a piece p -> c crosses exactly the one link
+``route(p, c)``), fixed costs. The pieces of one edge that travel in one pass form one exchange task
+(the runtime's packed all-to-all): its bytes are the pieces' sum, its links the union of their routes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections import Counter
 from test_simulator_support import Net
 
 from simulator import FixedCostModel, simulate
+from simulator.comm import Comm
 from soap.config import ParallelConfig
 from soap.strategy import Strategy
 from soap.topology import load_topology
@@ -36,36 +38,35 @@ def _two_linears(batch: int = 8, width: int = 16):
     return net.graph()
 
 
-def test_sample_split_feeding_a_parameter_split_is_an_all_gather_of_point_to_point_transfers():
+def test_sample_split_feeding_a_parameter_split_is_an_all_gather_in_one_exchange():
     """fc1 split 4 ways on the sample dim, fc2 4 ways on out_features: every fc2 part needs the whole
-    input, so each of the 4 x 3 ordered device pairs carries one row block (2 rows x 16 floats); the
-    gradients come back the same way, and each fc1 part adds the 4 gradients it receives."""
+    input, so each of the 4 x 3 ordered device pairs carries one row block (2 rows x 16 floats), all in
+    one exchange; the gradients come back the same way, and each fc1 part adds the 4 it receives."""
     graph = _two_linears()
     dev = (0, 1, 2, 3)
     strategy = Strategy({"x": on(*dev, sample=4), "fc1": on(*dev, sample=4), "fc2": on(*dev, out_features=4),
                          "y": on(*dev, sample=4), "loss": on(*dev, sample=4)})
     tl = simulate(graph, strategy, TOPO, COSTS)
-    fwd = records(tl, "transfer", "fc1 -> fc2")
-    assert len(fwd) == 12
+    (fwd,) = records(tl, "transfer", "fc1 -> fc2")
     block = 2 * 16 * F32
-    assert {r.nbytes for r in fwd} == {block}
-    pairs = Counter()
-    for r in fwd:
-        (link,) = r.links
-        src, dst = TOPO.links[link].src, TOPO.links[link].dst
-        pairs[(src, dst)] += 1
-        assert r.links == TOPO.route(int(src[3:]), int(dst[3:]))
+    assert fwd.nbytes == 12 * block
+    pairs = Counter((TOPO.links[link].src, TOPO.links[link].dst) for link in fwd.links)
     assert pairs == Counter({(f"gpu{p}", f"gpu{c}"): 1 for p in dev for c in dev if p != c})
-    bwd = records(tl, "transfer", "grad fc2 -> fc1")
-    assert len(bwd) == 12 and {r.nbytes for r in bwd} == {block}
+    assert set(fwd.links) == {link for p in dev for c in dev if p != c for link in TOPO.route(p, c)}
+    # every link carries one block at once: the exchange takes one block's transfer, not twelve
+    comm = Comm(TOPO)
+    one_block = max(comm.transfer(p, c, block)[1] for p in dev for c in dev if p != c)
+    assert round((fwd.end_ms - fwd.start_ms) * 1e6) == one_block
+    (bwd,) = records(tl, "transfer", "grad fc2 -> fc1")
+    assert bwd.nbytes == 12 * block and set(bwd.links) == set(fwd.links)
     sums = records(tl, "reduce", "fc1 sum grads")
     assert sorted(r.devices for r in sums) == [(0,), (1,), (2,), (3,)]
     # fc1 is replicated (sample split): one all-reduce over 0..3; fc2 is sharded: none
     syncs = records(tl, "allreduce")
     assert len(syncs) == 1 and syncs[0].name.endswith("devices 0..3")
-    # fc2 -> loss: out_features parts to sample parts: again 12 transfers of 2 x 4 floats
-    to_loss = records(tl, "transfer", "fc2 -> loss")
-    assert len(to_loss) == 12 and {r.nbytes for r in to_loss} == {2 * 4 * F32}
+    # fc2 -> loss: out_features parts to sample parts: again 12 pieces of 2 x 4 floats, one exchange
+    (to_loss,) = records(tl, "transfer", "fc2 -> loss")
+    assert to_loss.nbytes == 12 * 2 * 4 * F32
     assert tl.bytes_moved == sum(r.nbytes for r in tl.tasks())
 
 
@@ -76,13 +77,14 @@ def test_matching_splits_on_the_same_devices_move_nothing():
     assert records(tl, "transfer") == []
     assert records(tl, "reduce") == []
     assert [r.name for r in records(tl, "allreduce")] == ["allreduce bucket 0 devices 0..3"]
-    # the same split on other devices: one transfer per part (and one gradient back)
+    # the same split on other devices: each part moves to its twin, one exchange (and one gradient back)
     moved = Strategy({"x": dp4, "fc1": dp4, "fc2": on(4, 5, 6, 7, sample=4), "y": on(4, 5, 6, 7, sample=4),
                       "loss": on(4, 5, 6, 7, sample=4)})
     tl = simulate(graph, moved, TOPO, COSTS)
-    assert len(records(tl, "transfer", "fc1 -> fc2")) == 4
-    assert len(records(tl, "transfer", "grad fc2 -> fc1")) == 4
-    assert {r.links for r in records(tl, "transfer", "fc1 -> fc2")} == {TOPO.route(p, p + 4) for p in range(4)}
+    (fwd,) = records(tl, "transfer", "fc1 -> fc2")
+    (bwd,) = records(tl, "transfer", "grad fc2 -> fc1")
+    assert fwd.nbytes == bwd.nbytes == 8 * 16 * F32
+    assert set(fwd.links) == {link for p in range(4) for link in TOPO.route(p, p + 4)}
 
 
 def test_height_split_convolution_exchanges_one_row_halo_each_way():
@@ -99,11 +101,12 @@ def test_height_split_convolution_exchanges_one_row_halo_each_way():
     strategy = Strategy({"x": on(0, 1, d2=2), "conv0": split, "conv1": split, "y": on(0),
                          "loss": on(0)})
     tl = simulate(graph, strategy, TOPO, COSTS)
-    halos = records(tl, "transfer", "conv0 -> conv1")
+    (halo,) = records(tl, "transfer", "conv0 -> conv1")
     row = n * c * 1 * w * F32
-    assert sorted((r.name, r.nbytes) for r in halos) == [("conv0 -> conv1 [0->1]", row),
-                                                         ("conv0 -> conv1 [1->0]", row)]
-    assert {r.links for r in halos} == {TOPO.route(0, 1), TOPO.route(1, 0)}
+    assert halo.nbytes == 2 * row
+    assert set(halo.links) == set(TOPO.route(0, 1) + TOPO.route(1, 0))
+    # the two directions use different links: the exchange takes as long as one row's transfer
+    assert round((halo.end_ms - halo.start_ms) * 1e6) == Comm(TOPO).transfer(0, 1, row)[1]
     # x is split on height too, but each device's loader reads the halo rows its conv0 part needs: the
     # batch never travels, and what a device reads (its half plus one row) counts in its memory
     assert records(tl, "transfer", "x -> conv0") == []
@@ -111,7 +114,7 @@ def test_height_split_convolution_exchanges_one_row_halo_each_way():
     assert split_x.iteration_time_ms == tl.iteration_time_ms
     assert split_x.peak_memory_bytes == tl.peak_memory_bytes
     # backward: the halo gradients come back, and each conv0 part adds the overlapping contributions
-    assert len(records(tl, "transfer", "grad conv1 -> conv0")) == 2
+    assert [r.nbytes for r in records(tl, "transfer", "grad conv1 -> conv0")] == [2 * row]
     assert sorted(r.devices for r in records(tl, "reduce", "conv0 sum grads")) == [(0,), (1,)]
     # both convolutions are replicated over the height parts: their weight gradients are all-reduced
     assert {r.name for r in records(tl, "allreduce")} == {"allreduce bucket 0 devices 0..1"}
@@ -127,20 +130,20 @@ def test_reduction_split_makes_partial_sums_that_are_gathered_and_added():
     tl = simulate(graph, strategy, TOPO, COSTS)
     partials = records(tl, "transfer", "fc2 -> loss")
     assert [(r.name, r.nbytes, r.links) for r in partials] == [
-        ("fc2 -> loss [1->0]", batch * width * F32, TOPO.route(1, 0))]
+        ("fc2 -> loss", batch * width * F32, TOPO.route(1, 0))]
     (add,) = records(tl, "reduce", "loss sum input 0")
     assert add.devices == (0,)
     start = {r.name: r.start_ms for r in tl.tasks()}
     end = {r.name: r.end_ms for r in tl.tasks()}
-    assert start["loss sum input 0 [0]"] >= max(end["fc2 -> loss [1->0]"], end["fc2 fwd[0]"])
+    assert start["loss sum input 0 [0]"] >= max(end["fc2 -> loss"], end["fc2 fwd[0]"])
     assert start["loss fwd[0]"] >= end["loss sum input 0 [0]"]
     # fc2's input: part 1 reads the second half of fc1's columns, which live on device 0
     (cols,) = records(tl, "transfer", "fc1 -> fc2")
-    assert cols.name == "fc1 -> fc2 [0->1]" and cols.nbytes == batch * (width // 2) * F32
+    assert cols.name == "fc1 -> fc2" and cols.links == TOPO.route(0, 1) and cols.nbytes == batch * (width // 2) * F32
     # the weight is sharded by columns, not replicated: no all-reduce at all
     assert records(tl, "allreduce") == []
     # backward: the loss's gradient goes to both parts whole (the sum's adjoint is a copy)
-    assert [r.name for r in records(tl, "transfer", "grad loss -> fc2")] == ["grad loss -> fc2 [0->1]"]
+    assert [r.name for r in records(tl, "transfer", "grad loss -> fc2")] == ["grad loss -> fc2"]
 
 
 def test_gradient_sync_only_among_devices_that_replicate_a_parameter():

@@ -75,16 +75,16 @@ def test_transfer_and_its_gradient_cross_both_links_of_the_route():
     t2 = t1 + 3 * MS + T_128  # loss forward and backward on device 1, then the gradient back
     assert times(tl) == {
         "fc fwd[0]": (0, 1 * MS),
-        "fc -> loss [0->0]": (1 * MS, t1),
+        "fc -> loss": (1 * MS, t1),
         "loss fwd[0]": (t1, t1 + 1 * MS),
         "loss bwd[0]": (t1 + 1 * MS, t1 + 3 * MS),
-        "grad loss -> fc [0->0]": (t1 + 3 * MS, t2),
+        "grad loss -> fc": (t1 + 3 * MS, t2),
         "fc bwd[0]": (t2, t2 + 2 * MS),
         "fc update[0]": (t2 + 2 * MS, t2 + 2_500_000),
     }
     assert tl.iteration_time_ns == 6_500_000 + 2 * T_128
     records = {r.name: r for r in tl.tasks()}
-    forward, backward = records["fc -> loss [0->0]"], records["grad loss -> fc [0->0]"]
+    forward, backward = records["fc -> loss"], records["grad loss -> fc"]
     assert forward.links == topo.route(0, 1) and len(forward.links) == 2
     assert backward.links == topo.route(1, 0)
     # CPU processes move data with the cores that compute: a transfer occupies both ends too
@@ -110,7 +110,7 @@ def test_a_transfer_keeps_cpu_processes_from_computing_but_overlaps_on_gpus():
     for topology, start, devices in (("cpu-2", 2 * MS, (0, 1)), ("p100-1x2", 1 * MS, ())):
         tl = simulate(graph, strategy, load_topology(topology), COSTS)
         assert times(tl)["fc_b fwd[0]"] == (1 * MS, 2 * MS)
-        (send,) = [r for r in tl.tasks() if r.name == "fc_a -> add [0->0]"]
+        (send,) = [r for r in tl.tasks() if r.name == "fc_a -> add"]
         assert round(send.start_ms * MS) == start and send.devices == devices, topology
 
 
@@ -133,14 +133,14 @@ def test_transfers_sharing_a_link_run_one_at_a_time():
     assert times(tl) == {
         "fa fwd[0]": (0, 1 * MS),
         "fb fwd[0]": (0, 1 * MS),
-        "fa -> add [0->0]": (1 * MS, 1 * MS + T),
-        "fb -> add [0->0]": (1 * MS + T, f),
+        "fa -> add": (1 * MS, 1 * MS + T),
+        "fb -> add": (1 * MS + T, f),
         "add fwd[0]": (f, f + 1 * MS),
         "loss fwd[0]": (f + 1 * MS, f + 2 * MS),
         "loss bwd[0]": (f + 2 * MS, f + 4 * MS),
         "add bwd[0]": (f + 4 * MS, b0),
-        "grad add -> fb [0->0]": (b0, b0 + T),
-        "grad add -> fa [0->0]": (b0 + T, b0 + 2 * T),
+        "grad add -> fb": (b0, b0 + T),
+        "grad add -> fa": (b0 + T, b0 + 2 * T),
         "fb bwd[0]": (b0 + T, b0 + T + 2 * MS),
         "fa bwd[0]": (b0 + 2 * T, b0 + 2 * T + 2 * MS),
         "fb update[0]": (b0 + T + 2 * MS, b0 + T + 2_500_000),
@@ -220,3 +220,35 @@ def test_full_and_propose_agree_on_a_hand_checked_case():
     # the batch is loaded where it is read: y's placement moves nothing
     assert sim.iteration_time_ms == 6.5
     assert sim.timeline().bytes_moved == 0
+
+
+def test_an_exchange_both_ways_between_two_processes_costs_one_direction():
+    """fc split 2 ways on the sample dim over processes 0, 1 feeds the loss on the other process each:
+    part 0's rows go 0 -> 1 and part 1's go 1 -> 0 in one exchange (the runtime's all-to-all). The two
+    directions use different links, so the exchange lasts one 64-byte transfer, not two."""
+    graph = linear_loss()
+    topo = load_topology("cpu-2")
+    strategy = Strategy({"x": on(0, 1, sample=2), "fc": on(0, 1, sample=2), "y": on(1, 0, sample=2),
+                         "loss": on(1, 0, sample=2)})
+    tl = simulate(graph, strategy, topo, COSTS)
+    t64 = round(40_000 + 64 / 5)
+    got = times(tl)
+    assert got["fc -> loss"] == (1 * MS, 1 * MS + t64)
+    (fwd,) = [r for r in tl.tasks() if r.name == "fc -> loss"]
+    assert fwd.nbytes == 128 and fwd.devices == (0, 1)
+    assert set(fwd.links) == set(topo.route(0, 1) + topo.route(1, 0))
+    assert got["loss fwd[0]"][0] == got["loss fwd[1]"][0] == 1 * MS + t64
+
+
+def test_exchange_pieces_that_share_a_link_queue_on_it():
+    comm = Comm(load_topology("cpu-2"))
+    one_way, t_one = comm.exchange([(0, 1, 1000)])
+    assert (one_way, t_one) == comm.transfer(0, 1, 1000)
+    # both ways: disjoint links, the time of one piece; one way twice: the same links carry both
+    assert comm.exchange([(0, 1, 1000), (1, 0, 1000)])[1] == t_one
+    assert comm.exchange([(0, 1, 1000), (0, 1, 1000)])[1] == comm.transfer(0, 1, 2000)[1]
+    # on cpu-3, 0 -> 1 and 2 -> 1 share the hub's link into 1: 2000 bytes cross it
+    three = Comm(load_topology("cpu-3"))
+    assert three.exchange([(0, 1, 1000), (2, 1, 1000)])[1] == round(40_000 + 2000 / 5)
+    with pytest.raises(ValueError, match="at least one piece"):
+        three.exchange([])
