@@ -19,11 +19,13 @@ constants are the ones that make the simulator reproduce the calibration measure
   squares (scipy `nnls`);
 - `fit_overhead`: what a training step adds to the parts timed alone - a factor on every part's time
   (in a step an op finds its operands out of cache), the runtime's own cost per op part and pass (its
-  interpreter, redistribution bookkeeping, autograd calls) and per transfer (on top of the raw link
-  latency) - from whole training steps of calibration workloads: measured step time = simulated step
+  interpreter, redistribution bookkeeping, autograd calls), per exchange and per GB it moves, and per GB
+  all-reduced (`simulator.comm.CommOverhead`: on top of the links, which stay the wire that `fit_comm`
+  measured) - from whole training steps of calibration workloads: measured step time = simulated step
   time without them + (compute on the critical path) x (factor - 1) + (part passes on the critical path)
-  x overhead + (link hops on the critical path) x extra latency + (GB on the critical path) x extra time
-  per GB; non-negative linear least squares (scipy `nnls`), the slopes taken from the simulator itself.
+  x overhead + (exchanges on the critical path) x cost per exchange + (GB they move) x cost per GB +
+  (GB all-reduced on the critical path) x cost per GB; non-negative linear least squares (scipy `nnls`,
+  then a robust refinement), the slopes taken from the simulator itself.
 
 Fits use calibration measurements only, never validation runs (`soapflow.validate` measures strategies
 of the models under test and compares; nothing here sees them).
@@ -35,8 +37,9 @@ The machine profile is a topology file (`soap.topology`: devices with fitted `pe
     "calibration": {"format": "soapflow.calibration/1", "device_kind": "cpu",
                     "efficiency": {"cpu": {"linear": 0.41, "conv2d": 0.3, "*": 0.2}},
                     "bandwidth_efficiency": {"cpu": 1.0}, "launch_us": {"cpu": 12.0},
-                    "overhead_us": 85.0, "compute_scale": 1.3, "costdb": "machine.costdb.jsonl",
-                    "comm": {...}, "fit": {...}}
+                    "overhead_us": 85.0, "compute_scale": 1.3,
+                    "comm_overhead": {"exchange_us": 900.0, "allreduce_ms_per_gb": 200.0},
+                    "costdb": "machine.costdb.jsonl", "fit": {...}}
 
 Must import only `soap`, the other `simulator` modules, numpy and scipy (no torch, runtime or search).
 """
@@ -54,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.comm import ALLGATHER, ALLREDUCE, Comm
+from simulator.comm import ALLGATHER, ALLREDUCE, NO_OVERHEAD, Comm, CommOverhead
 from simulator.costmodel import (
     FREE_KINDS,
     VIEW_KINDS,
@@ -113,21 +116,23 @@ class StepSample:
     """A timed training step: `measured_ms`; the simulated time of the same step with no runtime overhead
     and the fitted links (`base_ms`); and how much the simulated time grows when every measured part
     takes twice as long (`compute_ms`: the compute on the critical path), per millisecond of overhead
-    per op part pass (`num_passes`: the passes on the critical path), per millisecond of extra latency per
-    link hop (`num_hops`) and per extra millisecond per GB on every link (`num_gb`: the GB moved on the
-    critical path)."""
+    per op part pass (`num_passes`: the passes on the critical path), per millisecond per exchange
+    (`num_exchanges`) and per millisecond per GB all-reduced (`allreduce_gb`), each on the critical
+    path."""
 
     name: str
     measured_ms: float
     base_ms: float
     num_passes: float
-    num_hops: float = 0.0
-    num_gb: float = 0.0
+    num_exchanges: float = 0.0
+    allreduce_gb: float = 0.0
     compute_ms: float = 0.0
 
+    def slopes(self) -> tuple[float, float, float, float, float]:
+        return (self.compute_ms, self.num_passes, self.num_exchanges, self.allreduce_gb)
+
     def __post_init__(self) -> None:
-        if not (self.measured_ms > 0 and self.base_ms >= 0 and self.num_passes >= 0 and self.num_hops >= 0
-                and self.num_gb >= 0 and self.compute_ms >= 0):
+        if not (self.measured_ms > 0 and self.base_ms >= 0 and all(v >= 0 for v in self.slopes())):
             raise ValueError(f"step sample {self.name}: bad figures {self}")
 
 
@@ -304,27 +309,29 @@ def fit_comm(samples: Sequence[CommSample], topology: DeviceTopology, *,
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OverheadFit:
     """What a training step adds to the simulated step: a factor on every measured part's time
-    (`compute_scale`, at least 1), and milliseconds per op part pass, per link hop of a transfer, per GB
-    moved over a link."""
+    (`compute_scale`, at least 1), milliseconds per op part pass, and the runtime's communication
+    overhead (per exchange, per GB exchanged, per GB all-reduced)."""
 
     overhead_ms: float = 0.0
-    extra_latency_ms: float = 0.0
-    extra_ms_per_gb: float = 0.0
     compute_scale: float = 1.0
+    comm: CommOverhead = NO_OVERHEAD
 
 
 def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     """The non-negative least-squares solution, in relative residuals and with a robust loss (soft L1:
     one step disturbed by another job on the machine must not set a constant), of measured = base +
-    compute_ms x (compute scale - 1) + num_passes x overhead + num_hops x extra latency + num_gb x extra
-    time per GB over the samples. The transfer extras are what the runtime adds to a raw transfer (slicing
-    and copying the piece, the batched send/receive, waking the waiting rank); a term no sample exercises
-    stays 0 (a factor of 1)."""
+    compute_ms x (compute scale - 1) + num_passes x overhead + num_exchanges x cost per exchange +
+    allreduce_gb x cost per GB over the samples. The communication terms are what the runtime adds to the
+    wire: per exchange, the collective call and waiting for the later of its ranks (their arrival jitters
+    with the load of the machine), packing and slicing the pieces; per GB all-reduced, the buckets'
+    copies. An exchange's bytes cost what the links say (a per-GB term beside the per-exchange one is
+    not identifiable from training steps: it traded off against it from run to run). A term no sample
+    exercises stays 0 (a factor of 1)."""
     from scipy.optimize import least_squares, nnls
 
     if not samples:
         return OverheadFit()
-    a = np.asarray([[s.compute_ms, s.num_passes, s.num_hops, s.num_gb] for s in samples]) / \
+    a = np.asarray([s.slopes() for s in samples]) / \
         np.asarray([s.measured_ms for s in samples])[:, None]
     b = np.asarray([(s.measured_ms - s.base_ms) / s.measured_ms for s in samples])
     used = [j for j in range(a.shape[1]) if a[:, j].any()]
@@ -335,7 +342,7 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
                                f_scale=0.1, x_scale=np.maximum(x0, 1e-6))
         coef[used] = robust.x
     return OverheadFit(compute_scale=1.0 + float(coef[0]), overhead_ms=float(coef[1]),
-                       extra_latency_ms=float(coef[2]), extra_ms_per_gb=float(coef[3]))
+                       comm=CommOverhead(exchange_us=float(coef[2]) * 1e3, allreduce_ms_per_gb=float(coef[3])))
 
 
 # --------------------------------------------------------------------------------------- machine profile
@@ -345,7 +352,8 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
 class MachineProfile:
     """A fitted machine: its topology, the analytical constants, the runtime overhead per op part pass
     (microseconds), the factor a training step puts on the time of a part timed alone (`compute_scale`),
-    the cost database of measured parts (a path, or None) and the fit's report."""
+    the runtime's communication overhead (`comm_overhead`), the cost database of measured parts (a path,
+    or None) and the fit's report."""
 
     topology: DeviceTopology
     efficiency: Mapping[str, Mapping[str, float]]
@@ -353,6 +361,7 @@ class MachineProfile:
     launch_us: Mapping[str, float]
     overhead_us: float = 0.0
     compute_scale: float = 1.0
+    comm_overhead: CommOverhead = NO_OVERHEAD
     costdb: str | None = None
     report: Mapping[str, Any] = field(default_factory=dict)
 
@@ -369,7 +378,8 @@ class MachineProfile:
         return AnalyticalCostModel(
             efficiency={d: {k: v / scale for k, v in eff.items()} for d, eff in self.efficiency.items()},
             bandwidth_efficiency={d: v / scale for d, v in self.bandwidth_efficiency.items()},
-            launch_us={d: v * scale + self.overhead_us for d, v in self.launch_us.items()})
+            launch_us={d: v * scale + self.overhead_us for d, v in self.launch_us.items()},
+            comm_overhead=self.comm_overhead)
 
     def cost_model(self, db: costdb.CostDatabase | None = None) -> CostModel:
         """Measured times from `db` (or the profile's cost database) with the step's factor and the runtime
@@ -388,7 +398,8 @@ class MachineProfile:
             "format": PROFILE_FORMAT, "device_kind": kind,
             "efficiency": {k: dict(v) for k, v in self.efficiency.items()},
             "bandwidth_efficiency": dict(self.bandwidth_efficiency), "launch_us": dict(self.launch_us),
-            "overhead_us": self.overhead_us, "compute_scale": self.compute_scale, "costdb": self.costdb,
+            "overhead_us": self.overhead_us, "compute_scale": self.compute_scale,
+            "comm_overhead": self.comm_overhead.to_dict(), "costdb": self.costdb,
             **dict(self.report)}
         return doc
 
@@ -426,11 +437,15 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
     if isinstance(db, str) and not os.path.isabs(db):
         db = os.fspath(Path(path).parent / db)
     known = ("format", "device_kind", "efficiency", "bandwidth_efficiency", "launch_us", "overhead_us",
-             "compute_scale", "costdb")
+             "compute_scale", "comm_overhead", "costdb")
+    comm = cal.get("comm_overhead", {})
+    if not isinstance(comm, dict):
+        raise ValueError(f"{os.fspath(path)!r}: calibration.comm_overhead must be an object, got {comm!r}")
     return MachineProfile(topology=topology, efficiency=cal.get("efficiency", {}),
                           bandwidth_efficiency=cal.get("bandwidth_efficiency", {}),
                           launch_us=cal.get("launch_us", {}), overhead_us=float(cal.get("overhead_us", 0.0)),
                           compute_scale=float(cal.get("compute_scale", 1.0)),
+                          comm_overhead=CommOverhead.from_dict(comm),
                           costdb=db if isinstance(db, str) else None,
                           report={k: v for k, v in cal.items() if k not in known})
 

@@ -19,6 +19,10 @@ the pieces' routes, for the largest route latency plus the time of its busiest l
 A single piece costs exactly its transfer; pieces on disjoint links (both directions between two devices,
 say) overlap; pieces that share a link queue on it.
 
+The links' figures are the wire. What the runtime adds on top (`CommOverhead`, fitted by calibration:
+the collective call, waiting for the later rank, packing the pieces) is charged per exchange, and per GB
+of every all-reduce; zero unless a machine profile's cost model carries it.
+
 Ring collectives (Patarasuk and Yuan 2009; what NCCL runs) over a group g_0 < g_1 < .. < g_{n-1}: n hops
 g_i -> g_{i+1 mod n}, each along its route; all-reduce is 2(n-1) steps (reduce-scatter, then all-gather),
 all-gather and reduce-scatter n-1 steps. In a step every hop sends B/n bytes at once, so a link that k
@@ -39,6 +43,7 @@ exact and the delta simulation can equal the full one bit for bit. Must import o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from soap.devices import DEVICE_SPECS
 from soap.topology import DeviceTopology
@@ -54,16 +59,43 @@ def ms_to_ns(ms: float) -> int:
     return max(0, round(ms * 1e6))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommOverhead:
+    """The runtime's own cost of communicating, beyond the links: microseconds per exchange, milliseconds
+    per GB an all-reduce reduces (its buffer's size)."""
+
+    exchange_us: float = 0.0
+    allreduce_ms_per_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        bad = {k: getattr(self, k) for k in self.__slots__
+               if not (getattr(self, k) >= 0 and math.isfinite(getattr(self, k)))}
+        if bad:
+            raise ValueError(f"communication overheads must be finite and >= 0, got {bad}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> CommOverhead:
+        return cls(**{k: float(doc.get(k, 0.0)) for k in cls.__slots__})
+
+
+NO_OVERHEAD = CommOverhead()
+
+
 class Comm:
-    """Prices transfers and ring collectives on `topology`; caches per device pair and per group.
+    """Prices transfers, exchanges and ring collectives on `topology` (plus the runtime's `overhead` for
+    exchanges and all-reduces; a bare `transfer` is the wire only); caches per device pair and per group.
 
     The caches hold pure functions of the topology, so they never change a result.
     """
 
-    __slots__ = ("topology", "num_devices", "_busy", "_pairs", "_rings")
+    __slots__ = ("topology", "num_devices", "overhead", "_busy", "_pairs", "_rings")
 
-    def __init__(self, topology: DeviceTopology):
+    def __init__(self, topology: DeviceTopology, overhead: CommOverhead = NO_OVERHEAD):
         self.topology = topology
+        self.overhead = overhead
         self.num_devices = topology.num_devices
         # devices that cannot compute while they communicate (resource ids)
         self._busy = frozenset(d.id for d in topology.devices
@@ -94,8 +126,10 @@ class Comm:
         """(resources, duration ns) of moving every (src, dst, bytes) of `pieces` (src != dst) at once."""
         if not pieces:
             raise ValueError("an exchange needs at least one piece")
+        extra = self.overhead.exchange_us * 1e3
         if len(pieces) == 1:
-            return self.transfer(*pieces[0])
+            res, ns = self.transfer(*pieces[0])
+            return res, ns + round(extra)
         per_pair: dict[tuple[int, int], int] = {}
         for src, dst, nbytes in pieces:
             per_pair[(src, dst)] = per_pair.get((src, dst), 0) + nbytes
@@ -112,7 +146,7 @@ class Comm:
                 else:
                     load[r] = load.get(r, 0) + nbytes
         slowest = max((nb / links[r - self.num_devices].bandwidth_gbps for r, nb in load.items()), default=0.0)
-        return tuple(sorted(busy)) + tuple(sorted(load)), max(0, round(latency_ns + slowest))
+        return tuple(sorted(busy)) + tuple(sorted(load)), max(0, round(latency_ns + slowest + extra))
 
     def collective(self, group: tuple[int, ...], nbytes: int, kind: str = ALLREDUCE) -> tuple[tuple[int, ...], int]:
         """(resources, duration ns) of a ring `kind` over `group` (sorted device ids, >= 2) on `nbytes`."""
@@ -122,7 +156,8 @@ class Comm:
             self._rings[(group, kind)] = hit
         res, steps, envelope = hit
         chunk = nbytes / len(group)
-        return res, max(0, round(steps * max(lat + chunk * slow for lat, slow in envelope)))
+        extra = nbytes * self.overhead.allreduce_ms_per_gb * 1e-3 if kind == ALLREDUCE else 0.0
+        return res, max(0, round(steps * max(lat + chunk * slow for lat, slow in envelope) + extra))
 
     def _ring(self, group: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int, tuple[tuple[float, float], ...]]:
         n = len(group)

@@ -8,8 +8,10 @@ Owns the `CostModel` protocol and its three implementations:
 - `FixedCostModel`: the null model for tests: every part costs a given constant (or a per-op value),
   which makes timelines computable by hand.
 
-Communication is not a cost model's business: transfers and collectives are priced from the topology's
-links (`simulator.comm`). Times are milliseconds. Must import only `soap` (no torch, runtime or search).
+Communication is priced from the topology's links (`simulator.comm`); a cost model only carries what the
+runtime adds to it (`comm_overhead`, a `simulator.comm.CommOverhead`: zero by default, fitted by
+calibration), as it carries the runtime's overhead per op pass. Times are milliseconds. Must import only
+`soap` and `simulator.comm` (no torch, runtime or search).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
+from simulator.comm import NO_OVERHEAD, CommOverhead
 from soap.costdb import CostDatabase, part_key
 from soap.graph import DTYPE_BYTES, Operator
 from soap.opdef import Box, region_numel
@@ -35,7 +38,8 @@ VIEW_KINDS = frozenset({"reshape", "transpose", "slice", "split"})
 
 @runtime_checkable
 class CostModel(Protocol):
-    """Compute times of op parts and optimizer steps, in milliseconds."""
+    """Compute times of op parts and optimizer steps, in milliseconds. A model may also have a
+    `comm_overhead` attribute (`simulator.comm.CommOverhead`); the simulator reads it with a zero default."""
 
     def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
         """(forward, backward) time of the part `box` of `op` on `device`."""
@@ -117,6 +121,7 @@ class AnalyticalCostModel:
     bandwidth_efficiency: Mapping[str, float] = field(default_factory=dict)
     launch_us: Mapping[str, float] = field(default_factory=dict)
     update_passes: float = 5.0
+    comm_overhead: CommOverhead = NO_OVERHEAD
 
     def __post_init__(self) -> None:
         eff = _merge(DEFAULT_EFFICIENCY, self.efficiency)
@@ -224,6 +229,11 @@ class MeasuredCostModel:
             fwd_ms, bwd_ms = found.fwd_ms, found.bwd_ms
         return (fwd_ms * self.scale + self.overhead_ms, bwd_ms * self.scale + self.overhead_ms)
 
+    @property
+    def comm_overhead(self) -> CommOverhead:
+        """The fallback's (a machine profile's calibrated analytical model carries it)."""
+        return getattr(self.fallback, "comm_overhead", NO_OVERHEAD)
+
     def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
         return self.fallback.update_ms(op, param_bytes, device)
 
@@ -236,7 +246,8 @@ class FixedCostModel:
     """Every part of every op costs `fwd_each_ms` forward and `bwd_each_ms` backward (default: the
     forward figure), whatever its size or device; `per_op_ms` overrides by op name with a number (both
     passes) or a (forward, backward) pair. Optimizer steps cost `update_each_ms`, partial-sum reductions
-    `reduce_each_ms`. Ops of the free kinds (input, constant) cost nothing.
+    `reduce_each_ms`. Ops of the free kinds (input, constant) cost nothing. `comm_overhead` as in
+    `AnalyticalCostModel`.
     """
 
     fwd_each_ms: float = 1.0
@@ -244,6 +255,7 @@ class FixedCostModel:
     per_op_ms: Mapping[str, float | tuple[float, float]] = field(default_factory=dict)
     update_each_ms: float = 0.0
     reduce_each_ms: float = 0.0
+    comm_overhead: CommOverhead = NO_OVERHEAD
 
     def __post_init__(self) -> None:
         table: dict[str, tuple[float, float]] = {}

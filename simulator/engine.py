@@ -38,7 +38,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from heapq import heapify, heappop, heappush
 
-from simulator.comm import Comm
+from simulator.comm import NO_OVERHEAD, Comm
 from simulator.costmodel import AnalyticalCostModel, CostModel
 from simulator.taskgraph import (
     BWD,
@@ -117,7 +117,7 @@ class Simulator:
         self.cost_model: CostModel = cost_model if cost_model is not None else AnalyticalCostModel()
         self.facts = GraphFacts(graph, bucket_cap_bytes=bucket_cap_bytes)
         self.keys = KeySpace(len(graph), topology.num_devices)
-        self.comm = Comm(topology)
+        self.comm = Comm(topology, getattr(self.cost_model, "comm_overhead", NO_OVERHEAD))
         self.planner = Planner(self.facts, topology, self.cost_model, self.keys, self.comm,
                                optimizer_copies=optimizer_copies)
         self.num_devices = topology.num_devices

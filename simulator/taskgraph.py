@@ -25,8 +25,8 @@ Tasks of a strategy (times from the cost model and `simulator.comm`):
 - backward mirrors forward: each consumer part sends the gradient of its intersection back to the
   producer part (across devices, again one exchange per edge); where consumer parts read overlapping
   regions (a split along a dim the input does not have, or halos), the gradients a producer part
-  receives overlap and a reduce task adds them. A gradient edge exists when the consumer gets a gradient and the producer needs
-  one (it or an ancestor has parameters; the tensor is floating point);
+  receives overlap and a reduce task adds them. A gradient edge exists when the consumer gets a gradient
+  and the producer needs one (it or an ancestor has parameters; the tensor is floating point);
 - per bucket and device group: one all-reduce of the parameter gradients whose part regions are
   replicated over exactly that group (`simulator.comm`: one ring task). Buckets are fixed ranges of the
   backward parameter order, `bucket_cap_bytes` of full-size parameters each (DDP's 25 MB), so that a

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -32,6 +33,7 @@ from typing import Any
 from runtime.launch import launch
 from runtime.measure import measure_parts, part_jobs, time_comm, time_step
 from search.baselines import BASELINES, BaselineNotApplicable
+from search.space import ConfigSpace
 from simulator.calibration import (
     CommSample,
     MachineProfile,
@@ -43,6 +45,7 @@ from simulator.calibration import (
     profile_devices,
     write_profile,
 )
+from simulator.comm import CommOverhead
 from simulator.engine import simulate
 from soap.config import ParallelConfig
 from soap.costdb import part_key
@@ -66,6 +69,12 @@ def calib_mlp(batch_size: int = 48) -> tuple:
     return mlp(batch_size, sizes=(768, 1536, 384, 1536, 512))
 
 
+def calib_wide_mlp(batch_size: int = 64) -> tuple:
+    """Weights of 16 MiB each: a working set far beyond the cores' caches, which the small workloads keep
+    within them (a training step slows parts down more when their operands come from memory)."""
+    return mlp(batch_size, sizes=(2048, 2048, 2048, 1024))
+
+
 def calib_cnn(batch_size: int = 12) -> tuple:
     return resnet18(batch_size, num_classes=40, image_size=40)
 
@@ -78,18 +87,9 @@ def calib_attention(batch_size: int = 6) -> tuple:
     return transformer(batch_size, layers=1, d_model=160, heads=4, seq=48, vocab=1500)
 
 
-WORKLOADS = (f"{__name__}:calib_mlp", f"{__name__}:calib_cnn", f"{__name__}:calib_lstm",
-             f"{__name__}:calib_attention")
+WORKLOADS = (f"{__name__}:calib_mlp", f"{__name__}:calib_wide_mlp", f"{__name__}:calib_cnn",
+             f"{__name__}:calib_lstm", f"{__name__}:calib_attention")
 TINY_WORKLOADS = (f"{__name__}:calib_mlp",)
-
-
-def _with_links(topology: DeviceTopology, *, latency_us: float | None = None,
-                bandwidth_gbps: float | None = None) -> DeviceTopology:
-    links = tuple(type(link)(id=link.id, src=link.src, dst=link.dst, kind=link.kind, spec=link.spec,
-                             bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else link.bandwidth_gbps,
-                             latency_us=latency_us if latency_us is not None else link.latency_us)
-                  for link in topology.links)
-    return DeviceTopology(name=topology.name, devices=topology.devices, links=links)
 
 
 def _step_sample(ref: str, graph, strategy: Strategy, *, name: str, topology: DeviceTopology, db,
@@ -103,35 +103,48 @@ def _step_sample(ref: str, graph, strategy: Strategy, *, name: str, topology: De
     per_step = [max(ts) for ts in zip(*[r["step_time_ms"] for r in results], strict=True)]
     measured = statistics.median(per_step[1:])
 
-    def sim(topo: DeviceTopology, **changes: float) -> float:
+    def sim(**changes: Any) -> float:
         model = dataclasses.replace(profile, **changes).cost_model(db)
-        return simulate(graph, strategy, topo, model).summary()["iteration_time_ms"]
+        return simulate(graph, strategy, topology, model).summary()["iteration_time_ms"]
 
-    base = sim(topology)
+    base = sim()
     # slopes of the simulated time: per unit of compute scale (every part twice as long), per ms of
-    # overhead per pass, per ms of extra latency per hop, per extra ms per GB (halving the bandwidth adds
-    # 1e3 / bandwidth ms per GB)
-    link = topology.links[0]
-    compute = max(0.0, sim(topology, compute_scale=2.0 * profile.compute_scale) - base)
-    passes = max(0.0, sim(topology, overhead_us=profile.overhead_us + 1e3) - base)
-    hops = max(0.0, sim(_with_links(topology, latency_us=link.latency_us + 1e3)) - base)
-    slower = sim(_with_links(topology, bandwidth_gbps=link.bandwidth_gbps / 2))
-    gb = max(0.0, (slower - base) / (1e3 / link.bandwidth_gbps))
+    # overhead per pass, per ms per exchange, per ms per GB all-reduced
+    compute = max(0.0, sim(compute_scale=2.0 * profile.compute_scale) - base)
+    passes = max(0.0, sim(overhead_us=profile.overhead_us + 1e3) - base)
+    one = {"exchange_us": CommOverhead(exchange_us=1e3), "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0)}
+    comm = {k: max(0.0, sim(comm_overhead=v) - base) for k, v in one.items()}
     return StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=measured, base_ms=base,
-                      num_passes=passes, num_hops=hops, num_gb=gb, compute_ms=compute)
+                      num_passes=passes, num_exchanges=comm["exchange_us"],
+                      allreduce_gb=comm["allreduce_gb"], compute_ms=compute)
 
 
 def _single(graph, device: int = 0) -> Strategy:
     return Strategy({op.name: ParallelConfig.single(device) for op in graph})
 
 
+STEP_STRATEGIES = ("single", "dp", "tp", "mp", "expert", "mixed")
+
+
 def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
+    """The strategies calibration times parts of and trains: one device, the baselines that apply, and
+    `mixed`: dp with every other op (in graph order) given a config drawn at random (seed 0), so that the
+    steps also see strategies with many small exchanges, as a search's candidates have."""
     out = {"single": _single(graph)}
-    for name in ("dp", "tp", "mp"):
+    for name in ("dp", "tp", "mp", "expert"):
         try:
             out[name] = BASELINES[name](graph, topology)
         except BaselineNotApplicable:
             pass
+    if "dp" in out:
+        space = ConfigSpace(graph, topology)
+        rng = random.Random(0)
+        configs = dict(out["dp"].items())
+        for name in space.ops[::2]:
+            configs[name] = space.sample(name, rng)
+        mixed = Strategy({op.name: configs[op.name] for op in graph if op.name in configs})
+        if all(mixed != other for other in out.values()):
+            out["mixed"] = mixed
     return out
 
 
@@ -150,7 +163,7 @@ class _Stages:
 def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike = "machine.json",
               costdb: str | os.PathLike | None = None, progress: Callable[[Mapping[str, Any]], None] | None = None,
               *, workloads: tuple[str, ...] = WORKLOADS, repeats: int = 5, comm_sizes: tuple[int, ...] = COMM_SIZES,
-              comm_repeats: int = 5, overhead_steps: int = 4, timeout_s: float = 300.0) -> dict[str, Any]:
+              comm_repeats: int = 5, overhead_steps: int = 6, timeout_s: float = 300.0) -> dict[str, Any]:
     """Measure this machine with `nproc` local processes and write the machine profile `output`.
 
     The cost database (`costdb`; default ``<output stem>.costdb.jsonl`` beside the
@@ -211,7 +224,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     # 4. runtime overhead per op part pass and per transfer, from training steps of the workloads
     steps: list[StepSample] = []
     for ref, graph, strategies in captured:
-        for name in ("dp", "tp", "mp"):
+        for name in STEP_STRATEGIES:
             if name not in strategies:
                 continue
             stage("runtime overhead", workload=ref.rpartition(":")[2], strategy=name)
@@ -219,10 +232,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                                       profile=profile, nproc=nproc, backend=backend, steps=overhead_steps,
                                       timeout_s=timeout_s))
     extra = fit_overhead(steps)
-    overhead_ms, extra_latency_ms = extra.overhead_ms, extra.extra_latency_ms
-    link = topology.links[0]
-    topology = _with_links(topology, latency_us=link.latency_us + extra_latency_ms * 1e3,
-                           bandwidth_gbps=1e3 / (1e3 / link.bandwidth_gbps + extra.extra_ms_per_gb))
+    overhead_ms = extra.overhead_ms
 
     try:
         costdb_ref = os.path.relpath(db_path, output.parent if output.parent != Path("") else Path("."))
@@ -238,14 +248,15 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         "compute": {"median_abs_error": compute.median_abs_error,
                     "default_median_abs_error": compute.default_median_abs_error,
                     "num_samples": compute.num_samples},
-        "extra_latency_us": extra_latency_ms * 1e3, "extra_ms_per_gb": extra.extra_ms_per_gb,
         "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
-                   "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_hops": s.num_hops}
+                   "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_exchanges": s.num_exchanges,
+                   "allreduce_gb": s.allreduce_gb}
                   for s in steps],
     }
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
                              bandwidth_efficiency=profile.bandwidth_efficiency, launch_us=profile.launch_us,
-                             overhead_us=overhead_ms * 1e3, compute_scale=extra.compute_scale, costdb=costdb_ref,
+                             overhead_us=overhead_ms * 1e3, compute_scale=extra.compute_scale,
+                             comm_overhead=extra.comm, costdb=costdb_ref,
                              report={"fit": report})
     write_profile(output, profile)
     stage("done")
@@ -258,7 +269,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         "memory_bandwidth_gbps": dev.memory_bandwidth_gbps,
         "efficiency": dict(efficiency), "bandwidth_efficiency": bw_eff, "launch_us": compute.launch_us,
         "overhead_us": overhead_ms * 1e3, "compute_scale": extra.compute_scale,
-        "latency_us": topology.links[0].latency_us,
+        "comm_overhead": extra.comm.to_dict(), "latency_us": topology.links[0].latency_us,
         "bandwidth_gbps": topology.links[0].bandwidth_gbps,
         **{k: v for k, v in report.items() if k not in ("nproc", "backend")},
     }
@@ -283,17 +294,19 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
                  f"(default constants: {c['default_median_abs_error']:.1%})")
     comm = report["comm"]
     lines.append("")
-    lines.append(f"links: latency {report['latency_us']:.1f} us per hop ({comm['latency_us']:.1f} raw + "
-                 f"{report['extra_latency_us']:.1f} runtime), bandwidth {report['bandwidth_gbps']:.3f} GB/s "
-                 f"({comm['bandwidth_gbps']:.3f} raw, + {report['extra_ms_per_gb']:.0f} ms/GB runtime); "
-                 f"raw transfer fit median |error| {comm['median_abs_error']:.1%} (max {comm['max_abs_error']:.1%}; "
+    lines.append(f"links: latency {report['latency_us']:.1f} us per hop, bandwidth {report['bandwidth_gbps']:.3f} "
+                 f"GB/s; transfer fit median |error| {comm['median_abs_error']:.1%} (max {comm['max_abs_error']:.1%}; "
                  f"preset figures: {comm['default_median_abs_error']:.1%})")
+    ov = report["comm_overhead"]
+    lines.append(f"runtime on top of the links: {ov['exchange_us']:.1f} us per exchange, "
+                 f"{ov['allreduce_ms_per_gb']:.0f} ms per GB all-reduced")
     for kind, ab in comm["alpha_beta"].items():
         lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")
     lines.append("")
     for s in report["steps"]:
         lines.append(f"step {s['workload']:<20} measured {s['measured_ms']:8.2f} ms   simulated without overhead "
-                     f"{s['simulated_ms']:8.2f} ms   {s['num_passes']:.0f} op passes, {s['num_hops']:.0f} hops")
+                     f"{s['simulated_ms']:8.2f} ms   {s['num_passes']:.0f} op passes, "
+                     f"{s['num_exchanges']:.0f} exchanges")
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from simulator.calibration import (
     simulated_comm_ms,
     write_profile,
 )
+from simulator.comm import CommOverhead
 from simulator.costmodel import AnalyticalCostModel, MeasuredCostModel
 from soap.config import ParallelConfig, parts
 from soap.topology import DeviceTopology, Link, load_topology
@@ -108,13 +109,16 @@ def test_fit_overhead_recovers_known_overhead() -> None:
     samples = [StepSample(name=str(i), base_ms=b, num_passes=n, measured_ms=b + n * 0.08)
                for i, (b, n) in enumerate(((10.0, 20), (100.0, 300), (3.0, 10)))]
     fit = fit_overhead(samples)
-    assert (fit.overhead_ms, fit.extra_latency_ms, fit.extra_ms_per_gb) == pytest.approx((0.08, 0.0, 0.0))
-    rows = ((10.0, 20, 0, 0.0), (100.0, 300, 40, 0.01), (3.0, 10, 12, 0.0), (50.0, 60, 100, 0.05), (20.0, 5, 3, 0.2))
-    both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_hops=h, num_gb=gb,
-                       measured_ms=b + n * 0.08 + h * 0.03 + gb * 400.0)
-            for i, (b, n, h, gb) in enumerate(rows)]
+    assert fit.overhead_ms == pytest.approx(0.08) and fit.comm == CommOverhead()
+    # (base, passes, exchanges, GB all-reduced)
+    rows = ((10.0, 20, 0, 0.01), (100.0, 300, 40, 0.0), (3.0, 10, 12, 0.0), (50.0, 60, 100, 0.02),
+            (20.0, 5, 3, 0.0), (40.0, 80, 0, 0.03))
+    both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_exchanges=x, allreduce_gb=ar,
+                       measured_ms=b + n * 0.08 + x * 0.03 + ar * 250.0)
+            for i, (b, n, x, ar) in enumerate(rows)]
     fit = fit_overhead(both)
-    assert (fit.overhead_ms, fit.extra_latency_ms, fit.extra_ms_per_gb) == pytest.approx((0.08, 0.03, 400.0))
+    assert fit.overhead_ms == pytest.approx(0.08)
+    assert (fit.comm.exchange_us, fit.comm.allreduce_ms_per_gb) == pytest.approx((30.0, 250.0))
     assert fit_overhead([StepSample(name="x", base_ms=10.0, num_passes=5, measured_ms=8.0)]).overhead_ms < 1e-9
     assert fit.compute_scale == 1.0  # no sample exercises it
 
@@ -136,11 +140,11 @@ def test_fit_overhead_recovers_the_step_factor_beside_the_overheads() -> None:
     # 0.2 ms per hop
     rows = ((10.0, 8.0, 20, 0), (100.0, 90.0, 300, 40), (30.0, 5.0, 200, 12), (50.0, 45.0, 60, 100),
             (20.0, 2.0, 150, 3))
-    samples = [StepSample(name=str(i), base_ms=b, compute_ms=c, num_passes=n, num_hops=h,
+    samples = [StepSample(name=str(i), base_ms=b, compute_ms=c, num_passes=n, num_exchanges=h,
                           measured_ms=b + 0.3 * c + n * 0.05 + h * 0.2)
                for i, (b, c, n, h) in enumerate(rows)]
     fit = fit_overhead(samples)
-    assert (fit.compute_scale, fit.overhead_ms, fit.extra_latency_ms) == pytest.approx((1.3, 0.05, 0.2))
+    assert (fit.compute_scale, fit.overhead_ms, fit.comm.exchange_us) == pytest.approx((1.3, 0.05, 200.0))
 
 
 def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> None:
@@ -150,7 +154,8 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
     topology = DeviceTopology(name="machine", devices=preset.devices, links=links)
     profile = MachineProfile(topology=topology, efficiency={"cpu": {"linear": 0.4, "*": 0.2}},
                              bandwidth_efficiency={"cpu": 0.5}, launch_us={"cpu": 15.0}, overhead_us=70.0,
-                             compute_scale=1.25, costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}})
+                             compute_scale=1.25, costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}},
+                             comm_overhead=CommOverhead(exchange_us=120.0, allreduce_ms_per_gb=300.0))
     path = tmp_path / "machine.json"
     write_profile(path, profile)
     loaded = load_topology(str(path))
@@ -158,6 +163,8 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
     assert loaded.name == "machine"
     back = read_profile(path)
     assert back is not None and back.overhead_us == 70.0 and back.report == {"fit": {"nproc": 2}}
+    assert back.comm_overhead == profile.comm_overhead
+    assert back.cost_model().comm_overhead == profile.comm_overhead  # what the simulator reads
     assert back.costdb == str(tmp_path / "machine.costdb.jsonl")  # relative to the profile
     # the analytical model carries the step's factor: efficiencies divided by it
     assert back.compute_scale == 1.25

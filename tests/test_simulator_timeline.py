@@ -12,7 +12,7 @@ import pytest
 from test_simulator_support import Net
 
 from simulator import FixedCostModel, Simulator, simulate
-from simulator.comm import Comm
+from simulator.comm import Comm, CommOverhead
 from soap.config import ParallelConfig
 from soap.strategy import Strategy
 from soap.topology import load_topology
@@ -252,3 +252,25 @@ def test_exchange_pieces_that_share_a_link_queue_on_it():
     assert three.exchange([(0, 1, 1000), (2, 1, 1000)])[1] == round(40_000 + 2000 / 5)
     with pytest.raises(ValueError, match="at least one piece"):
         three.exchange([])
+
+
+def test_the_runtimes_communication_overhead_adds_to_exchanges_and_all_reduces():
+    """A cost model's `comm_overhead` (a machine profile's fit) lengthens each exchange by its fixed cost
+    and each all-reduce by its buffer's bytes x cost per GB; nothing else."""
+    graph = linear_loss()
+    topo = load_topology("cpu-2")
+    overhead = CommOverhead(exchange_us=100.0, allreduce_ms_per_gb=5000.0)
+    charged = FixedCostModel(fwd_each_ms=1.0, bwd_each_ms=2.0, update_each_ms=0.5, comm_overhead=overhead)
+    # the exchange both ways of the two-way test
+    split = Strategy({"x": on(0, 1, sample=2), "fc": on(0, 1, sample=2), "y": on(1, 0, sample=2),
+                      "loss": on(1, 0, sample=2)})
+    plain, extra = (times(simulate(graph, split, topo, m)) for m in (COSTS, charged))
+    start, end = extra["fc -> loss"]
+    assert end - start == (plain["fc -> loss"][1] - plain["fc -> loss"][0]) + 100_000
+    # dp: the 288-byte gradient all-reduce, no exchange
+    dp2 = on(0, 1, sample=2)
+    dp = Strategy({"x": dp2, "fc": dp2, "y": dp2, "loss": dp2})
+    base, slow = (simulate(graph, dp, topo, m) for m in (COSTS, charged))
+    assert slow.iteration_time_ns - base.iteration_time_ns == round(288 * 5.0)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        CommOverhead(exchange_us=-1.0)
