@@ -38,7 +38,8 @@ The machine profile is a topology file (`soap.topology`: devices with fitted `pe
                     "efficiency": {"cpu": {"linear": 0.41, "conv2d": 0.3, "*": 0.2}},
                     "bandwidth_efficiency": {"cpu": 1.0}, "launch_us": {"cpu": 12.0},
                     "overhead_us": 85.0, "compute_scale": 1.3,
-                    "comm_overhead": {"exchange_us": 900.0, "allreduce_ms_per_gb": 200.0},
+                    "comm_overhead": {"exchange_us": 300.0, "sync_us": 500.0,
+                                      "allreduce_ms_per_gb": 200.0},
                     "costdb": "machine.costdb.jsonl", "fit": {...}}
 
 Must import only `soap`, the other `simulator` modules, numpy and scipy (no torch, runtime or search).
@@ -117,19 +118,21 @@ class StepSample:
     and the fitted links (`base_ms`); and how much the simulated time grows when every measured part
     takes twice as long (`compute_ms`: the compute on the critical path), per millisecond of overhead
     per op part pass (`num_passes`: the passes on the critical path), per millisecond per exchange
-    (`num_exchanges`) and per millisecond per GB all-reduced (`allreduce_gb`), each on the critical
-    path."""
+    (`num_exchanges`), per millisecond per synchronizing collective (`num_syncs`: all-reduces and the
+    exchanges in which several devices send) and per millisecond per GB all-reduced (`allreduce_gb`), each
+    on the critical path."""
 
     name: str
     measured_ms: float
     base_ms: float
     num_passes: float
     num_exchanges: float = 0.0
+    num_syncs: float = 0.0
     allreduce_gb: float = 0.0
     compute_ms: float = 0.0
 
     def slopes(self) -> tuple[float, float, float, float, float]:
-        return (self.compute_ms, self.num_passes, self.num_exchanges, self.allreduce_gb)
+        return (self.compute_ms, self.num_passes, self.num_exchanges, self.num_syncs, self.allreduce_gb)
 
     def __post_init__(self) -> None:
         if not (self.measured_ms > 0 and self.base_ms >= 0 and all(v >= 0 for v in self.slopes())):
@@ -321,12 +324,13 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     """The non-negative least-squares solution, in relative residuals and with a robust loss (soft L1:
     one step disturbed by another job on the machine must not set a constant), of measured = base +
     compute_ms x (compute scale - 1) + num_passes x overhead + num_exchanges x cost per exchange +
-    allreduce_gb x cost per GB over the samples. The communication terms are what the runtime adds to the
-    wire: per exchange, the collective call and waiting for the later of its ranks (their arrival jitters
-    with the load of the machine), packing and slicing the pieces; per GB all-reduced, the buckets'
-    copies. An exchange's bytes cost what the links say (a per-GB term beside the per-exchange one is
-    not identifiable from training steps: it traded off against it from run to run). A term no sample
-    exercises stays 0 (a factor of 1)."""
+    num_syncs x cost per synchronizing collective + allreduce_gb x cost per GB. The
+    communication terms are what the runtime adds to the wire: per exchange, the collective call, packing
+    and slicing the pieces; per all-reduce and per exchange in which several ranks send, waiting for the
+    later one (their arrival jitters with the load of the machine); per GB all-reduced, the buckets'
+    copies. An exchange's bytes cost what
+    the links say (a per-GB term beside the per-exchange one is not identifiable from training steps: it
+    traded off against it from run to run). A term no sample exercises stays 0 (a factor of 1)."""
     from scipy.optimize import least_squares, nnls
 
     if not samples:
@@ -342,7 +346,8 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
                                f_scale=0.1, x_scale=np.maximum(x0, 1e-6))
         coef[used] = robust.x
     return OverheadFit(compute_scale=1.0 + float(coef[0]), overhead_ms=float(coef[1]),
-                       comm=CommOverhead(exchange_us=float(coef[2]) * 1e3, allreduce_ms_per_gb=float(coef[3])))
+                       comm=CommOverhead(exchange_us=float(coef[2]) * 1e3, sync_us=float(coef[3]) * 1e3,
+                                         allreduce_ms_per_gb=float(coef[4])))
 
 
 # --------------------------------------------------------------------------------------- machine profile

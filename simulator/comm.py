@@ -20,8 +20,9 @@ A single piece costs exactly its transfer; pieces on disjoint links (both direct
 say) overlap; pieces that share a link queue on it.
 
 The links' figures are the wire. What the runtime adds on top (`CommOverhead`, fitted by calibration:
-the collective call, waiting for the later rank, packing the pieces) is charged per exchange, and per GB
-of every all-reduce; zero unless a machine profile's cost model carries it.
+the collective call and packing the pieces; waiting for the later rank where several send) is charged
+per exchange and per collective, and per GB of every all-reduce; zero unless a machine profile's cost
+model carries it.
 
 Ring collectives (Patarasuk and Yuan 2009; what NCCL runs) over a group g_0 < g_1 < .. < g_{n-1}: n hops
 g_i -> g_{i+1 mod n}, each along its route; all-reduce is 2(n-1) steps (reduce-scatter, then all-gather),
@@ -61,10 +62,15 @@ def ms_to_ns(ms: float) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommOverhead:
-    """The runtime's own cost of communicating, beyond the links: microseconds per exchange, milliseconds
-    per GB an all-reduce reduces (its buffer's size)."""
+    """The runtime's own cost of communicating, beyond the links: microseconds per exchange (the call,
+    packing the pieces); microseconds per collective that synchronizes ranks which all computed up to it
+    (`sync_us`: every all-reduce, and every exchange in which two or more devices send: each rank arrives
+    when its own compute is done, which jitters with the load, and the collective waits for the later
+    one; where one device sends, the receiver is usually the one waiting, for data the simulator already
+    makes it wait for); milliseconds per GB an all-reduce reduces (its buffer's size)."""
 
     exchange_us: float = 0.0
+    sync_us: float = 0.0
     allreduce_ms_per_gb: float = 0.0
 
     def __post_init__(self) -> None:
@@ -127,6 +133,8 @@ class Comm:
         if not pieces:
             raise ValueError("an exchange needs at least one piece")
         extra = self.overhead.exchange_us * 1e3
+        if len({src for src, _, _ in pieces}) >= 2:
+            extra += self.overhead.sync_us * 1e3
         if len(pieces) == 1:
             res, ns = self.transfer(*pieces[0])
             return res, ns + round(extra)
@@ -156,7 +164,8 @@ class Comm:
             self._rings[(group, kind)] = hit
         res, steps, envelope = hit
         chunk = nbytes / len(group)
-        extra = nbytes * self.overhead.allreduce_ms_per_gb * 1e-3 if kind == ALLREDUCE else 0.0
+        extra = (nbytes * self.overhead.allreduce_ms_per_gb * 1e-3 if kind == ALLREDUCE else 0.0) \
+            + self.overhead.sync_us * 1e3
         return res, max(0, round(steps * max(lat + chunk * slow for lat, slow in envelope) + extra))
 
     def _ring(self, group: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int, tuple[tuple[float, float], ...]]:

@@ -112,10 +112,12 @@ def _step_sample(ref: str, graph, strategy: Strategy, *, name: str, topology: De
     # overhead per pass, per ms per exchange, per ms per GB all-reduced
     compute = max(0.0, sim(compute_scale=2.0 * profile.compute_scale) - base)
     passes = max(0.0, sim(overhead_us=profile.overhead_us + 1e3) - base)
-    one = {"exchange_us": CommOverhead(exchange_us=1e3), "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0)}
+    one = {"exchange_us": CommOverhead(exchange_us=1e3), "sync_us": CommOverhead(sync_us=1e3),
+           "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0)}
     comm = {k: max(0.0, sim(comm_overhead=v) - base) for k, v in one.items()}
     return StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=measured, base_ms=base,
                       num_passes=passes, num_exchanges=comm["exchange_us"],
+                      num_syncs=comm["sync_us"],
                       allreduce_gb=comm["allreduce_gb"], compute_ms=compute)
 
 
@@ -250,7 +252,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                     "num_samples": compute.num_samples},
         "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
                    "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_exchanges": s.num_exchanges,
-                   "allreduce_gb": s.allreduce_gb}
+                   "num_syncs": s.num_syncs, "allreduce_gb": s.allreduce_gb}
                   for s in steps],
     }
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
@@ -298,7 +300,8 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
                  f"GB/s; transfer fit median |error| {comm['median_abs_error']:.1%} (max {comm['max_abs_error']:.1%}; "
                  f"preset figures: {comm['default_median_abs_error']:.1%})")
     ov = report["comm_overhead"]
-    lines.append(f"runtime on top of the links: {ov['exchange_us']:.1f} us per exchange, "
+    lines.append(f"runtime on top of the links: {ov['exchange_us']:.1f} us per exchange "
+                 f"(+ {ov['sync_us']:.1f} us per all-reduce and per exchange where several processes send), "
                  f"{ov['allreduce_ms_per_gb']:.0f} ms per GB all-reduced")
     for kind, ab in comm["alpha_beta"].items():
         lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")

@@ -110,15 +110,16 @@ def test_fit_overhead_recovers_known_overhead() -> None:
                for i, (b, n) in enumerate(((10.0, 20), (100.0, 300), (3.0, 10)))]
     fit = fit_overhead(samples)
     assert fit.overhead_ms == pytest.approx(0.08) and fit.comm == CommOverhead()
-    # (base, passes, exchanges, GB all-reduced)
-    rows = ((10.0, 20, 0, 0.01), (100.0, 300, 40, 0.0), (3.0, 10, 12, 0.0), (50.0, 60, 100, 0.02),
-            (20.0, 5, 3, 0.0), (40.0, 80, 0, 0.03))
-    both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_exchanges=x, allreduce_gb=ar,
-                       measured_ms=b + n * 0.08 + x * 0.03 + ar * 250.0)
-            for i, (b, n, x, ar) in enumerate(rows)]
+    # (base, passes, exchanges, of which several processes send, GB all-reduced)
+    rows = ((10.0, 20, 0, 0, 0.01), (100.0, 300, 40, 30, 0.0), (3.0, 10, 12, 2, 0.0), (50.0, 60, 100, 10, 0.02),
+            (20.0, 5, 3, 3, 0.0), (40.0, 80, 0, 0, 0.03), (30.0, 40, 20, 0, 0.0))
+    both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_exchanges=x, num_syncs=sx,
+                       allreduce_gb=ar, measured_ms=b + n * 0.08 + x * 0.03 + sx * 0.5 + ar * 250.0)
+            for i, (b, n, x, sx, ar) in enumerate(rows)]
     fit = fit_overhead(both)
     assert fit.overhead_ms == pytest.approx(0.08)
-    assert (fit.comm.exchange_us, fit.comm.allreduce_ms_per_gb) == pytest.approx((30.0, 250.0))
+    assert (fit.comm.exchange_us, fit.comm.sync_us, fit.comm.allreduce_ms_per_gb) == pytest.approx(
+        (30.0, 500.0, 250.0))
     assert fit_overhead([StepSample(name="x", base_ms=10.0, num_passes=5, measured_ms=8.0)]).overhead_ms < 1e-9
     assert fit.compute_scale == 1.0  # no sample exercises it
 
@@ -155,7 +156,8 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
     profile = MachineProfile(topology=topology, efficiency={"cpu": {"linear": 0.4, "*": 0.2}},
                              bandwidth_efficiency={"cpu": 0.5}, launch_us={"cpu": 15.0}, overhead_us=70.0,
                              compute_scale=1.25, costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}},
-                             comm_overhead=CommOverhead(exchange_us=120.0, allreduce_ms_per_gb=300.0))
+                             comm_overhead=CommOverhead(exchange_us=120.0, sync_us=80.0,
+                                                        allreduce_ms_per_gb=300.0))
     path = tmp_path / "machine.json"
     write_profile(path, profile)
     loaded = load_topology(str(path))

@@ -256,21 +256,25 @@ def test_exchange_pieces_that_share_a_link_queue_on_it():
 
 def test_the_runtimes_communication_overhead_adds_to_exchanges_and_all_reduces():
     """A cost model's `comm_overhead` (a machine profile's fit) lengthens each exchange by its fixed cost
-    and each all-reduce by its buffer's bytes x cost per GB; nothing else."""
+    (plus the synchronizing cost where both processes send) and each all-reduce by the synchronizing
+    cost plus its buffer's bytes x cost per GB; nothing else."""
     graph = linear_loss()
     topo = load_topology("cpu-2")
-    overhead = CommOverhead(exchange_us=100.0, allreduce_ms_per_gb=5000.0)
+    overhead = CommOverhead(exchange_us=100.0, sync_us=40.0, allreduce_ms_per_gb=5000.0)
     charged = FixedCostModel(fwd_each_ms=1.0, bwd_each_ms=2.0, update_each_ms=0.5, comm_overhead=overhead)
-    # the exchange both ways of the two-way test
+    # the exchange both ways of the two-way test; one way: fc on 0, the loss on 1
     split = Strategy({"x": on(0, 1, sample=2), "fc": on(0, 1, sample=2), "y": on(1, 0, sample=2),
                       "loss": on(1, 0, sample=2)})
-    plain, extra = (times(simulate(graph, split, topo, m)) for m in (COSTS, charged))
-    start, end = extra["fc -> loss"]
-    assert end - start == (plain["fc -> loss"][1] - plain["fc -> loss"][0]) + 100_000
+    one_way = Strategy({"x": on(0), "fc": on(0), "y": on(1), "loss": on(1)})
+    for strategy, extra_ns in ((split, 140_000), (one_way, 100_000)):
+        plain, charged_times = (times(simulate(graph, strategy, topo, m)) for m in (COSTS, charged))
+        for name in ("fc -> loss", "grad loss -> fc"):
+            start, end = charged_times[name]
+            assert end - start == (plain[name][1] - plain[name][0]) + extra_ns
     # dp: the 288-byte gradient all-reduce, no exchange
     dp2 = on(0, 1, sample=2)
     dp = Strategy({"x": dp2, "fc": dp2, "y": dp2, "loss": dp2})
     base, slow = (simulate(graph, dp, topo, m) for m in (COSTS, charged))
-    assert slow.iteration_time_ns - base.iteration_time_ns == round(288 * 5.0)
+    assert slow.iteration_time_ns - base.iteration_time_ns == 40_000 + round(288 * 5.0)
     with pytest.raises(ValueError, match="finite and >= 0"):
         CommOverhead(exchange_us=-1.0)
