@@ -165,7 +165,7 @@ class _Stages:
 def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike = "machine.json",
               costdb: str | os.PathLike | None = None, progress: Callable[[Mapping[str, Any]], None] | None = None,
               *, workloads: tuple[str, ...] = WORKLOADS, repeats: int = 5, comm_sizes: tuple[int, ...] = COMM_SIZES,
-              comm_repeats: int = 5, overhead_steps: int = 6, timeout_s: float = 300.0) -> dict[str, Any]:
+              comm_repeats: int = 5, overhead_steps: int = 12, timeout_s: float = 300.0) -> dict[str, Any]:
     """Measure this machine with `nproc` local processes and write the machine profile `output`.
 
     The cost database (`costdb`; default ``<output stem>.costdb.jsonl`` beside the
