@@ -6,7 +6,12 @@ more in full for its per-device summary. With `measure_rounds` on a machine prof
 search is followed by up to that many rounds of: time the op parts of the best strategy and of the
 baselines that the profile's cost database lacks (`runtime.measure`), then search again on the grown
 database; a search favours the strategies its cost model is most optimistic about, and this prices the
-one it recommends from measurements instead of the analytical fallback.
+one it recommends from measurements instead of the analytical fallback. With `verify_rounds` on a
+``cpu-N`` topology (or a machine profile of this machine), the search's best and every feasible baseline
+are then trained here (`compare` with `measure`: `verify_rounds` interleaved runs each) and the fastest
+measured is the strategy written: the simulator's error on this machine (about 10%, docs/calibration.md)
+is larger than the gap between close candidates, and a user asked to train with a strategy should get the
+one that measured fastest. The report's `verified` says what each measured and which was chosen.
 
 `compare` simulates a list of strategies (baselines or strategy files) and, on a ``cpu-N`` topology (or a
 machine profile of this machine) with `measure`, runs each with the runtime (`soapflow.runner.run`) to set
@@ -22,6 +27,7 @@ for `compare`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -54,7 +60,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
              progress: Callable[[Mapping[str, Any]], None] | None = None,
              plot: str | os.PathLike | None = None, cost_model: Any = None, delta: bool = True,
              beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
-             measure_rounds: int = 0) -> dict[str, Any]:
+             measure_rounds: int = 0, verify_rounds: int = 0, verify_steps: int = 10) -> dict[str, Any]:
     """Search a strategy for `model_ref` on `topology_ref` and write it to `out_path`.
 
     `out_path` defaults to ``strategy-<model>-<topology>.json`` in the current folder. `budget_s` (wall
@@ -70,11 +76,17 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     `measure_rounds` (see the module docstring) needs `topology_ref` to be a machine profile of this
     machine's CPU processes with a cost database, and no `cost_model`; each round searches again with the
     same budget. The report's `measured` says how many rounds searched again, how many parts were timed
-    and how many parts of the final best are still priced without a measurement.
+    and how many parts of the final best are still priced without a measurement. `verify_rounds` (see the
+    module docstring) runs each candidate `verify_rounds` times for `verify_steps` steps.
     """
     check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
+    if verify_rounds < 0 or verify_steps < 1:
+        raise ValueError(f"--verify must be >= 0 and its steps >= 1, got {verify_rounds}, {verify_steps}")
     profile = _profile_to_measure(topology_ref, cost_model) if measure_rounds > 0 else None
     topology, cost_model = topology_and_cost_model(topology_ref, cost_model)  # fails fast, before capture
+    if verify_rounds > 0 and any(d.kind != "cpu" for d in topology.devices):
+        raise ValueError(f"--verify trains the candidates on this machine: the topology must be cpu-N or a "
+                         f"machine profile of this machine, got {topology.name!r}")
     spec, graph = capture_model(model_ref, batch_size=batch)
 
     def run_search(model: Any) -> SearchResult:
@@ -103,15 +115,47 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     path = Path(out_path) if out_path is not None else Path(f"strategy-{_slug(spec.name)}-{_slug(topology.name)}.json")
     save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
                   model=spec.name, predicted_ms=result.best_cost.time_ms)
+    verified = None
+    if verify_rounds > 0:
+        result, verified = _verify(result, model_ref=model_ref, topology_ref=topology_ref, graph=graph,
+                                   topology=topology, path=path, batch=batch, rounds=verify_rounds,
+                                   steps=verify_steps, cost_model=cost_model)
+        if verified["chosen"] != "search":
+            save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
+                          model=spec.name, predicted_ms=result.best_cost.time_ms)
     out = search_report(result, graph=graph, topology=topology, strategy_file=os.fspath(path),
                         cost_model=cost_model)
     out = {"model": spec.name, "topology": topology.name, "num_devices": topology.num_devices,
            "batch_size": graph.batch_size, "seed": seed, "budget_s": budget_s, "max_proposals": max_proposals,
-           "jobs": jobs, "delta": delta, "measured": measured, **out}
+           "jobs": jobs, "delta": delta, "measured": measured, "verified": verified, **out}
     if plot is not None:
         write_convergence_plot(plot, out, title=f"{spec.name} on {topology.name}")
         out["plot"] = os.fspath(plot)
     return out
+
+
+def _verify(result: SearchResult, *, model_ref: str, topology_ref: str | os.PathLike, graph: OperatorGraph,
+            topology: DeviceTopology, path: Path, batch: int | None, rounds: int, steps: int,
+            cost_model: Any) -> tuple[SearchResult, dict[str, Any]]:
+    """Train the search's best (written at `path`) and every feasible baseline that differs from it,
+    `rounds` interleaved runs each; the result with the fastest measured as its best, and the report."""
+    names = []
+    for name, cost in result.baselines.items():
+        if cost is not None and cost.feasible and BASELINES[name](graph, topology) != result.best:
+            names.append(name)
+    table = compare(model_ref, os.fspath(topology_ref), strategies=[os.fspath(path), *names], batch=batch,
+                    measure=True, steps=steps, repeats=rounds, cost_model=cost_model, baselines=False)
+    label = {os.fspath(path): "search", **{n: n for n in names}}
+    runs = {label[r["strategy"]]: r["measured_runs_ms"] for r in table["rows"] if r["measured_ms"] is not None}
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    chosen = min(medians, key=lambda k: (medians[k], k != "search"))  # a tie keeps the search's best
+    report = {"rounds": rounds, "steps": steps, "measured_ms": medians, "runs_ms": runs, "chosen": chosen}
+    if chosen == "search":
+        return result, report
+    best = BASELINES[chosen](graph, topology)
+    source = (f"the {chosen} baseline (measured {medians['search'] / medians[chosen]:.2f}x faster than the "
+              "search's best)")
+    return dataclasses.replace(result, best=best, best_cost=result.baselines[chosen], best_source=source), report
 
 
 def _profile_to_measure(topology_ref: str | os.PathLike, cost_model: Any) -> MachineProfile:
@@ -318,6 +362,11 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     if "best_parts_unmeasured" in m:
         lines.append(f"measured on this machine: {m['parts_timed']} op part(s) timed, {m['rounds']} search(es) "
                      f"again; {m['best_parts_unmeasured']} part(s) of the best still priced without a measurement")
+    v = out.get("verified")
+    if v:
+        lines.append(f"verified on this machine ({v['rounds']} run(s) of {v['steps']} steps each, median): "
+                     + ", ".join(f"{k} {ms:.3g} ms" for k, ms in sorted(v["measured_ms"].items(), key=lambda kv: kv[1]))
+                     + f"; written: {v['chosen'] if v['chosen'] != 'search' else 'the search best'}")
     lines.append("what the best strategy does:")
     lines += [f"  {line}" for line in out["strategy"]["description"]]
     lines.append("layout (consecutive ops with the same layout grouped):")

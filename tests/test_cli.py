@@ -92,6 +92,8 @@ def _bad_strategy(tmp_path, text: str) -> str:
     (["optimize", "no_such_model", "-t", "cpu-2", "--budget", "1"], "neither a zoo model"),
     (["optimize", "mlp", "-t", "tpu-2x2", "--budget", "1"], "tpu-2x2"),
     (["optimize", "mlp", "-t", "cpu-2", "--jobs", "0"], "--jobs must be at least 1"),
+    (["optimize", "mlp", "-t", "cpu-2", "--verify", "-1"], "--verify must be >= 0"),
+    (["optimize", "mlp", "-t", "p100-1x2", "--verify", "2", "--proposals", "5"], "--verify trains the candidates"),
     (["compare", "mlp", "-t", "p100-4x4", "--measure"], "cpu-N"),
     (["compare", "mlp", "-t", "cpu-2", "-s", "nope"], "neither a baseline"),
     (["run", "mlp", "-s", "dp", "--steps", "0"], "--steps must be at least 1"),

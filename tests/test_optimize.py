@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from search.baselines import BASELINES
 from search.mcmc import NoFeasibleStrategy
 from simulator.engine import simulate
 from soap.strategy import load_strategy
@@ -209,3 +210,56 @@ def test_measure_rounds_price_the_best_from_measurements(tmp_path):
     assert len(lines) == m["parts_timed"]
     assert m["best_parts_unmeasured"] == 0 or m["rounds"] == 3
     assert "op part(s) timed" in optimize_text(out)
+
+
+def test_verify_needs_this_machine_and_a_non_negative_count(tmp_path):
+    with pytest.raises(ValueError, match="--verify trains the candidates on this machine"):
+        optimize("mlp", "p100-1x2", max_proposals=10, budget_s=None, out_path=tmp_path / "s.json", verify_rounds=1)
+    with pytest.raises(ValueError, match="--verify must be >= 0"):
+        optimize("mlp", "cpu-2", max_proposals=10, budget_s=None, out_path=tmp_path / "s.json", verify_rounds=-1)
+
+
+@pytest.mark.parametrize("fastest", ["dp", "search"])
+def test_verify_writes_the_candidate_that_measured_fastest(tmp_path, monkeypatch, fastest):
+    """The measured runs are faked (no processes): whichever candidate has the lowest median is written,
+    the report lists every candidate's runs, and a baseline that wins becomes the best of the report."""
+    import soapflow.optimize as opt
+
+    calls = {}
+
+    def fake_compare(model_ref, topology_ref, *, strategies, repeats, baselines, measure, **kw):
+        calls.update(strategies=list(strategies), repeats=repeats, baselines=baselines, measure=measure)
+        rows = []
+        for i, ref in enumerate(strategies):
+            name = "search" if ref.endswith(".json") else ref
+            base = 10.0 if name == fastest else 20.0 + i
+            rows.append({"strategy": ref, "measured_ms": base, "measured_runs_ms": [base + 1, base, base + 2]})
+        return {"rows": rows}
+
+    monkeypatch.setattr(opt, "compare", fake_compare)
+    path = tmp_path / "s.json"
+    out = optimize("mlp", "cpu-2", max_proposals=40, budget_s=None, out_path=path, verify_rounds=3)
+    v = out["verified"]
+    assert calls["repeats"] == 3 and calls["measure"] and not calls["baselines"]
+    assert calls["strategies"][0] == str(path) and "search" in v["measured_ms"]
+    assert v["chosen"] == fastest and v["measured_ms"][fastest] == 11.0
+    assert min(v["measured_ms"].values()) == v["measured_ms"][v["chosen"]]
+    _, graph = capture_model("mlp")
+    written = load_strategy(path, graph, 2)
+    if fastest == "dp":
+        assert written == BASELINES["dp"](graph, load_topology("cpu-2"))
+        assert out["best"]["source"].startswith("the dp baseline")
+        assert out["best"]["iteration_time_ms"] == out["baselines"]["dp"]
+    else:
+        assert out["best"]["source"] != "" and not out["best"]["source"].startswith("the dp baseline")
+    assert "verified on this machine" in optimize_text(out)
+
+
+@pytest.mark.slow
+def test_verify_trains_the_candidates_for_real(tmp_path):
+    out = optimize("tests/data/user_model.py:build", "cpu-2", max_proposals=40, budget_s=None,
+                   out_path=tmp_path / "s.json", verify_rounds=1, verify_steps=3)
+    v = out["verified"]
+    assert "search" in v["measured_ms"] and len(v["measured_ms"]) >= 2
+    assert all(ms > 0 for ms in v["measured_ms"].values())
+    assert v["measured_ms"][v["chosen"]] == min(v["measured_ms"].values())
