@@ -16,7 +16,7 @@ baseline); otherwise the runs are compared in pairs (run i of both strategies co
 interleaved round, so they saw the same state of the machine) with a one-sided Wilcoxon signed-rank test
 of "the found strategy is slower": "within noise" when that is not significant at 5%, "MISSES" when it
 is. With `--profile`, the targets are judged on the calibrated search, the recommended flow (calibrate,
-then optimize with --measure-rounds and --verify); the plain analytical search is reported beside it. The
+then optimize with --measure-rounds and --confirm-runs); the plain analytical search is reported beside it. The
 exit status is non-zero on a MISSES or on the MLP's 1.5x target of the judged rows.
 
 The simulator's cost model for cpu devices is analytical unless `--costdb` names a cost database
@@ -92,7 +92,7 @@ MODELS = {
 }
 BASELINE_NAMES = tuple(BASELINES)
 MEASURE_ROUNDS = 3
-VERIFY_ROUNDS = 3
+CONFIRM_RUNS = 3
 
 
 def _same_as_baseline(ref: str, batch: int, found_file: Path, topology_ref: str) -> str | None:
@@ -124,18 +124,18 @@ def run_model(name: str, *, budget_s: float, steps: int, repeats: int, seed: int
         # the calibrated search is the recommended flow: it prices what it recommends from measurements of
         # this machine (up to 3 rounds of timing the best's and the baselines' missing parts into the
         # profile's database, then searching again) and trains the best and the baselines before writing
-        # the fastest (optimize --verify); the analytical one is the plain search
+        # the fastest (optimize --confirm-runs); the analytical one is the plain search
         calibrated = label == "found (calibrated)"
         opt = optimize(ref, topo, batch=batch, budget_s=budget_s, seed=seed, out_path=path, cost_model=db,
                        measure_rounds=MEASURE_ROUNDS if calibrated else 0,
-                       verify_rounds=VERIFY_ROUNDS if calibrated else 0)
+                       confirm_runs=CONFIRM_RUNS if calibrated else 0)
         files[label] = str(path)
         found_info[label] = {
             "same_as": _same_as_baseline(ref, batch, path, "cpu-2"),
             "layout": opt["strategy"]["groups"], "description": opt["strategy"]["description"],
             "search": {k: opt[k] for k in ("num_proposals", "proposals_per_s", "elapsed_s", "speedup_vs_dp")},
             "search_wall_s": time.monotonic() - t0, "simulated_ms": opt["best"]["iteration_time_ms"],
-            "measured_parts": opt["measured"], "verified": opt["verified"]}
+            "measured_parts": opt["measured"], "confirmed": opt["confirmed"]}
     load_before = os.getloadavg()[0]
     cmp = compare(ref, topology, strategies=[*files.values(), *BASELINE_NAMES], batch=batch, measure=True,
                   steps=steps, repeats=repeats, cost_model=costdb)
@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         cost += (f"; a second search per model uses the calibrated cost model of the machine profile "
                  f"{Path(args.profile).name} (soapflow calibrate) with up to {MEASURE_ROUNDS} rounds of timing "
                  f"the op parts of its best strategy and the baselines that the profile's database lacks and "
-                 f"searching again (optimize --measure-rounds), then {VERIFY_ROUNDS} training runs of its best "
-                 f"and of each baseline before writing the fastest (optimize --verify): the recommended flow, "
+                 f"searching again (optimize --measure-rounds), then {CONFIRM_RUNS} training runs of its best "
+                 f"and of each baseline before writing the fastest (optimize --confirm-runs): the recommended flow, "
                  f"which the targets are judged on; its strategy is measured alongside, afresh")
     settings = (f"{Path(args.topology).name} (two processes on this machine, gloo, one thread each); search "
                 f"budget {args.budget:g} s, seed {args.seed}; simulated with the {cost}; each strategy measured "

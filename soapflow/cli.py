@@ -194,14 +194,14 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
         raise CommandError(f"--jobs must be at least 1, got {args.jobs}")
     if args.measure_rounds < 0:
         raise CommandError(f"--measure-rounds must be >= 0, got {args.measure_rounds}")
-    if args.verify < 0:
-        raise CommandError(f"--verify must be >= 0, got {args.verify}")
+    if args.confirm_runs < 0:
+        raise CommandError(f"--confirm-runs must be >= 0, got {args.confirm_runs}")
     bar = Progress("searching", total_s=args.budget, enabled=None if not args.json else False)
     try:
         out = optimize(args.model, args.topology, batch=args.batch, budget_s=args.budget, seed=args.seed,
                        jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
                        plot=args.plot, cost_model=args.costdb, measure_rounds=args.measure_rounds,
-                       verify_rounds=args.verify)
+                       confirm_runs=args.confirm_runs)
     finally:
         bar.close()
     text = optimize_text(out)
@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-rounds", type=int, default=0, metavar="N",
                    help="with -t a machine profile of this machine: time the op parts of the best strategy and "
                         "the baselines that its cost database lacks, then search again; up to N rounds")
-    p.add_argument("--verify", type=int, default=0, metavar="N",
+    p.add_argument("--confirm-runs", type=int, default=0, metavar="N",
                    help="with -t cpu-N or a machine profile of this machine: train the best and every baseline N "
                         "times each (interleaved) and write the one that measured fastest")
     _costdb_arg(p)

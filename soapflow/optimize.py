@@ -6,12 +6,12 @@ more in full for its per-device summary. With `measure_rounds` on a machine prof
 search is followed by up to that many rounds of: time the op parts of the best strategy and of the
 baselines that the profile's cost database lacks (`runtime.measure`), then search again on the grown
 database; a search favours the strategies its cost model is most optimistic about, and this prices the
-one it recommends from measurements instead of the analytical fallback. With `verify_rounds` on a
+one it recommends from measurements instead of the analytical fallback. With `confirm_runs` on a
 ``cpu-N`` topology (or a machine profile of this machine), the search's best and every feasible baseline
-are then trained here (`compare` with `measure`: `verify_rounds` interleaved runs each) and the fastest
+are then trained here (`compare` with `measure`: `confirm_runs` interleaved runs each) and the fastest
 measured is the strategy written: the simulator's error on this machine (about 10%, docs/calibration.md)
 is larger than the gap between close candidates, and a user asked to train with a strategy should get the
-one that measured fastest. The report's `verified` says what each measured and which was chosen.
+one that measured fastest. The report's `confirmed` says what each measured and which was chosen.
 
 `compare` simulates a list of strategies (baselines or strategy files) and, on a ``cpu-N`` topology (or a
 machine profile of this machine) with `measure`, runs each with the runtime (`soapflow.runner.run`) to set
@@ -60,7 +60,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
              progress: Callable[[Mapping[str, Any]], None] | None = None,
              plot: str | os.PathLike | None = None, cost_model: Any = None, delta: bool = True,
              beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
-             measure_rounds: int = 0, verify_rounds: int = 0, verify_steps: int = 10) -> dict[str, Any]:
+             measure_rounds: int = 0, confirm_runs: int = 0, confirm_steps: int = 10) -> dict[str, Any]:
     """Search a strategy for `model_ref` on `topology_ref` and write it to `out_path`.
 
     `out_path` defaults to ``strategy-<model>-<topology>.json`` in the current folder. `budget_s` (wall
@@ -76,16 +76,16 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     `measure_rounds` (see the module docstring) needs `topology_ref` to be a machine profile of this
     machine's CPU processes with a cost database, and no `cost_model`; each round searches again with the
     same budget. The report's `measured` says how many rounds searched again, how many parts were timed
-    and how many parts of the final best are still priced without a measurement. `verify_rounds` (see the
-    module docstring) runs each candidate `verify_rounds` times for `verify_steps` steps.
+    and how many parts of the final best are still priced without a measurement. `confirm_runs` (see the
+    module docstring) runs each candidate `confirm_runs` times for `confirm_steps` steps.
     """
     check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
-    if verify_rounds < 0 or verify_steps < 1:
-        raise ValueError(f"--verify must be >= 0 and its steps >= 1, got {verify_rounds}, {verify_steps}")
+    if confirm_runs < 0 or confirm_steps < 1:
+        raise ValueError(f"--confirm-runs must be >= 0 and its steps >= 1, got {confirm_runs}, {confirm_steps}")
     profile = _profile_to_measure(topology_ref, cost_model) if measure_rounds > 0 else None
     topology, cost_model = topology_and_cost_model(topology_ref, cost_model)  # fails fast, before capture
-    if verify_rounds > 0 and any(d.kind != "cpu" for d in topology.devices):
-        raise ValueError(f"--verify trains the candidates on this machine: the topology must be cpu-N or a "
+    if confirm_runs > 0 and any(d.kind != "cpu" for d in topology.devices):
+        raise ValueError(f"--confirm-runs trains the candidates on this machine: the topology must be cpu-N or a "
                          f"machine profile of this machine, got {topology.name!r}")
     spec, graph = capture_model(model_ref, batch_size=batch)
 
@@ -115,26 +115,26 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     path = Path(out_path) if out_path is not None else Path(f"strategy-{_slug(spec.name)}-{_slug(topology.name)}.json")
     save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
                   model=spec.name, predicted_ms=result.best_cost.time_ms)
-    verified = None
-    if verify_rounds > 0:
-        result, verified = _verify(result, model_ref=model_ref, topology_ref=topology_ref, graph=graph,
-                                   topology=topology, path=path, batch=batch, rounds=verify_rounds,
-                                   steps=verify_steps, cost_model=cost_model)
-        if verified["chosen"] != "search":
+    confirmed = None
+    if confirm_runs > 0:
+        result, confirmed = _confirm(result, model_ref=model_ref, topology_ref=topology_ref, graph=graph,
+                                     topology=topology, path=path, batch=batch, rounds=confirm_runs,
+                                     steps=confirm_steps, cost_model=cost_model)
+        if confirmed["chosen"] != "search":
             save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
                           model=spec.name, predicted_ms=result.best_cost.time_ms)
     out = search_report(result, graph=graph, topology=topology, strategy_file=os.fspath(path),
                         cost_model=cost_model)
     out = {"model": spec.name, "topology": topology.name, "num_devices": topology.num_devices,
            "batch_size": graph.batch_size, "seed": seed, "budget_s": budget_s, "max_proposals": max_proposals,
-           "jobs": jobs, "delta": delta, "measured": measured, "verified": verified, **out}
+           "jobs": jobs, "delta": delta, "measured": measured, "confirmed": confirmed, **out}
     if plot is not None:
         write_convergence_plot(plot, out, title=f"{spec.name} on {topology.name}")
         out["plot"] = os.fspath(plot)
     return out
 
 
-def _verify(result: SearchResult, *, model_ref: str, topology_ref: str | os.PathLike, graph: OperatorGraph,
+def _confirm(result: SearchResult, *, model_ref: str, topology_ref: str | os.PathLike, graph: OperatorGraph,
             topology: DeviceTopology, path: Path, batch: int | None, rounds: int, steps: int,
             cost_model: Any) -> tuple[SearchResult, dict[str, Any]]:
     """Train the search's best (written at `path`) and every feasible baseline that differs from it,
@@ -362,9 +362,9 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     if "best_parts_unmeasured" in m:
         lines.append(f"measured on this machine: {m['parts_timed']} op part(s) timed, {m['rounds']} search(es) "
                      f"again; {m['best_parts_unmeasured']} part(s) of the best still priced without a measurement")
-    v = out.get("verified")
+    v = out.get("confirmed")
     if v:
-        lines.append(f"verified on this machine ({v['rounds']} run(s) of {v['steps']} steps each, median): "
+        lines.append(f"confirmed on this machine ({v['rounds']} run(s) of {v['steps']} steps each, median): "
                      + ", ".join(f"{k} {ms:.3g} ms" for k, ms in sorted(v["measured_ms"].items(), key=lambda kv: kv[1]))
                      + f"; written: {v['chosen'] if v['chosen'] != 'search' else 'the search best'}")
     lines.append("what the best strategy does:")

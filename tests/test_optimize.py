@@ -212,15 +212,15 @@ def test_measure_rounds_price_the_best_from_measurements(tmp_path):
     assert "op part(s) timed" in optimize_text(out)
 
 
-def test_verify_needs_this_machine_and_a_non_negative_count(tmp_path):
-    with pytest.raises(ValueError, match="--verify trains the candidates on this machine"):
-        optimize("mlp", "p100-1x2", max_proposals=10, budget_s=None, out_path=tmp_path / "s.json", verify_rounds=1)
-    with pytest.raises(ValueError, match="--verify must be >= 0"):
-        optimize("mlp", "cpu-2", max_proposals=10, budget_s=None, out_path=tmp_path / "s.json", verify_rounds=-1)
+def test_confirm_runs_needs_this_machine_and_a_non_negative_count(tmp_path):
+    with pytest.raises(ValueError, match="--confirm-runs trains the candidates on this machine"):
+        optimize("mlp", "p100-1x2", max_proposals=10, budget_s=None, out_path=tmp_path / "s.json", confirm_runs=1)
+    with pytest.raises(ValueError, match="--confirm-runs must be >= 0"):
+        optimize("mlp", "cpu-2", max_proposals=10, budget_s=None, out_path=tmp_path / "s.json", confirm_runs=-1)
 
 
 @pytest.mark.parametrize("fastest", ["dp", "search"])
-def test_verify_writes_the_candidate_that_measured_fastest(tmp_path, monkeypatch, fastest):
+def test_confirm_runs_writes_the_candidate_that_measured_fastest(tmp_path, monkeypatch, fastest):
     """The measured runs are faked (no processes): whichever candidate has the lowest median is written,
     the report lists every candidate's runs, and a baseline that wins becomes the best of the report."""
     import soapflow.optimize as opt
@@ -238,8 +238,8 @@ def test_verify_writes_the_candidate_that_measured_fastest(tmp_path, monkeypatch
 
     monkeypatch.setattr(opt, "compare", fake_compare)
     path = tmp_path / "s.json"
-    out = optimize("mlp", "cpu-2", max_proposals=40, budget_s=None, out_path=path, verify_rounds=3)
-    v = out["verified"]
+    out = optimize("mlp", "cpu-2", max_proposals=40, budget_s=None, out_path=path, confirm_runs=3)
+    v = out["confirmed"]
     assert calls["repeats"] == 3 and calls["measure"] and not calls["baselines"]
     assert calls["strategies"][0] == str(path) and "search" in v["measured_ms"]
     assert v["chosen"] == fastest and v["measured_ms"][fastest] == 11.0
@@ -252,14 +252,14 @@ def test_verify_writes_the_candidate_that_measured_fastest(tmp_path, monkeypatch
         assert out["best"]["iteration_time_ms"] == out["baselines"]["dp"]
     else:
         assert out["best"]["source"] != "" and not out["best"]["source"].startswith("the dp baseline")
-    assert "verified on this machine" in optimize_text(out)
+    assert "confirmed on this machine" in optimize_text(out)
 
 
 @pytest.mark.slow
-def test_verify_trains_the_candidates_for_real(tmp_path):
+def test_confirm_runs_trains_the_candidates_for_real(tmp_path):
     out = optimize("tests/data/user_model.py:build", "cpu-2", max_proposals=40, budget_s=None,
-                   out_path=tmp_path / "s.json", verify_rounds=1, verify_steps=3)
-    v = out["verified"]
+                   out_path=tmp_path / "s.json", confirm_runs=1, confirm_steps=3)
+    v = out["confirmed"]
     assert "search" in v["measured_ms"] and len(v["measured_ms"]) >= 2
     assert all(ms > 0 for ms in v["measured_ms"].values())
     assert v["measured_ms"][v["chosen"]] == min(v["measured_ms"].values())
