@@ -151,9 +151,9 @@ class KeySpace:
     in every strategy that has it, so ready-time ties break the same way in full and delta simulation.
 
     A key packs (position, sub, e, a, b): position i is op i's forward, 2N-1-i its backward, 2N+i its
-    update; sub orders transfers < reduces < compute < all-reduces at a position; e is the input slot
+    update; sub orders exchanges < reduces < compute < all-reduces at a position; e is the input slot
     (forward), the consumer use (backward) or a hash of the device group (all-reduce); a and b are part
-    indices (or the group's first and last device).
+    indices (0 for an exchange, the group's first and last device for an all-reduce).
     """
 
     __slots__ = ("num_ops", "radix", "bits")
