@@ -444,13 +444,21 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
     known = ("format", "device_kind", "efficiency", "bandwidth_efficiency", "launch_us", "overhead_us",
              "compute_scale", "comm_overhead", "costdb")
     comm = cal.get("comm_overhead", {})
+
+    def number(value: Any, what: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{os.fspath(path)!r}: calibration.{what} must be a number, got {value!r}")
+        return float(value)
+
     if not isinstance(comm, dict):
         raise ValueError(f"{os.fspath(path)!r}: calibration.comm_overhead must be an object, got {comm!r}")
     return MachineProfile(topology=topology, efficiency=cal.get("efficiency", {}),
                           bandwidth_efficiency=cal.get("bandwidth_efficiency", {}),
-                          launch_us=cal.get("launch_us", {}), overhead_us=float(cal.get("overhead_us", 0.0)),
-                          compute_scale=float(cal.get("compute_scale", 1.0)),
-                          comm_overhead=CommOverhead.from_dict(comm),
+                          launch_us=cal.get("launch_us", {}),
+                          overhead_us=number(cal.get("overhead_us", 0.0), "overhead_us"),
+                          compute_scale=number(cal.get("compute_scale", 1.0), "compute_scale"),
+                          comm_overhead=CommOverhead(**{k: number(comm.get(k, 0.0), f"comm_overhead.{k}")
+                                                        for k in CommOverhead.__slots__}),
                           costdb=db if isinstance(db, str) else None,
                           report={k: v for k, v in cal.items() if k not in known})
 

@@ -82,10 +82,6 @@ class CommOverhead:
     def to_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__slots__}
 
-    @classmethod
-    def from_dict(cls, doc: dict) -> CommOverhead:
-        return cls(**{k: float(doc.get(k, 0.0)) for k in cls.__slots__})
-
 
 NO_OVERHEAD = CommOverhead()
 

@@ -206,3 +206,21 @@ def test_calibrate_smoke(tmp_path: Path) -> None:
     assert again["parts_measured"] == 0  # reused from the cost database
     with pytest.raises(ValueError, match="nccl"):
         calibrate(2, "nccl", out)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("compute_scale", {"linear": 2.0}, "calibration.compute_scale must be a number"),
+    ("overhead_us", "fast", "calibration.overhead_us must be a number"),
+    ("comm_overhead", {"sync_us": [1]}, "calibration.comm_overhead.sync_us must be a number"),
+    ("comm_overhead", {"exchange_us": -5.0}, "finite and >= 0"),
+    ("comm_overhead", 3, "calibration.comm_overhead must be an object"),
+])
+def test_a_bad_calibration_figure_is_a_clear_error(tmp_path: Path, key, value, message) -> None:
+    path = tmp_path / "machine.json"
+    write_profile(path, MachineProfile(topology=load_topology("cpu-2"), efficiency={}, bandwidth_efficiency={},
+                                       launch_us={}))
+    doc = json.loads(path.read_text())
+    doc["calibration"][key] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=message):
+        read_profile(path)
