@@ -19,13 +19,13 @@ constants are the ones that make the simulator reproduce the calibration measure
   squares (scipy `nnls`);
 - `fit_overhead`: what a training step adds to the parts timed alone - a factor on every part's time
   (in a step an op finds its operands out of cache), the runtime's own cost per op part and pass (its
-  interpreter, redistribution bookkeeping, autograd calls), per exchange and per GB it moves, and per GB
-  all-reduced (`simulator.comm.CommOverhead`: on top of the links, which stay the wire that `fit_comm`
-  measured) - from whole training steps of calibration workloads: measured step time = simulated step
-  time without them + (compute on the critical path) x (factor - 1) + (part passes on the critical path)
-  x overhead + (exchanges on the critical path) x cost per exchange + (GB they move) x cost per GB +
-  (GB all-reduced on the critical path) x cost per GB; non-negative linear least squares (scipy `nnls`,
-  then a robust refinement), the slopes taken from the simulator itself.
+  interpreter, redistribution bookkeeping, autograd calls), per exchange, per synchronizing collective
+  and per GB all-reduced (`simulator.comm.CommOverhead`: on top of the links, which stay the wire that
+  `fit_comm` measured) - from whole training steps of calibration workloads: measured step time =
+  simulated step time without them + (compute on the critical path) x (factor - 1) + (part passes on the
+  critical path) x overhead + (exchanges) x cost per exchange + (synchronizing collectives) x cost per
+  sync + (GB all-reduced) x cost per GB, each on the critical path; non-negative linear least squares
+  (scipy `nnls`, then a robust refinement), the slopes taken from the simulator itself.
 
 Fits use calibration measurements only, never validation runs (`soapflow.validate` measures strategies
 of the models under test and compares; nothing here sees them).
@@ -313,7 +313,7 @@ def fit_comm(samples: Sequence[CommSample], topology: DeviceTopology, *,
 class OverheadFit:
     """What a training step adds to the simulated step: a factor on every measured part's time
     (`compute_scale`, at least 1), milliseconds per op part pass, and the runtime's communication
-    overhead (per exchange, per GB exchanged, per GB all-reduced)."""
+    overhead (per exchange, per synchronizing collective, per GB all-reduced)."""
 
     overhead_ms: float = 0.0
     compute_scale: float = 1.0
@@ -324,13 +324,13 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     """The non-negative least-squares solution, in relative residuals and with a robust loss (soft L1:
     one step disturbed by another job on the machine must not set a constant), of measured = base +
     compute_ms x (compute scale - 1) + num_passes x overhead + num_exchanges x cost per exchange +
-    num_syncs x cost per synchronizing collective + allreduce_gb x cost per GB. The
-    communication terms are what the runtime adds to the wire: per exchange, the collective call, packing
-    and slicing the pieces; per all-reduce and per exchange in which several ranks send, waiting for the
-    later one (their arrival jitters with the load of the machine); per GB all-reduced, the buckets'
-    copies. An exchange's bytes cost what
-    the links say (a per-GB term beside the per-exchange one is not identifiable from training steps: it
-    traded off against it from run to run). A term no sample exercises stays 0 (a factor of 1)."""
+    num_syncs x cost per synchronizing collective + allreduce_gb x cost per GB. The communication terms
+    are what the runtime adds to the wire: per exchange, the collective call, packing and slicing the
+    pieces; per all-reduce and per exchange in which several ranks send, waiting for the later one (their
+    arrival jitters with the load of the machine); per GB all-reduced, the buckets' copies. An exchange's
+    bytes cost what the links say (a per-GB term beside the per-exchange one is not identifiable from
+    training steps: it traded off against it from run to run). A term no sample exercises stays 0 (a
+    factor of 1)."""
     from scipy.optimize import least_squares, nnls
 
     if not samples:

@@ -2,17 +2,18 @@
 
 The stages, in order:
 
-1. op parts: capture the calibration workloads (small MLP, CNN and LSTM/attention models of this module,
-   NOT the models `soapflow validate` or the accuracy benchmark checks), take every distinct part of each
-   op whole, split on the sample dim and split as the `tp` baseline splits it, and time them forward and
-   backward in N concurrent processes (`runtime.measure.measure_parts`; parts already in the cost
+1. op parts: capture the calibration workloads (small and wide MLPs, a CNN and LSTM/attention models of
+   this module, NOT the models `soapflow validate` or the accuracy benchmark checks), take every distinct
+   part of each op under the strategies of stage 4, and time them forward and backward alone and in N
+   concurrent processes (`runtime.measure.measure_parts`; parts already in the cost
    database are not timed again);
 2. communication: time point-to-point, all-reduce and all-gather between N local processes over a
    spread of sizes (`runtime.measure.time_comm`);
 3. fits (`simulator.calibration`): the analytical model's per-op-kind efficiency, bandwidth efficiency
    and launch cost from the op parts; link latency and bandwidth from the transfers;
-4. runtime overhead: train each calibration workload (dp, tp, mp) for a few steps and fit the runtime's
-   cost per op part pass that the simulator (measured parts, fitted links) leaves unexplained;
+4. runtime overhead: train each calibration workload under `STEP_STRATEGIES` for a few steps and fit
+   what the simulator (measured parts, fitted links) leaves unexplained: the step's factor on part times,
+   the runtime's cost per op part pass, and its communication overhead (`simulator.comm.CommOverhead`);
 5. write the profile (a topology file with a ``calibration`` key, loadable by `load_topology`) and report.
 
 Must not be imported by `runtime`, `simulator` or `search`.
@@ -223,7 +224,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     profile = MachineProfile(topology=topology, efficiency={device.kind: efficiency},
                              bandwidth_efficiency={device.kind: bw_eff}, launch_us={device.kind: compute.launch_us})
 
-    # 4. runtime overhead per op part pass and per transfer, from training steps of the workloads
+    # 4. the step's factor and the runtime's overheads (per op part pass, per exchange, per synchronizing
+    # collective, per GB all-reduced), from training steps of the workloads
     steps: list[StepSample] = []
     for ref, graph, strategies in captured:
         for name in STEP_STRATEGIES:

@@ -135,8 +135,8 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
 
 
 def _confirm(result: SearchResult, *, model_ref: str, topology_ref: str | os.PathLike, graph: OperatorGraph,
-            topology: DeviceTopology, path: Path, batch: int | None, rounds: int, steps: int,
-            cost_model: Any) -> tuple[SearchResult, dict[str, Any]]:
+             topology: DeviceTopology, path: Path, batch: int | None, rounds: int, steps: int,
+             cost_model: Any) -> tuple[SearchResult, dict[str, Any]]:
     """Train the search's best (written at `path`) and every feasible baseline that differs from it,
     `rounds` interleaved runs each; the result with the fastest measured as its best, and the report."""
     names = []
