@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph
@@ -112,10 +112,11 @@ class ConfigSpace:
         op_name = self.ops[rng.randrange(len(self.ops))]
         return op_name, self.sample(op_name, rng)
 
-    def random_strategy(self, rng: random.Random, base: Strategy) -> Strategy:
-        """`base` with every proposal target given a uniformly drawn config (a random starting point)."""
+    def random_strategy(self, rng: random.Random, base: Strategy, ops: Sequence[str] | None = None) -> Strategy:
+        """`base` with every proposal target (or every op of `ops`, in that order) given a uniformly drawn
+        config (a random starting point)."""
         configs = dict(base.configs)
-        for name in self.ops:
+        for name in self.ops if ops is None else ops:
             configs[name] = self.sample(name, rng)
         return Strategy({op.name: configs[op.name] for op in self.graph})
 

@@ -141,11 +141,7 @@ def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
             pass
     if "dp" in out:
         space = ConfigSpace(graph, topology)
-        rng = random.Random(0)
-        configs = dict(out["dp"].items())
-        for name in space.ops[::2]:
-            configs[name] = space.sample(name, rng)
-        mixed = Strategy({op.name: configs[op.name] for op in graph if op.name in configs})
+        mixed = space.random_strategy(random.Random(0), out["dp"], ops=space.ops[::2])
         if all(mixed != other for other in out.values()):
             out["mixed"] = mixed
     return out

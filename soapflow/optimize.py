@@ -146,8 +146,9 @@ def _confirm(result: SearchResult, *, model_ref: str, topology_ref: str | os.Pat
     table = compare(model_ref, os.fspath(topology_ref), strategies=[os.fspath(path), *names], batch=batch,
                     measure=True, steps=steps, repeats=rounds, cost_model=cost_model, baselines=False)
     label = {os.fspath(path): "search", **{n: n for n in names}}
-    runs = {label[r["strategy"]]: r["measured_runs_ms"] for r in table["rows"] if r["measured_ms"] is not None}
-    medians = {k: statistics.median(v) for k, v in runs.items()}
+    measured = [r for r in table["rows"] if r["measured_ms"] is not None]
+    runs = {label[r["strategy"]]: r["measured_runs_ms"] for r in measured}
+    medians = {label[r["strategy"]]: r["measured_ms"] for r in measured}  # compare's median of the runs
     chosen = min(medians, key=lambda k: (medians[k], k != "search"))  # a tie keeps the search's best
     report = {"rounds": rounds, "steps": steps, "measured_ms": medians, "runs_ms": runs, "chosen": chosen}
     if chosen == "search":

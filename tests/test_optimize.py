@@ -233,7 +233,8 @@ def test_confirm_runs_writes_the_candidate_that_measured_fastest(tmp_path, monke
         for i, ref in enumerate(strategies):
             name = "search" if ref.endswith(".json") else ref
             base = 10.0 if name == fastest else 20.0 + i
-            rows.append({"strategy": ref, "measured_ms": base, "measured_runs_ms": [base + 1, base, base + 2]})
+            # as compare does: measured_ms is the median of the runs
+            rows.append({"strategy": ref, "measured_ms": base + 1, "measured_runs_ms": [base + 1, base, base + 2]})
         return {"rows": rows}
 
     monkeypatch.setattr(opt, "compare", fake_compare)

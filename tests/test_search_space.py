@@ -165,3 +165,18 @@ def test_random_strategy_and_single_device():
     one = ConfigSpace(graph, load_topology("cpu-1"))
     assert one.ops == ()
     assert list(one.configs("embed")) == [ParallelConfig.single(0)]
+
+
+def test_random_strategy_redraws_only_the_ops_asked_for():
+    graph = GRAPHS["rnn"]()
+    topo = load_topology("p100-4x4")
+    space = ConfigSpace(graph, topo)
+    base = BASELINES["dp"](graph, topo)
+    some = space.ops[::2]
+    strategy = space.random_strategy(random.Random(5), base, ops=some)
+    assert list(strategy) == [op.name for op in graph]
+    assert all(strategy[name] == base[name] for name in strategy if name not in some)
+    assert any(strategy[name] != base[name] for name in some)
+    # the draws are the ones a full redraw makes for the same ops in the same order
+    rng = random.Random(5)
+    assert [strategy[name] for name in some] == [space.sample(name, rng) for name in some]
