@@ -119,8 +119,9 @@ class StepSample:
     takes twice as long (`compute_ms`: the compute on the critical path), per millisecond of overhead
     per op part pass (`num_passes`: the passes on the critical path), per millisecond per exchange
     (`num_exchanges`), per millisecond per synchronizing collective (`num_syncs`: all-reduces and the
-    exchanges in which several devices send) and per millisecond per GB all-reduced (`allreduce_gb`), each
-    on the critical path."""
+    exchanges in which several devices send), per millisecond per GB all-reduced (`allreduce_gb`) and per
+    millisecond per GB an exchange's busiest process sends plus receives (`exchange_gb`), each on the
+    critical path."""
 
     name: str
     measured_ms: float
@@ -130,9 +131,11 @@ class StepSample:
     num_syncs: float = 0.0
     allreduce_gb: float = 0.0
     compute_ms: float = 0.0
+    exchange_gb: float = 0.0
 
-    def slopes(self) -> tuple[float, float, float, float, float]:
-        return (self.compute_ms, self.num_passes, self.num_exchanges, self.num_syncs, self.allreduce_gb)
+    def slopes(self) -> tuple[float, float, float, float, float, float]:
+        return (self.compute_ms, self.num_passes, self.num_exchanges, self.num_syncs, self.allreduce_gb,
+                self.exchange_gb)
 
     def __post_init__(self) -> None:
         if not (self.measured_ms > 0 and self.base_ms >= 0 and all(v >= 0 for v in self.slopes())):
@@ -324,13 +327,14 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     """The non-negative least-squares solution, in relative residuals and with a robust loss (soft L1:
     one step disturbed by another job on the machine must not set a constant), of measured = base +
     compute_ms x (compute scale - 1) + num_passes x overhead + num_exchanges x cost per exchange +
-    num_syncs x cost per synchronizing collective + allreduce_gb x cost per GB. The communication terms
-    are what the runtime adds to the wire: per exchange, the collective call, packing and slicing the
-    pieces; per all-reduce and per exchange in which several ranks send, waiting for the later one (their
-    arrival jitters with the load of the machine); per GB all-reduced, the buckets' copies. An exchange's
-    bytes cost what the links say (a per-GB term beside the per-exchange one is not identifiable from
-    training steps: it traded off against it from run to run). A term no sample exercises stays 0 (a
-    factor of 1)."""
+    num_syncs x cost per synchronizing collective + allreduce_gb x cost per GB all-reduced + exchange_gb
+    x cost per GB exchanged. The communication terms are what the runtime adds to the wire: per exchange,
+    the collective call; per all-reduce and per exchange in which several ranks send, waiting for the
+    later one (their arrival jitters with the load of the machine); per GB all-reduced, the buckets'
+    copies; per GB a process sends and receives in an exchange, packing, unpacking and accumulating the
+    pieces. The per-exchange and per-GB-exchanged terms are told apart only by steps whose exchanges
+    differ in size: calibration's workloads include one of few ops with large activations and a
+    strategy that reshards every other op. A term no sample exercises stays 0 (a factor of 1)."""
     from scipy.optimize import least_squares, nnls
 
     if not samples:
@@ -347,7 +351,7 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
         coef[used] = robust.x
     return OverheadFit(compute_scale=1.0 + float(coef[0]), overhead_ms=float(coef[1]),
                        comm=CommOverhead(exchange_us=float(coef[2]) * 1e3, sync_us=float(coef[3]) * 1e3,
-                                         allreduce_ms_per_gb=float(coef[4])))
+                                         allreduce_ms_per_gb=float(coef[4]), exchange_ms_per_gb=float(coef[5])))
 
 
 # --------------------------------------------------------------------------------------- machine profile

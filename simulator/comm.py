@@ -16,13 +16,20 @@ the pieces' routes, for the largest route latency plus the time of its busiest l
 
     time = max over pieces of sum_{l in route} latency_l + max over links l of (bytes crossing l) / bandwidth_l
 
-A single piece costs exactly its transfer; pieces on disjoint links (both directions between two devices,
+A single piece costs exactly its transfer; pieces on disjoint links (both directions between two GPUs,
 say) overlap; pieces that share a link queue on it.
 
+A link is one direction of a connection, a resource of its own, except for the half-duplex kinds of
+`soap.topology.HALF_DUPLEX_KINDS` (a host's loopback between processes: both directions are copies by
+the same cores), whose two directions are one resource (`DeviceTopology.capacity`): bytes going both ways
+at once take as long as their sum going one way, in exchanges, in ring collectives (a 2-process ring
+sends both ways in every step) and between tasks that overlap in time.
+
 The links' figures are the wire. What the runtime adds on top (`CommOverhead`, fitted by calibration:
-the collective call and packing the pieces; waiting for the later rank where several send) is charged
-per exchange and per collective, and per GB of every all-reduce; zero unless a machine profile's cost
-model carries it.
+the collective call; waiting for the later rank where several send; packing, unpacking and accumulating
+the pieces) is charged per exchange and per collective, per GB of every all-reduce, and per GB the
+busiest process of an exchange sends plus receives; zero unless a machine profile's cost model carries
+it.
 
 Ring collectives (Patarasuk and Yuan 2009; what NCCL runs) over a group g_0 < g_1 < .. < g_{n-1}: n hops
 g_i -> g_{i+1 mod n}, each along its route; all-reduce is 2(n-1) steps (reduce-scatter, then all-gather),
@@ -67,11 +74,15 @@ class CommOverhead:
     (`sync_us`: every all-reduce, and every exchange in which two or more devices send: each rank arrives
     when its own compute is done, which jitters with the load, and the collective waits for the later
     one; where one device sends, the receiver is usually the one waiting, for data the simulator already
-    makes it wait for); milliseconds per GB an all-reduce reduces (its buffer's size)."""
+    makes it wait for); milliseconds per GB an all-reduce reduces (its buffer's size); milliseconds per
+    GB of an exchange's pieces that its busiest process sends plus receives (`exchange_ms_per_gb`: the
+    copies that pack strided slices into the send buffer, assemble the received pieces into the
+    consumer's input, and accumulate gradients: on CPU processes they cost about as much as the wire)."""
 
     exchange_us: float = 0.0
     sync_us: float = 0.0
     allreduce_ms_per_gb: float = 0.0
+    exchange_ms_per_gb: float = 0.0
 
     def __post_init__(self) -> None:
         bad = {k: getattr(self, k) for k in self.__slots__
@@ -93,7 +104,7 @@ class Comm:
     The caches hold pure functions of the topology, so they never change a result.
     """
 
-    __slots__ = ("topology", "num_devices", "overhead", "_busy", "_pairs", "_rings")
+    __slots__ = ("topology", "num_devices", "overhead", "_busy", "_cap", "_cap_gbps", "_pairs", "_rings")
 
     def __init__(self, topology: DeviceTopology, overhead: CommOverhead = NO_OVERHEAD):
         self.topology = topology
@@ -102,6 +113,12 @@ class Comm:
         # devices that cannot compute while they communicate (resource ids)
         self._busy = frozenset(d.id for d in topology.devices
                                if (spec := DEVICE_SPECS.get(d.kind)) is not None and spec.busy_while_communicating)
+        # link id -> the link whose capacity it uses (`DeviceTopology.capacity`: a half-duplex link's
+        # two directions are one resource), and the bandwidth of each such capacity (the narrower direction)
+        self._cap = tuple(topology.capacity(link.id) for link in topology.links)
+        self._cap_gbps: dict[int, float] = {}
+        for link, cap in zip(topology.links, self._cap, strict=True):
+            self._cap_gbps[cap] = min(self._cap_gbps.get(cap, math.inf), link.bandwidth_gbps)
         # (src, dst) -> (resources, latency_ns, min bandwidth GB/s)
         self._pairs: dict[tuple[int, int], tuple[tuple[int, ...], float, float]] = {}
         # (group, kind) -> (resources, steps, upper envelope of the hops' (latency ns, ns per chunk byte))
@@ -113,7 +130,7 @@ class Comm:
         if hit is None:
             links = [self.topology.links[i] for i in self.topology.route(src, dst)]
             ends = tuple(d for d in (src, dst) if d in self._busy)
-            hit = (ends + tuple(self.num_devices + link.id for link in links),
+            hit = (ends + tuple(self.num_devices + self._cap[link.id] for link in links),
                    sum(link.latency_us for link in links) * 1e3,
                    min((link.bandwidth_gbps for link in links), default=math.inf))
             self._pairs[(src, dst)] = hit
@@ -131,13 +148,18 @@ class Comm:
         extra = self.overhead.exchange_us * 1e3
         if len({src for src, _, _ in pieces}) >= 2:
             extra += self.overhead.sync_us * 1e3
+        if self.overhead.exchange_ms_per_gb:
+            handled: dict[int, int] = {}
+            for src, dst, nbytes in pieces:
+                handled[src] = handled.get(src, 0) + nbytes
+                handled[dst] = handled.get(dst, 0) + nbytes
+            extra += max(handled.values()) * self.overhead.exchange_ms_per_gb * 1e-3
         if len(pieces) == 1:
             res, ns = self.transfer(*pieces[0])
             return res, ns + round(extra)
         per_pair: dict[tuple[int, int], int] = {}
         for src, dst, nbytes in pieces:
             per_pair[(src, dst)] = per_pair.get((src, dst), 0) + nbytes
-        links = self.topology.links
         load: dict[int, int] = {}
         busy: set[int] = set()
         latency_ns = 0.0
@@ -149,7 +171,7 @@ class Comm:
                     busy.add(r)
                 else:
                     load[r] = load.get(r, 0) + nbytes
-        slowest = max((nb / links[r - self.num_devices].bandwidth_gbps for r, nb in load.items()), default=0.0)
+        slowest = max((nb / self._cap_gbps[r - self.num_devices] for r, nb in load.items()), default=0.0)
         return tuple(sorted(busy)) + tuple(sorted(load)), max(0, round(latency_ns + slowest + extra))
 
     def collective(self, group: tuple[int, ...], nbytes: int, kind: str = ALLREDUCE) -> tuple[tuple[int, ...], int]:
@@ -172,12 +194,12 @@ class Comm:
         load: dict[int, int] = {}
         for hop in hops:
             for link in hop:
-                load[link] = load.get(link, 0) + 1
+                load[self._cap[link]] = load.get(self._cap[link], 0) + 1
         links = self.topology.links
         # per hop: (latency ns, ns per byte of one chunk on its most loaded link); a hop another one beats
         # on both counts never sets the step time, so only the upper envelope is kept.
         pairs = {(sum(links[i].latency_us for i in hop) * 1e3,
-                  max(load[i] / links[i].bandwidth_gbps for i in hop)) for hop in hops}
+                  max(load[self._cap[i]] / self._cap_gbps[self._cap[i]] for i in hop)) for hop in hops}
         envelope = tuple(sorted(p for p in pairs
                                 if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
         res = tuple(d for d in group if d in self._busy) + tuple(sorted(self.num_devices + i for i in load))

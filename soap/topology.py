@@ -76,6 +76,11 @@ from soap.files import read_json, write_json
 
 FORMAT = "soapflow.topology/1"
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "nic", "network", "loopback")
+# kinds whose two directions between the same endpoints share one capacity: a host's loopback between
+# processes is memory copies by the same cores, so bytes going both ways at once take as long as their sum
+# going one way (measured: an all-to-all of B bytes each way between two gloo processes takes about the
+# time of 2B sent one way). Every other kind is full duplex: each direction is its own link.
+HALF_DUPLEX_KINDS = frozenset({"loopback"})
 _GB = 1e9  # bytes
 _TERA = 1e12
 
@@ -264,6 +269,16 @@ class DeviceTopology:
                 hit = tuple(self._link_ids[pair] for pair in pairwise(path))
             self._routes[(src, dst)] = hit
         return hit
+
+    def capacity(self, i: int) -> int:
+        """The link whose capacity link `i` uses: `i` itself, or for a half-duplex kind
+        (`HALF_DUPLEX_KINDS`) the lower id of `i` and its reverse (same endpoints swapped, same kind), so
+        that both directions are one shared resource."""
+        link = self.links[i]
+        if link.kind not in HALF_DUPLEX_KINDS:
+            return i
+        j = self._link_ids.get((link.dst, link.src))
+        return i if j is None or self.links[j].kind != link.kind else min(i, j)
 
     def path(self, src: int, dst: int) -> tuple[str, ...]:
         """Endpoint names along `route(src, dst)`, both devices included (('gpu0',) when src == dst)."""

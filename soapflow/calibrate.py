@@ -2,11 +2,11 @@
 
 The stages, in order:
 
-1. op parts: capture the calibration workloads (small and wide MLPs, a CNN and LSTM/attention models of
-   this module, NOT the models `soapflow validate` or the accuracy benchmark checks), take every distinct
-   part of each op under the strategies of stage 4, and time them forward and backward alone and in N
-   concurrent processes (`runtime.measure.measure_parts`; parts already in the cost
-   database are not timed again);
+1. op parts: capture the calibration workloads (small and wide MLPs, a ResNet, a conv stack with large
+   activations, LSTM and attention models of this module, NOT the models `soapflow validate` or the
+   accuracy benchmark checks), take every distinct part of each op under the strategies of stage 4, and
+   time them forward and backward alone and in N concurrent processes (`runtime.measure.measure_parts`;
+   parts already in the cost database are not timed again);
 2. communication: time point-to-point, all-reduce and all-gather between N local processes over a
    spread of sizes (`runtime.measure.time_comm`);
 3. fits (`simulator.calibration`): the analytical model's per-op-kind efficiency, bandwidth efficiency
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import random
 import statistics
@@ -30,6 +31,9 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from runtime.launch import launch
 from runtime.measure import measure_parts, part_jobs, time_comm, time_step
@@ -80,6 +84,29 @@ def calib_cnn(batch_size: int = 12) -> tuple:
     return resnet18(batch_size, num_classes=40, image_size=40)
 
 
+class _ConvStack(nn.Module):
+    """Three conv-BN-ReLU layers of 16 channels on 64x64 images, no pooling until the classifier: few
+    ops, each with activations of 2 MiB at batch 8 (the runtime's cost per byte exchanged shows beside
+    its cost per exchange)."""
+
+    def __init__(self, channels: int = 16, num_classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for c_in in (3, channels, channels):
+            layers += [nn.Conv2d(c_in, channels, kernel_size=3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
+        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1))
+        self.classifier = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+def calib_wide_cnn(batch_size: int = 8) -> tuple:
+    x = torch.empty(batch_size, 3, 64, 64, device="meta")
+    labels = torch.empty(batch_size, dtype=torch.long, device="meta")
+    return _ConvStack(), (x, labels)
+
+
 def calib_lstm(batch_size: int = 12) -> tuple:
     return rnnlm(batch_size, hidden=192, embed=160, vocab=2500, steps=12, layers=1)
 
@@ -89,7 +116,7 @@ def calib_attention(batch_size: int = 6) -> tuple:
 
 
 WORKLOADS = (f"{__name__}:calib_mlp", f"{__name__}:calib_wide_mlp", f"{__name__}:calib_cnn",
-             f"{__name__}:calib_lstm", f"{__name__}:calib_attention")
+             f"{__name__}:calib_wide_cnn", f"{__name__}:calib_lstm", f"{__name__}:calib_attention")
 TINY_WORKLOADS = (f"{__name__}:calib_mlp",)
 
 
@@ -114,19 +141,19 @@ def _step_sample(ref: str, graph, strategy: Strategy, *, name: str, topology: De
     compute = max(0.0, sim(compute_scale=2.0 * profile.compute_scale) - base)
     passes = max(0.0, sim(overhead_us=profile.overhead_us + 1e3) - base)
     one = {"exchange_us": CommOverhead(exchange_us=1e3), "sync_us": CommOverhead(sync_us=1e3),
-           "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0)}
+           "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0), "exchange_gb": CommOverhead(exchange_ms_per_gb=1.0)}
     comm = {k: max(0.0, sim(comm_overhead=v) - base) for k, v in one.items()}
     return StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=measured, base_ms=base,
                       num_passes=passes, num_exchanges=comm["exchange_us"],
                       num_syncs=comm["sync_us"],
-                      allreduce_gb=comm["allreduce_gb"], compute_ms=compute)
+                      allreduce_gb=comm["allreduce_gb"], exchange_gb=comm["exchange_gb"], compute_ms=compute)
 
 
 def _single(graph, device: int = 0) -> Strategy:
     return Strategy({op.name: ParallelConfig.single(device) for op in graph})
 
 
-STEP_STRATEGIES = ("single", "dp", "tp", "mp", "expert", "mixed")
+STEP_STRATEGIES = ("single", "dp", "tp", "mp", "expert", "mixed", "reshard")
 
 
 def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
@@ -144,7 +171,26 @@ def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
         mixed = space.random_strategy(random.Random(0), out["dp"], ops=space.ops[::2])
         if all(mixed != other for other in out.values()):
             out["mixed"] = mixed
+        reshard = _reshard(space, out["dp"])
+        if all(reshard != other for other in out.values()):
+            out["reshard"] = reshard
     return out
+
+
+def _reshard(space: ConfigSpace, dp: Strategy) -> Strategy:
+    """`dp` with every other op (in graph order, those `mixed` leaves alone) split as many ways over the
+    same devices along its first other dim that allows it: nearly every activation and gradient is
+    exchanged whole between the two partitionings, so the steps see the runtime's cost per byte
+    exchanged (packing, unpacking, accumulating) apart from its cost per exchange."""
+    configs = dict(dp.configs)
+    for name in space.ops[1::2]:
+        base = dp[name]
+        for degrees in space.degree_options(name):
+            split = dict(degrees)
+            if "sample" not in split and math.prod(split.values()) == base.num_parts:
+                configs[name] = ParallelConfig(degrees=split, devices=base.devices)
+                break
+    return Strategy({op.name: configs[op.name] for op in space.graph})
 
 
 class _Stages:
@@ -250,7 +296,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                     "num_samples": compute.num_samples},
         "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
                    "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_exchanges": s.num_exchanges,
-                   "num_syncs": s.num_syncs, "allreduce_gb": s.allreduce_gb}
+                   "num_syncs": s.num_syncs, "allreduce_gb": s.allreduce_gb, "exchange_gb": s.exchange_gb}
                   for s in steps],
     }
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
@@ -300,7 +346,8 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
     ov = report["comm_overhead"]
     lines.append(f"runtime on top of the links: {ov['exchange_us']:.1f} us per exchange "
                  f"(+ {ov['sync_us']:.1f} us per all-reduce and per exchange where several processes send), "
-                 f"{ov['allreduce_ms_per_gb']:.0f} ms per GB all-reduced")
+                 f"{ov['allreduce_ms_per_gb']:.0f} ms per GB all-reduced, "
+                 f"{ov['exchange_ms_per_gb']:.0f} ms per GB a process sends or receives in an exchange")
     for kind, ab in comm["alpha_beta"].items():
         lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")
     lines.append("")

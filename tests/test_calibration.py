@@ -110,16 +110,17 @@ def test_fit_overhead_recovers_known_overhead() -> None:
                for i, (b, n) in enumerate(((10.0, 20), (100.0, 300), (3.0, 10)))]
     fit = fit_overhead(samples)
     assert fit.overhead_ms == pytest.approx(0.08) and fit.comm == CommOverhead()
-    # (base, passes, exchanges, of which several processes send, GB all-reduced)
-    rows = ((10.0, 20, 0, 0, 0.01), (100.0, 300, 40, 30, 0.0), (3.0, 10, 12, 2, 0.0), (50.0, 60, 100, 10, 0.02),
-            (20.0, 5, 3, 3, 0.0), (40.0, 80, 0, 0, 0.03), (30.0, 40, 20, 0, 0.0))
-    both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_exchanges=x, num_syncs=sx,
-                       allreduce_gb=ar, measured_ms=b + n * 0.08 + x * 0.03 + sx * 0.5 + ar * 250.0)
-            for i, (b, n, x, sx, ar) in enumerate(rows)]
+    # (base, passes, exchanges, of which several processes send, GB all-reduced, GB exchanged)
+    rows = ((10.0, 20, 0, 0, 0.01, 0.0), (100.0, 300, 40, 30, 0.0, 0.002), (3.0, 10, 12, 2, 0.0, 0.001),
+            (50.0, 60, 100, 10, 0.02, 0.004), (20.0, 5, 3, 3, 0.0, 0.02), (40.0, 80, 0, 0, 0.03, 0.0),
+            (30.0, 40, 20, 0, 0.0, 0.0))
+    both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_exchanges=x, num_syncs=sx, allreduce_gb=ar,
+                       exchange_gb=xg, measured_ms=b + n * 0.08 + x * 0.03 + sx * 0.5 + ar * 250.0 + xg * 600.0)
+            for i, (b, n, x, sx, ar, xg) in enumerate(rows)]
     fit = fit_overhead(both)
     assert fit.overhead_ms == pytest.approx(0.08)
-    assert (fit.comm.exchange_us, fit.comm.sync_us, fit.comm.allreduce_ms_per_gb) == pytest.approx(
-        (30.0, 500.0, 250.0))
+    assert (fit.comm.exchange_us, fit.comm.sync_us, fit.comm.allreduce_ms_per_gb,
+            fit.comm.exchange_ms_per_gb) == pytest.approx((30.0, 500.0, 250.0, 600.0))
     assert fit_overhead([StepSample(name="x", base_ms=10.0, num_passes=5, measured_ms=8.0)]).overhead_ms < 1e-9
     assert fit.compute_scale == 1.0  # no sample exercises it
 
@@ -157,7 +158,7 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
                              bandwidth_efficiency={"cpu": 0.5}, launch_us={"cpu": 15.0}, overhead_us=70.0,
                              compute_scale=1.25, costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}},
                              comm_overhead=CommOverhead(exchange_us=120.0, sync_us=80.0,
-                                                        allreduce_ms_per_gb=300.0))
+                                                        allreduce_ms_per_gb=300.0, exchange_ms_per_gb=450.0))
     path = tmp_path / "machine.json"
     write_profile(path, profile)
     loaded = load_topology(str(path))
@@ -224,3 +225,26 @@ def test_a_bad_calibration_figure_is_a_clear_error(tmp_path: Path, key, value, m
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=message):
         read_profile(path)
+
+
+def test_calibration_strategies_include_a_reshard_of_every_other_op() -> None:
+    """`reshard` splits the ops `mixed` leaves alone along a dim other than the sample, as many ways as
+    dp: the conv stack's activations are then exchanged whole, so the steps see the cost per byte."""
+    from search.space import ConfigSpace
+    from soapflow.api import capture_model
+    from soapflow.calibrate import STEP_STRATEGIES, WORKLOADS, _strategies
+
+    assert "reshard" in STEP_STRATEGIES
+    ref = next(w for w in WORKLOADS if w.endswith(":calib_wide_cnn"))
+    _, graph = capture_model(ref)
+    topo = load_topology("cpu-2")
+    strategies = _strategies(graph, topo)
+    dp, reshard = strategies["dp"], strategies["reshard"]
+    space = ConfigSpace(graph, topo)
+    changed = [n for n in space.ops if reshard[n] != dp[n]]
+    assert changed and set(changed) <= set(space.ops[1::2])
+    for name in changed:
+        cfg = reshard[name]
+        assert cfg.degree("sample") == 1 and cfg.num_parts == 2 and space.contains(name, cfg)
+    values = list(strategies.values())
+    assert all(a != b for i, a in enumerate(values) for b in values[i + 1:])  # all distinct

@@ -85,8 +85,9 @@ def test_transfer_and_its_gradient_cross_both_links_of_the_route():
     assert tl.iteration_time_ns == 6_500_000 + 2 * T_128
     records = {r.name: r for r in tl.tasks()}
     forward, backward = records["fc -> loss"], records["grad loss -> fc"]
-    assert forward.links == topo.route(0, 1) and len(forward.links) == 2
-    assert backward.links == topo.route(1, 0)
+    # loopback is half duplex: a link and its reverse are one resource, named by the lower link id
+    assert forward.links == tuple(topo.capacity(i) for i in topo.route(0, 1)) and len(forward.links) == 2
+    assert set(backward.links) == set(forward.links)
     # CPU processes move data with the cores that compute: a transfer occupies both ends too
     assert forward.devices == (0, 1) and backward.devices == (1, 0)
     assert forward.category == backward.category == "transfer" and forward.nbytes == backward.nbytes == 128
@@ -152,14 +153,15 @@ def test_transfers_sharing_a_link_run_one_at_a_time():
 def test_data_parallel_gradient_sync_is_a_ring_all_reduce_before_the_updates():
     """fc and loss split 2 ways on the sample dim: each process runs half the batch, then fc's 288 bytes of
     gradient are all-reduced over processes 0 and 1 (ring: 2 hops 0 -> 1, 1 -> 0, each over 2 links;
-    2(n-1) = 2 steps of a 144-byte chunk), then each process updates its replica."""
+    2(n-1) = 2 steps of a 144-byte chunk; loopback is half duplex, so in every step each process's link
+    pair carries both hops' chunks), then each process updates its replica."""
     graph = linear_loss()
     dp2 = on(0, 1, sample=2)
     strategy = Strategy({"x": dp2, "fc": dp2, "y": dp2, "loss": dp2})
     topo = load_topology("cpu-2")
     tl = simulate(graph, strategy, topo, COSTS)
-    sync_ns = round(2 * (40_000 + 144 / 5))
-    assert sync_ns == 80_058
+    sync_ns = round(2 * (40_000 + 2 * 144 / 5))
+    assert sync_ns == 80_115
     got = times(tl)
     for p in (0, 1):
         assert got[f"fc fwd[{p}]"] == (0, 1 * MS)
@@ -169,7 +171,8 @@ def test_data_parallel_gradient_sync_is_a_ring_all_reduce_before_the_updates():
         assert got[f"fc update[{p}]"] == (6 * MS + sync_ns, 6_500_000 + sync_ns)
     (sync,) = [r for r in tl.tasks() if r.category == "allreduce"]
     assert (round(sync.start_ms * MS), round(sync.end_ms * MS)) == (6 * MS, 6 * MS + sync_ns)
-    assert set(sync.links) == set(topo.route(0, 1)) | set(topo.route(1, 0))  # every link of the ring
+    # every link of the ring, a link and its reverse being one resource
+    assert set(sync.links) == {topo.capacity(i) for i in topo.route(0, 1) + topo.route(1, 0)}
     assert sync.devices == (0, 1)  # and both processes, which reduce with their own cores
     assert sync.nbytes == 2 * (2 - 1) * 288  # each process sends 2(n-1)/n of the 288-byte buffer
     assert len(got) == 11  # 5 tasks per process and the all-reduce
@@ -180,14 +183,15 @@ def test_data_parallel_gradient_sync_is_a_ring_all_reduce_before_the_updates():
 
 
 def test_ring_all_reduce_formula_on_three_processes():
-    """Ring 0 -> 1 -> 2 -> 0 on cpu-3: each hop crosses 2 links, no link carries two hops; 4 steps."""
+    """Ring 0 -> 1 -> 2 -> 0 on cpu-3: each hop crosses 2 links; every process's half-duplex link pair
+    carries the chunk it sends and the chunk it receives in each step; 4 steps."""
     comm = Comm(load_topology("cpu-3"))
     res, ns = comm.collective((0, 1, 2), 3000)
-    assert ns == round(4 * (40_000 + 1000 / 5))
-    # the three processes (busy while they communicate) and the six links of the hub
-    assert res[:3] == (0, 1, 2) and len(res) == 9 and min(res[3:]) >= 3
+    assert ns == round(4 * (40_000 + 2 * 1000 / 5))
+    # the three processes (busy while they communicate) and the hub's three link pairs
+    assert res[:3] == (0, 1, 2) and len(res) == 6 and min(res[3:]) >= 3
     # all-gather and reduce-scatter take n - 1 = 2 steps
-    assert comm.collective((0, 1, 2), 3000, "allgather")[1] == round(2 * (40_000 + 1000 / 5))
+    assert comm.collective((0, 1, 2), 3000, "allgather")[1] == round(2 * (40_000 + 2 * 1000 / 5))
     # across nodes on k80-16x4: a step lasts as long as the slowest hop (latency of its route plus the
     # chunk over its narrowest link, divided by the number of hops sharing that link)
     topo = load_topology("k80-16x4")
@@ -222,36 +226,62 @@ def test_full_and_propose_agree_on_a_hand_checked_case():
     assert sim.timeline().bytes_moved == 0
 
 
-def test_an_exchange_both_ways_between_two_processes_costs_one_direction():
+def test_an_exchange_both_ways_between_two_processes_shares_the_loopback():
     """fc split 2 ways on the sample dim over processes 0, 1 feeds the loss on the other process each:
-    part 0's rows go 0 -> 1 and part 1's go 1 -> 0 in one exchange (the runtime's all-to-all). The two
-    directions use different links, so the exchange lasts one 64-byte transfer, not two."""
+    part 0's rows go 0 -> 1 and part 1's go 1 -> 0 in one exchange (the runtime's all-to-all). Loopback
+    is half duplex (both directions are copies by the same cores), so the exchange lasts one transfer of
+    both pieces' bytes (128), and it is one task."""
     graph = linear_loss()
     topo = load_topology("cpu-2")
     strategy = Strategy({"x": on(0, 1, sample=2), "fc": on(0, 1, sample=2), "y": on(1, 0, sample=2),
                          "loss": on(1, 0, sample=2)})
     tl = simulate(graph, strategy, topo, COSTS)
-    t64 = round(40_000 + 64 / 5)
     got = times(tl)
-    assert got["fc -> loss"] == (1 * MS, 1 * MS + t64)
+    assert got["fc -> loss"] == (1 * MS, 1 * MS + T_128)
     (fwd,) = [r for r in tl.tasks() if r.name == "fc -> loss"]
     assert fwd.nbytes == 128 and fwd.devices == (0, 1)
-    assert set(fwd.links) == set(topo.route(0, 1) + topo.route(1, 0))
-    assert got["loss fwd[0]"][0] == got["loss fwd[1]"][0] == 1 * MS + t64
+    assert set(fwd.links) == {topo.capacity(i) for i in topo.route(0, 1) + topo.route(1, 0)}
+    assert got["loss fwd[0]"][0] == got["loss fwd[1]"][0] == 1 * MS + T_128
 
 
 def test_exchange_pieces_that_share_a_link_queue_on_it():
     comm = Comm(load_topology("cpu-2"))
     one_way, t_one = comm.exchange([(0, 1, 1000)])
     assert (one_way, t_one) == comm.transfer(0, 1, 1000)
-    # both ways: disjoint links, the time of one piece; one way twice: the same links carry both
-    assert comm.exchange([(0, 1, 1000), (1, 0, 1000)])[1] == t_one
+    # loopback is half duplex: both ways take as long as one way twice, as one direction twice does
+    assert comm.exchange([(0, 1, 1000), (1, 0, 1000)])[1] == comm.transfer(0, 1, 2000)[1]
     assert comm.exchange([(0, 1, 1000), (0, 1, 1000)])[1] == comm.transfer(0, 1, 2000)[1]
     # on cpu-3, 0 -> 1 and 2 -> 1 share the hub's link into 1: 2000 bytes cross it
     three = Comm(load_topology("cpu-3"))
     assert three.exchange([(0, 1, 1000), (2, 1, 1000)])[1] == round(40_000 + 2000 / 5)
     with pytest.raises(ValueError, match="at least one piece"):
         three.exchange([])
+
+
+def test_full_duplex_links_carry_both_directions_at_once():
+    """NVLink is full duplex: each direction is its own link, so an exchange both ways costs one way,
+    and a ring all-reduce's hops in opposite directions do not queue on each other."""
+    topo = load_topology("v100-1x8")
+    assert all(topo.capacity(i) == i for i in range(len(topo.links)))
+    comm = Comm(topo)
+    _, t_one = comm.transfer(0, 1, 10**6)
+    assert comm.exchange([(0, 1, 10**6), (1, 0, 10**6)])[1] == t_one
+    # on loopback the two directions of one process's attachment are one resource
+    cpu = load_topology("cpu-2")
+    assert sorted({cpu.capacity(i) for i in range(len(cpu.links))}) == [0, 2]
+
+
+def test_exchange_copies_are_charged_per_byte_a_process_handles():
+    """`exchange_ms_per_gb` prices the runtime's packing and unpacking: per byte the busiest process
+    sends plus receives (here process 1: 1000 in from 0, 3000 out to 0 and 2)."""
+    topo = load_topology("cpu-3")
+    plain = Comm(topo)
+    copies = Comm(topo, CommOverhead(exchange_ms_per_gb=2000.0))  # 2 ns per byte
+    pieces = [(0, 1, 1000), (1, 0, 2000), (1, 2, 1000)]
+    assert copies.exchange(pieces)[1] - plain.exchange(pieces)[1] == 2 * 4000
+    assert copies.exchange([(0, 1, 500)])[1] - plain.exchange([(0, 1, 500)])[1] == 2 * 500
+    # collectives are not exchanges: unchanged
+    assert copies.collective((0, 1, 2), 3000) == plain.collective((0, 1, 2), 3000)
 
 
 def test_the_runtimes_communication_overhead_adds_to_exchanges_and_all_reduces():
