@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         report["calibration"] = {k: v for k, v in calibration.items() if k not in ("output", "costdb")}
     (RESULTS / "simulator_accuracy.json").write_text(json.dumps(report, indent=1) + "\n")
     md = ["# Simulator accuracy (cpu-2: 2 processes, 1 thread each, gloo)", "",
-          f"{len(report['rows'])} strategies, each the median of {args.rounds} x {args.steps} steps "
-          "(rounds interleaved over a model's strategies); "
+          f"{len(report['rows'])} strategies, each the median over {args.rounds} rounds of a round's median of "
+          f"{args.steps} steps (a model's strategies train in one job, interleaved round by round, the first "
+          "step of each round dropped); "
           f"targets per model: median |error| <= 10%, max <= 25%, Spearman >= 0.9. "
           f"Load average during the run: {', '.join(f'{x:.1f}' for x in os.getloadavg())} on "
           f"{os.cpu_count()} cores (shared machine).", "", table(report), "",

@@ -4,7 +4,7 @@ Owns `PartJob` (one op part to time, self-contained so that it pickles into work
 `part_jobs` (the distinct parts of a graph under one or more strategies), `time_part` (warm-up, then the
 median of repeats), `measure_parts` (time what the cost database lacks and append it, atomically),
 `time_comm` (alpha-beta samples of send/recv, all-reduce and all-gather between the ranks of a launched
-job) and `time_step` (one rank's training step, the runtime's own loop, for the per-op overhead fit).
+job) and `time_step` (one rank's training steps, the runtime's own loop, for validation).
 
 Op parts run through `runtime.kernels.compute_part`, the very kernels the executor calls, on detached
 leaf inputs and parameter shards exactly as the executor passes them, so a measured part is what a rank
@@ -92,10 +92,11 @@ def part_jobs(graph: OperatorGraph, strategies: Iterable[Strategy | Mapping[str,
             if op.kind in UNTIMED_KINDS or op.name not in strategy:
                 continue
             for box, _ in parts(op, strategy[op.name]):
-                key = costdb.part_key(op, box, device_kind)
+                job = job_for(graph, op, box, grads)
+                key = costdb.part_key(op, box, device_kind, job.needs_grad)
                 if key not in seen:
                     seen.add(key)
-                    out.append(job_for(graph, op, box, grads))
+                    out.append(job)
     return out
 
 
@@ -182,9 +183,10 @@ def time_part(job: PartJob, *, warmup: int = 2, repeats: int = 7, max_s: float =
 
 def measurement(job: PartJob, fwd_ms: float, bwd_ms: float, *, device_kind: str, repeats: int,
                 source: str, solo: tuple[float, float] | None = None) -> costdb.Measurement:
-    kind, op_kind, dtype, inputs, outputs, params, attrs = costdb.part_key(job.operator(), job.box, device_kind)
+    kind, op_kind, dtype, inputs, outputs, params, attrs, grads = costdb.part_key(
+        job.operator(), job.box, device_kind, job.needs_grad)
     return costdb.Measurement(device_kind=kind, op_kind=op_kind, dtype=dtype, inputs=inputs, outputs=outputs,
-                              params=params, attrs=attrs, fwd_ms=fwd_ms, bwd_ms=bwd_ms, repeats=repeats,
+                              params=params, attrs=attrs, grads=grads, fwd_ms=fwd_ms, bwd_ms=bwd_ms, repeats=repeats,
                               source=source, solo_fwd_ms=solo[0] if solo else None,
                               solo_bwd_ms=solo[1] if solo else None)
 
@@ -226,7 +228,7 @@ def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: 
     todo: list[PartJob] = []
     keys: set[costdb.Key] = set()
     for job in jobs:
-        key = costdb.part_key(job.operator(), job.box, device_kind)
+        key = costdb.part_key(job.operator(), job.box, device_kind, job.needs_grad)
         if key not in db and key not in keys:
             keys.add(key)
             todo.append(job)
@@ -308,6 +310,36 @@ def time_comm(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int 
     return out
 
 
+def time_update(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int = 5, warmup: int = 2,
+                chunk_bytes: int = 4 << 20) -> list[tuple[int, float]]:
+    """(bytes, median ms) of the runtime's optimizer step (`runtime.train.make_optimizer` with the
+    default `TrainOptions`) over `bytes` of float32 parameters in tensors of at most `chunk_bytes`, as a
+    model's parameters are, with their gradients set; every rank at once (a barrier starts each repeat),
+    as data-parallel replicas update together. Sizes beyond the caches show the memory-bound cost a
+    training step sees."""
+    from runtime.train import TrainOptions, make_optimizer
+
+    out = []
+    for nbytes in sizes:
+        numels = [chunk_bytes // 4] * (nbytes // chunk_bytes)
+        if nbytes % chunk_bytes or not numels:
+            numels.append(nbytes % chunk_bytes // 4)
+        params = [torch.randn(max(1, n), requires_grad=True) for n in numels]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = make_optimizer(params, TrainOptions())
+        times = []
+        for i in range(warmup + repeats):
+            if world_size > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            optimizer.step()
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out.append((sum(p.numel() for p in params) * 4, statistics.median(times)))
+    return out
+
+
 # ---------------------------------------------------------------------- a whole step
 
 
@@ -321,4 +353,4 @@ def time_step(rank: int, world_size: int, *, build: Callable[[], Any], graph: Ma
 
 
 __all__ = ["COMM_KINDS", "UNTIMED_KINDS", "PartJob", "job_for", "measure_parts", "measurement", "part_jobs",
-           "time_comm", "time_jobs", "time_part", "time_step"]
+           "time_comm", "time_jobs", "time_part", "time_step", "time_update"]

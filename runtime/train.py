@@ -283,6 +283,61 @@ def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: Pla
         dist.barrier()
 
 
+def _executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[str, Mapping[str, Any]],
+              module: nn.Module, options: TrainOptions) -> tuple[Plan, Executor, torch.optim.Optimizer | None]:
+    """This rank's plan, executor over `module`'s tensors, and optimizer (None where the rank holds no
+    parameter: every op with weights placed elsewhere)."""
+    plan = build_plan(g, strategy_from_configs(strategy), world_size)
+    executor = Executor(g, plan, rank=rank, tensors=named_tensors(module), module=module,
+                        float_dtype=TORCH_DTYPES[options.dtype], bucket_bytes=int(options.bucket_mb * 2**20),
+                        timeout_s=options.timeout_s)
+    optimizer = make_optimizer(executor.parameters(), options) if executor.parameters() else None
+    return plan, executor, optimizer
+
+
+def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload], graph: Mapping[str, Any],
+                    strategies: Mapping[str, Mapping[str, Mapping[str, Any]]], steps: int = 4, rounds: int = 3,
+                    options: TrainOptions | None = None) -> dict[str, list[float]]:
+    """Train one model under several strategies in one job, interleaved: `rounds` times, each strategy
+    in turn for 1 + `steps` steps (its own model replica, executor and optimizer, built once). Returns,
+    per strategy, each round's median over its steps after the first (the first runs on caches the
+    other strategies left) of the slowest rank's step time (ms). Interleaving spreads a drift of the
+    machine's load over all strategies instead of pinning it on the one that ran at the time."""
+    if steps < 1 or rounds < 1:
+        raise ValueError(f"steps and rounds must be positive, got {steps} and {rounds}")
+    options = options if options is not None else TrainOptions()
+    g = OperatorGraph.from_dict(graph)
+    torch.manual_seed(options.seed)
+    runs = {}
+    for name, configs in strategies.items():
+        workload = build()
+        module = workload.module.to(TORCH_DTYPES[options.dtype])
+        runs[name] = (workload, *_executor(rank, world_size, g, configs, module, options)[1:])
+    highs = integer_highs(g, next(iter(runs.values()))[0].module) if runs else {}
+    mine: dict[str, list[list[float]]] = {name: [] for name in runs}
+    step = 0
+    for _ in range(rounds):
+        for name, (workload, executor, optimizer) in runs.items():
+            times_ms = []
+            for _ in range(steps + 1):
+                batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs,
+                                        dtype=TORCH_DTYPES[options.dtype])
+                if world_size > 1:
+                    dist.barrier()
+                start = time.perf_counter()
+                local = train_step(executor, optimizer, batch, step=step)
+                times_ms.append((time.perf_counter() - start) * 1e3)
+                executor.all_reduce_loss(local)
+                step += 1
+            mine[name].append(times_ms[1:])
+    per_rank = [mine]
+    if world_size > 1:
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, mine)
+    return {name: [statistics.median(max(ts) for ts in zip(*(r[name][k] for r in per_rank), strict=True))
+                   for k in range(rounds)] for name in runs}
+
+
 def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], graph: Mapping[str, Any],
                strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions) -> dict[str, Any]:
     """Train on this rank (torch.distributed initialized when world_size > 1); the launcher's target.
@@ -293,21 +348,17 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
     with `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
     """
     g = OperatorGraph.from_dict(graph)
-    plan = build_plan(g, strategy_from_configs(strategy), world_size)
-    dtype = TORCH_DTYPES[options.dtype]
     torch.manual_seed(options.seed)
     workload = build()
-    module = workload.module.to(dtype)
+    module = workload.module.to(TORCH_DTYPES[options.dtype])
     ckpt = load_checkpoint(options.resume_from) if options.resume_from is not None else None
     if ckpt is not None:
         _restore(module, ckpt)
-    executor = Executor(g, plan, rank=rank, tensors=named_tensors(module), module=module, float_dtype=dtype,
-                        bucket_bytes=int(options.bucket_mb * 2**20), timeout_s=options.timeout_s)
-    # A rank may hold no parameter at all (every op with weights placed elsewhere).
-    optimizer = make_optimizer(executor.parameters(), options) if executor.parameters() else None
+    plan, executor, optimizer = _executor(rank, world_size, g, strategy, module, options)
     if ckpt is not None and optimizer is not None:
         _restore_optimizer(optimizer, executor, plan, ckpt, options)
     first_step = ckpt.step if ckpt is not None else 0
+    dtype = TORCH_DTYPES[options.dtype]
     highs = integer_highs(g, module)
     losses: list[float] = []
     times_ms: list[float] = []

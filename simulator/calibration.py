@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -354,6 +355,16 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
                                          allreduce_ms_per_gb=float(coef[4]), exchange_ms_per_gb=float(coef[5])))
 
 
+def fit_update_passes(samples: Sequence[tuple[int, float]], model: AnalyticalCostModel, device: Device) -> float | None:
+    """The optimizer step's passes over the parameter bytes (`AnalyticalCostModel.update_passes`) that
+    make the analytical model's update time match the timed steps `(bytes, ms)`: the median over the
+    samples of time x the model's memory bandwidth / bytes (None without samples). The runtime's default
+    optimizer, SGD, reads parameter and gradient and writes the parameter: 3 passes in theory; what a
+    step measures (its operands out of cache) is what counts."""
+    ratios = [ms * model.bandwidth_bytes_per_ms(device) / nbytes for nbytes, ms in samples if nbytes > 0 and ms > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 # --------------------------------------------------------------------------------------- machine profile
 
 
@@ -371,6 +382,7 @@ class MachineProfile:
     overhead_us: float = 0.0
     compute_scale: float = 1.0
     comm_overhead: CommOverhead = NO_OVERHEAD
+    update_passes: float | None = None
     costdb: str | None = None
     report: Mapping[str, Any] = field(default_factory=dict)
 
@@ -379,6 +391,8 @@ class MachineProfile:
             raise ValueError(f"overhead_us must be finite and >= 0, got {self.overhead_us}")
         if not (self.compute_scale > 0 and math.isfinite(self.compute_scale)):
             raise ValueError(f"compute_scale must be finite and > 0, got {self.compute_scale}")
+        if self.update_passes is not None and not (self.update_passes > 0 and math.isfinite(self.update_passes)):
+            raise ValueError(f"update_passes must be finite and > 0, got {self.update_passes}")
 
     def analytical(self) -> AnalyticalCostModel:
         """The calibrated analytical model: its roofline times `compute_scale` (efficiencies divided by it,
@@ -388,7 +402,8 @@ class MachineProfile:
             efficiency={d: {k: v / scale for k, v in eff.items()} for d, eff in self.efficiency.items()},
             bandwidth_efficiency={d: v / scale for d, v in self.bandwidth_efficiency.items()},
             launch_us={d: v * scale + self.overhead_us for d, v in self.launch_us.items()},
-            comm_overhead=self.comm_overhead)
+            comm_overhead=self.comm_overhead,
+            **({} if self.update_passes is None else {"update_passes": self.update_passes}))
 
     def cost_model(self, db: costdb.CostDatabase | None = None) -> CostModel:
         """Measured times from `db` (or the profile's cost database) with the step's factor and the runtime
@@ -408,7 +423,8 @@ class MachineProfile:
             "efficiency": {k: dict(v) for k, v in self.efficiency.items()},
             "bandwidth_efficiency": dict(self.bandwidth_efficiency), "launch_us": dict(self.launch_us),
             "overhead_us": self.overhead_us, "compute_scale": self.compute_scale,
-            "comm_overhead": self.comm_overhead.to_dict(), "costdb": self.costdb,
+            "comm_overhead": self.comm_overhead.to_dict(), "update_passes": self.update_passes,
+            "costdb": self.costdb,
             **dict(self.report)}
         return doc
 
@@ -446,7 +462,7 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
     if isinstance(db, str) and not os.path.isabs(db):
         db = os.fspath(Path(path).parent / db)
     known = ("format", "device_kind", "efficiency", "bandwidth_efficiency", "launch_us", "overhead_us",
-             "compute_scale", "comm_overhead", "costdb")
+             "compute_scale", "comm_overhead", "update_passes", "costdb")
     comm = cal.get("comm_overhead", {})
 
     def number(value: Any, what: str) -> float:
@@ -463,6 +479,8 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
                           compute_scale=number(cal.get("compute_scale", 1.0), "compute_scale"),
                           comm_overhead=CommOverhead(**{k: number(comm.get(k, 0.0), f"comm_overhead.{k}")
                                                         for k in CommOverhead.__slots__}),
+                          update_passes=None if cal.get("update_passes") is None
+                          else number(cal["update_passes"], "update_passes"),
                           costdb=db if isinstance(db, str) else None,
                           report={k: v for k, v in cal.items() if k not in known})
 

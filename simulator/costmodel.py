@@ -17,7 +17,7 @@ calibration), as it carries the runtime's overhead per op pass. Times are millis
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
@@ -41,8 +41,10 @@ class CostModel(Protocol):
     """Compute times of op parts and optimizer steps, in milliseconds. A model may also have a
     `comm_overhead` attribute (`simulator.comm.CommOverhead`); the simulator reads it with a zero default."""
 
-    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
-        """(forward, backward) time of the part `box` of `op` on `device`."""
+    def compute_ms(self, op: Operator, box: Box, device: Device,
+                   grads: Sequence[bool] | None = None) -> tuple[float, float]:
+        """(forward, backward) time of the part `box` of `op` on `device`; `grads` (one flag per input
+        of the op, None: not known) says which inputs carry a gradient the backward computes."""
         ...
 
     def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
@@ -147,7 +149,7 @@ class AnalyticalCostModel:
     def _launch_ms(self, device: Device) -> float:
         return self.launch_us.get(device.kind, self.launch_us["*"]) / 1e3
 
-    def _bandwidth_bytes_per_ms(self, device: Device) -> float:
+    def bandwidth_bytes_per_ms(self, device: Device) -> float:
         eff = self.bandwidth_efficiency.get(device.kind, self.bandwidth_efficiency["*"])
         return device.memory_bandwidth_gbps * eff * 1e6  # GB/s = 1e6 bytes per ms
 
@@ -156,7 +158,8 @@ class AnalyticalCostModel:
         peak = device.peak_flops.get(dtype) or device.peak_flops.get("float32") or max(device.peak_flops.values())
         return peak * self.flop_efficiency(device.kind, op.kind) / 1e3
 
-    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
+    def compute_ms(self, op: Operator, box: Box, device: Device,
+                   grads: Sequence[bool] | None = None) -> tuple[float, float]:
         if op.kind in FREE_KINDS:
             return (0.0, 0.0)
         launch = self._launch_ms(device)
@@ -166,7 +169,7 @@ class AnalyticalCostModel:
         nbytes = part_bytes(op, box)
         bwd_scale = op.bwd_bytes / op.fwd_bytes if op.fwd_bytes > 0 else 2.0
         flops_per_ms = self._peak_flops_per_ms(op, device)
-        bytes_per_ms = self._bandwidth_bytes_per_ms(device)
+        bytes_per_ms = self.bandwidth_bytes_per_ms(device)
         fwd = max(op.fwd_flops * share / flops_per_ms, nbytes / bytes_per_ms) + launch
         bwd = max(op.bwd_flops * share / flops_per_ms, nbytes * bwd_scale / bytes_per_ms)
         bwd += launch * (2 if op.params else 1)
@@ -175,11 +178,11 @@ class AnalyticalCostModel:
     def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
         if param_bytes <= 0:
             return 0.0
-        return self.update_passes * param_bytes / self._bandwidth_bytes_per_ms(device) + self._launch_ms(device)
+        return self.update_passes * param_bytes / self.bandwidth_bytes_per_ms(device) + self._launch_ms(device)
 
     def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
         # reads every partial once and writes the sum once
-        return (num_inputs + 1) * nbytes / self._bandwidth_bytes_per_ms(device) + self._launch_ms(device)
+        return (num_inputs + 1) * nbytes / self.bandwidth_bytes_per_ms(device) + self._launch_ms(device)
 
 
 class MeasuredCostModel:
@@ -215,13 +218,14 @@ class MeasuredCostModel:
         self.hits = 0
         self.misses = 0
 
-    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
+    def compute_ms(self, op: Operator, box: Box, device: Device,
+                   grads: Sequence[bool] | None = None) -> tuple[float, float]:
         if op.kind in FREE_KINDS:
             return (0.0, 0.0)
-        found = self.db.lookup(part_key(op, box, device.kind))
+        found = self.db.lookup(part_key(op, box, device.kind, grads))
         if found is None:
             self.misses += 1
-            return self.fallback.compute_ms(op, box, device)
+            return self.fallback.compute_ms(op, box, device, grads)
         self.hits += 1
         if self.solo and found.solo_fwd_ms is not None and part_share(op, box) == 1.0:
             fwd_ms, bwd_ms = found.solo_fwd_ms, found.solo_bwd_ms
@@ -271,7 +275,8 @@ class FixedCostModel:
         if any(not (v >= 0 and math.isfinite(v)) for v in values):
             raise ValueError(f"fixed costs must be finite and >= 0, got {values}")
 
-    def compute_ms(self, op: Operator, box: Box, device: Device) -> tuple[float, float]:
+    def compute_ms(self, op: Operator, box: Box, device: Device,
+                   grads: Sequence[bool] | None = None) -> tuple[float, float]:
         if op.kind in FREE_KINDS:
             return (0.0, 0.0)
         hit = self.per_op_ms.get(op.name)

@@ -103,6 +103,10 @@ class GraphFacts:
             requires[i] = bool(op.params) or any(
                 requires[self.index[r.op]] and graph.tensor(r).dtype in _FLOAT_DTYPES for r in op.inputs)
         self.requires_grad = requires
+        # per op, which inputs carry a gradient (the part's backward computes it): the cost database keys
+        # on it, as `runtime.plan.needs_grad` decides it for the executor
+        self.grad_inputs = [tuple(requires[self.index[r.op]] and graph.tensor(r).dtype in _FLOAT_DTYPES
+                                  for r in op.inputs) for op in graph.ops]
         self.edges: list[Edge] = []
         self.in_edges: list[list[int]] = [[] for _ in range(n)]
         self.out_edges: list[list[int]] = [[] for _ in range(n)]
@@ -328,7 +332,7 @@ class Planner:
         fpos, bpos = keys.fwd_pos(i), keys.bwd_pos(i)
         needs_bwd = facts.needs_bwd[i]
         for c, (b, dev) in enumerate(zip(boxes, devices, strict=True)):
-            fwd_ms, bwd_ms = self.cost_model.compute_ms(op, b, dev)
+            fwd_ms, bwd_ms = self.cost_model.compute_ms(op, b, dev, facts.grad_inputs[i])
             plan.fwd_ns.append(ms_to_ns(fwd_ms))
             plan.fwd_keys.append(keys.make(fpos, SUB_COMPUTE, 0, c, 0))
             if needs_bwd:

@@ -10,14 +10,17 @@ File layout (JSON lines, UTF-8; one measurement per line, later lines win over e
     {"device_kind": "p100", "op_kind": "conv2d", "dtype": "float32",
      "inputs": [[32, 64, 56, 56]], "outputs": [[32, 64, 56, 56]], "params": [[64, 64, 3, 3], [64]],
      "attrs": "{\\"dilation\\": [1, 1], \\"groups\\": 1, \\"padding\\": [1, 1], \\"stride\\": [1, 1]}",
-     "fwd_ms": 0.41, "bwd_ms": 0.87, "repeats": 20, "source": "runtime"}
+     "grads": "1", "fwd_ms": 0.41, "bwd_ms": 0.87, "repeats": 20, "source": "runtime"}
 
 The key is (device kind, op kind, dtype, part input shapes, part output shapes, part parameter shapes,
-attrs signature). Shapes are those of the part's regions (`soap.opdef`), halos included, so a 2-way
-height split of a convolution is keyed by the shapes its part really reads. Parameter shapes and the attrs
-signature tell apart ops whose tensors have equal shapes but whose work differs (a 1x1 and a padded 3x3
-convolution); the signature is canonical JSON of the attrs minus those that only name things
-(`NAMING_ATTRS`). `fwd_ms` and `bwd_ms` are medians in milliseconds after warm-up, timed while every
+attrs signature, gradient inputs). Shapes are those of the part's regions (`soap.opdef`), halos included,
+so a 2-way height split of a convolution is keyed by the shapes its part really reads. Parameter shapes
+and the attrs signature tell apart ops whose tensors have equal shapes but whose work differs (a 1x1 and
+a padded 3x3 convolution); the signature is canonical JSON of the attrs minus those that only name things
+(`NAMING_ATTRS`). The gradient inputs (`grads`: "1" or "0" per input of the op, "" when not given) say
+which inputs carry a gradient: a backward that also computes an input's gradient does about twice the
+work of one that does not (the first layer of an MLP reads the batch, a later one of the same shapes does
+not), so the two are timed apart. `fwd_ms` and `bwd_ms` are medians in milliseconds after warm-up, timed while every
 device of the machine runs a part at once (as under a split); the optional `solo_fwd_ms` and
 `solo_bwd_ms` are the same part timed alone (as when the part is a whole op and the other devices
 wait). They differ where devices share hardware - local processes on the cores of one CPU - and are
@@ -35,7 +38,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +49,7 @@ from soap.opdef import Box
 from soap.registry import op_def
 
 Shape = tuple[int, ...]
-Key = tuple[str, str, str, tuple[Shape, ...], tuple[Shape, ...], tuple[Shape, ...], str]
+Key = tuple[str, str, str, tuple[Shape, ...], tuple[Shape, ...], tuple[Shape, ...], str, str]
 
 # attrs that name things (buffers, batch positions, random seeds) or repeat the shapes: not part of a key
 NAMING_ATTRS = frozenset({"input_shapes", "fqn", "running_mean", "running_var", "position", "role", "seed"})
@@ -80,6 +83,7 @@ class Measurement:
     outputs: tuple[Shape, ...]
     params: tuple[Shape, ...] = ()
     attrs: str = ""
+    grads: str = ""
     dtype: str = "float32"
     fwd_ms: float
     bwd_ms: float
@@ -95,6 +99,8 @@ class Measurement:
                 raise ValueError(f"measurement {name} must be a non-empty string, got {value!r}")
         if not isinstance(self.attrs, str):
             raise ValueError(f"measurement attrs must be a signature string, got {self.attrs!r}")
+        if not isinstance(self.grads, str) or set(self.grads) - {"0", "1"}:
+            raise ValueError(f"measurement grads must be a string of 0 and 1, got {self.grads!r}")
         object.__setattr__(self, "inputs", _shapes(self.inputs, "inputs"))
         object.__setattr__(self, "outputs", _shapes(self.outputs, "outputs"))
         object.__setattr__(self, "params", _shapes(self.params, "params"))
@@ -110,13 +116,16 @@ class Measurement:
 
     @property
     def key(self) -> Key:
-        return (self.device_kind, self.op_kind, self.dtype, self.inputs, self.outputs, self.params, self.attrs)
+        return (self.device_kind, self.op_kind, self.dtype, self.inputs, self.outputs, self.params, self.attrs,
+                self.grads)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"device_kind": self.device_kind, "op_kind": self.op_kind, "dtype": self.dtype,
                "inputs": [list(s) for s in self.inputs], "outputs": [list(s) for s in self.outputs],
                "params": [list(s) for s in self.params], "attrs": self.attrs,
                "fwd_ms": self.fwd_ms, "bwd_ms": self.bwd_ms, "repeats": self.repeats, "source": self.source}
+        if self.grads:
+            out["grads"] = self.grads
         if self.solo_fwd_ms is not None:
             out |= {"solo_fwd_ms": self.solo_fwd_ms, "solo_bwd_ms": self.solo_bwd_ms}
         return out
@@ -130,7 +139,7 @@ class Measurement:
             raise ValueError(f"measurement lacks {', '.join(missing)}")
         return cls(device_kind=d["device_kind"], op_kind=d["op_kind"], dtype=d.get("dtype", "float32"),
                    inputs=d["inputs"], outputs=d["outputs"], params=d.get("params", []),
-                   attrs=d.get("attrs", ""), fwd_ms=d["fwd_ms"], bwd_ms=d["bwd_ms"],
+                   attrs=d.get("attrs", ""), grads=d.get("grads", ""), fwd_ms=d["fwd_ms"], bwd_ms=d["bwd_ms"],
                    solo_fwd_ms=d.get("solo_fwd_ms"), solo_bwd_ms=d.get("solo_bwd_ms"),
                    repeats=d.get("repeats", 0), source=d.get("source", ""))
 
@@ -147,8 +156,9 @@ def attrs_signature(op: Operator) -> str:
     return json.dumps(kept, sort_keys=True, separators=(", ", ": "), default=str) if kept else ""
 
 
-def part_key(op: Operator, box: Box, device_kind: str) -> Key:
-    """The database key of the part `box` of `op` on a device of `device_kind` (see the module docstring)."""
+def part_key(op: Operator, box: Box, device_kind: str, grads: Sequence[bool] | None = None) -> Key:
+    """The database key of the part `box` of `op` on a device of `device_kind`, whose inputs carry a
+    gradient where `grads` (one flag per input of the op) says so (see the module docstring)."""
     entry = op_def(op.kind)
 
     def shape(region: Any) -> Shape:
@@ -157,7 +167,8 @@ def part_key(op: Operator, box: Box, device_kind: str) -> Key:
     inputs = tuple(shape(r) for r in entry.input_regions(op, box) if r is not None)
     outputs = tuple(shape(entry.output_region(op, box, i)) for i in range(len(op.outputs)))
     params = tuple(shape(r) for _, r in sorted(entry.param_regions(op, box).items()))
-    return (device_kind, op.kind, op.outputs[0].dtype, inputs, outputs, params, attrs_signature(op))
+    flags = "" if grads is None else "".join("1" if g else "0" for g in grads)
+    return (device_kind, op.kind, op.outputs[0].dtype, inputs, outputs, params, attrs_signature(op), flags)
 
 
 class CostDatabase:

@@ -8,12 +8,15 @@ The stages, in order:
    time them forward and backward alone and in N concurrent processes (`runtime.measure.measure_parts`;
    parts already in the cost database are not timed again);
 2. communication: time point-to-point, all-reduce and all-gather between N local processes over a
-   spread of sizes (`runtime.measure.time_comm`);
+   spread of sizes (`runtime.measure.time_comm`), and the runtime's optimizer step over parameters
+   beyond the caches (`runtime.measure.time_update`);
 3. fits (`simulator.calibration`): the analytical model's per-op-kind efficiency, bandwidth efficiency
-   and launch cost from the op parts; link latency and bandwidth from the transfers;
-4. runtime overhead: train each calibration workload under `STEP_STRATEGIES` for a few steps and fit
-   what the simulator (measured parts, fitted links) leaves unexplained: the step's factor on part times,
-   the runtime's cost per op part pass, and its communication overhead (`simulator.comm.CommOverhead`);
+   and launch cost from the op parts; link latency and bandwidth from the transfers; the optimizer
+   step's passes over the parameter bytes;
+4. runtime overhead: train each calibration workload under `STEP_STRATEGIES`, interleaved in one job
+   (`runtime.train.time_strategies`), and fit what the simulator (measured parts, fitted links) leaves
+   unexplained: the step's factor on part times, the runtime's cost per op part pass, and its
+   communication overhead (`simulator.comm.CommOverhead`);
 5. write the profile (a topology file with a ``calibration`` key, loadable by `load_topology`) and report.
 
 Must not be imported by `runtime`, `simulator` or `search`.
@@ -36,7 +39,8 @@ import torch
 from torch import nn
 
 from runtime.launch import launch
-from runtime.measure import measure_parts, part_jobs, time_comm, time_step
+from runtime.measure import measure_parts, part_jobs, time_comm, time_update
+from runtime.train import time_strategies
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.space import ConfigSpace
 from simulator.calibration import (
@@ -47,6 +51,7 @@ from simulator.calibration import (
     fit_comm,
     fit_compute,
     fit_overhead,
+    fit_update_passes,
     profile_devices,
     write_profile,
 )
@@ -65,6 +70,8 @@ from soapflow.zoo.transformer import transformer
 
 # Sizes (bytes) of the transfers timed: 4 KiB to 16 MiB, a factor 4 apart.
 COMM_SIZES = tuple(4096 * 4 ** i for i in range(7))
+# Parameter bytes the optimizer step is timed over: beyond the cores' caches, as a model's are in a step.
+UPDATE_SIZES = (32 << 20, 64 << 20, 128 << 20)
 
 
 # -- calibration workloads (importable by reference, so that worker processes can rebuild them) -----------
@@ -120,40 +127,44 @@ WORKLOADS = (f"{__name__}:calib_mlp", f"{__name__}:calib_wide_mlp", f"{__name__}
 TINY_WORKLOADS = (f"{__name__}:calib_mlp",)
 
 
-def _step_sample(ref: str, graph, strategy: Strategy, *, name: str, topology: DeviceTopology, db,
-                 profile: MachineProfile, nproc: int, backend: str, steps: int, timeout_s: float) -> StepSample:
-    """Train `ref` under `strategy` for `steps` + 1 steps; the measured iteration time (median over the
-    steps after the first, slowest rank) beside the simulated one and its slopes (see `StepSample`)."""
+def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topology: DeviceTopology, db,
+                  profile: MachineProfile, nproc: int, backend: str, steps: int, rounds: int,
+                  timeout_s: float) -> list[StepSample]:
+    """Train `ref` under each of `strategies` in one job, interleaved (`runtime.train.time_strategies`:
+    `rounds` rounds of 1 + `steps` steps per strategy); per strategy the measured iteration time (the
+    median over the rounds of each round's median step, slowest rank) beside the simulated one and its
+    slopes (see `StepSample`)."""
     kwargs = {"build": functools.partial(build_workload, ref, graph.batch_size), "graph": graph.to_dict(),
-              "strategy": {n: cfg.to_dict() for n, cfg in strategy.items()}, "steps": steps + 1}
-    results = launch(time_step, nproc, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
-                     wall_timeout_s=timeout_s, num_threads=1)
-    per_step = [max(ts) for ts in zip(*[r["step_time_ms"] for r in results], strict=True)]
-    measured = statistics.median(per_step[1:])
-
-    def sim(**changes: Any) -> float:
-        model = dataclasses.replace(profile, **changes).cost_model(db)
-        return simulate(graph, strategy, topology, model).summary()["iteration_time_ms"]
-
-    base = sim()
-    # slopes of the simulated time: per unit of compute scale (every part twice as long), per ms of
-    # overhead per pass, per ms per exchange, per ms per GB all-reduced
-    compute = max(0.0, sim(compute_scale=2.0 * profile.compute_scale) - base)
-    passes = max(0.0, sim(overhead_us=profile.overhead_us + 1e3) - base)
+              "strategies": {name: {n: cfg.to_dict() for n, cfg in st.items()} for name, st in strategies.items()},
+              "steps": steps, "rounds": rounds}
+    measured = launch(time_strategies, nproc, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
+                      wall_timeout_s=timeout_s, num_threads=1)[0]
     one = {"exchange_us": CommOverhead(exchange_us=1e3), "sync_us": CommOverhead(sync_us=1e3),
            "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0), "exchange_gb": CommOverhead(exchange_ms_per_gb=1.0)}
-    comm = {k: max(0.0, sim(comm_overhead=v) - base) for k, v in one.items()}
-    return StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=measured, base_ms=base,
-                      num_passes=passes, num_exchanges=comm["exchange_us"],
-                      num_syncs=comm["sync_us"],
-                      allreduce_gb=comm["allreduce_gb"], exchange_gb=comm["exchange_gb"], compute_ms=compute)
+    out = []
+    for name, strategy in strategies.items():
+        def sim(strategy=strategy, **changes: Any) -> float:
+            model = dataclasses.replace(profile, **changes).cost_model(db)
+            return simulate(graph, strategy, topology, model).summary()["iteration_time_ms"]
+
+        base = sim()
+        # slopes of the simulated time: per unit of compute scale (every part twice as long), per ms of
+        # overhead per pass, per ms per exchange and per sync, per ms per GB all-reduced and exchanged
+        compute = max(0.0, sim(compute_scale=2.0 * profile.compute_scale) - base)
+        passes = max(0.0, sim(overhead_us=profile.overhead_us + 1e3) - base)
+        comm = {k: max(0.0, sim(comm_overhead=v) - base) for k, v in one.items()}
+        out.append(StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=statistics.median(measured[name]),
+                              base_ms=base, num_passes=passes, num_exchanges=comm["exchange_us"],
+                              num_syncs=comm["sync_us"], allreduce_gb=comm["allreduce_gb"],
+                              exchange_gb=comm["exchange_gb"], compute_ms=compute))
+    return out
 
 
 def _single(graph, device: int = 0) -> Strategy:
     return Strategy({op.name: ParallelConfig.single(device) for op in graph})
 
 
-STEP_STRATEGIES = ("single", "dp", "tp", "mp", "expert", "mixed", "reshard")
+STEP_STRATEGIES = ("single", "dp", "tp", "mp", "expert", "mixed", "reshard", "alternate")
 
 
 def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
@@ -174,7 +185,21 @@ def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
         reshard = _reshard(space, out["dp"])
         if all(reshard != other for other in out.values()):
             out["reshard"] = reshard
+    alternate = _alternate(graph, topology)
+    if all(alternate != other for other in out.values()):
+        out["alternate"] = alternate
     return out
+
+
+def _alternate(graph, topology: DeviceTopology) -> Strategy:
+    """Every op whole on one device, the devices taking turns in graph order: each op's output moves to
+    the next device, and only one device sends in each exchange (no two ranks arrive at it with compute
+    of their own behind them), so the steps see the cost per exchange apart from the cost of waiting for
+    the later rank."""
+    configs = {}
+    for k, op in enumerate(graph):
+        configs[op.name] = ParallelConfig.single(k % topology.num_devices)
+    return Strategy(configs)
 
 
 def _reshard(space: ConfigSpace, dp: Strategy) -> Strategy:
@@ -208,7 +233,8 @@ class _Stages:
 def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike = "machine.json",
               costdb: str | os.PathLike | None = None, progress: Callable[[Mapping[str, Any]], None] | None = None,
               *, workloads: tuple[str, ...] = WORKLOADS, repeats: int = 5, comm_sizes: tuple[int, ...] = COMM_SIZES,
-              comm_repeats: int = 5, overhead_steps: int = 12, timeout_s: float = 300.0) -> dict[str, Any]:
+              comm_repeats: int = 5, overhead_steps: int = 4, overhead_rounds: int = 3,
+              timeout_s: float = 300.0) -> dict[str, Any]:
     """Measure this machine with `nproc` local processes and write the machine profile `output`.
 
     The cost database (`costdb`; default ``<output stem>.costdb.jsonl`` beside the
@@ -243,7 +269,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     samples = []
     for job in jobs:
         op = job.operator()
-        found = db.lookup(part_key(op, job.box, device.kind))
+        found = db.lookup(part_key(op, job.box, device.kind, job.needs_grad))
         if found is not None:
             samples.append(OpSample(op=op, box=job.box, fwd_ms=found.fwd_ms, bwd_ms=found.bwd_ms))
 
@@ -255,6 +281,11 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                                time_ms=max(1e-6, statistics.median(r[kind][i][1] for r in per_rank)))
                     for kind in per_rank[0] for i, (nbytes, _) in enumerate(per_rank[0][kind])]
 
+    stage("optimizer step", sizes=len(UPDATE_SIZES))
+    updates = launch(time_update, nproc, kwargs={"sizes": UPDATE_SIZES, "repeats": comm_repeats},
+                     backend=backend, timeout_s=timeout_s, wall_timeout_s=timeout_s, num_threads=1)
+    update_samples = [(nbytes, max(r[i][1] for r in updates)) for i, (nbytes, _) in enumerate(updates[0])]
+
     # 3. fits
     stage("fit")
     compute = fit_compute(samples, device)
@@ -265,18 +296,17 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     topology, efficiency, bw_eff = profile_devices(fitted_links, compute)
     profile = MachineProfile(topology=topology, efficiency={device.kind: efficiency},
                              bandwidth_efficiency={device.kind: bw_eff}, launch_us={device.kind: compute.launch_us})
+    update_passes = fit_update_passes(update_samples, profile.analytical(), topology.devices[0])
+    profile = dataclasses.replace(profile, update_passes=update_passes)
 
     # 4. the step's factor and the runtime's overheads (per op part pass, per exchange, per synchronizing
     # collective, per GB all-reduced), from training steps of the workloads
     steps: list[StepSample] = []
     for ref, graph, strategies in captured:
-        for name in STEP_STRATEGIES:
-            if name not in strategies:
-                continue
-            stage("runtime overhead", workload=ref.rpartition(":")[2], strategy=name)
-            steps.append(_step_sample(ref, graph, strategies[name], name=name, topology=topology, db=db,
-                                      profile=profile, nproc=nproc, backend=backend, steps=overhead_steps,
-                                      timeout_s=timeout_s))
+        chosen = {name: strategies[name] for name in STEP_STRATEGIES if name in strategies}
+        stage("runtime overhead", workload=ref.rpartition(":")[2], strategies=list(chosen))
+        steps += _step_samples(ref, graph, chosen, topology=topology, db=db, profile=profile, nproc=nproc,
+                               backend=backend, steps=overhead_steps, rounds=overhead_rounds, timeout_s=timeout_s)
     extra = fit_overhead(steps)
     overhead_ms = extra.overhead_ms
 
@@ -291,6 +321,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                  "median_abs_error": comm.median_abs_error, "max_abs_error": comm.max_abs_error,
                  "default_median_abs_error": comm.default_median_abs_error,
                  "samples": [{"kind": s.kind, "bytes": s.nbytes, "time_ms": s.time_ms} for s in comm_samples]},
+        "update": {"passes": update_passes,
+                   "samples": [{"bytes": b, "time_ms": t} for b, t in update_samples]},
         "compute": {"median_abs_error": compute.median_abs_error,
                     "default_median_abs_error": compute.default_median_abs_error,
                     "num_samples": compute.num_samples},
@@ -302,7 +334,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
                              bandwidth_efficiency=profile.bandwidth_efficiency, launch_us=profile.launch_us,
                              overhead_us=overhead_ms * 1e3, compute_scale=extra.compute_scale,
-                             comm_overhead=extra.comm, costdb=costdb_ref,
+                             comm_overhead=extra.comm, update_passes=update_passes, costdb=costdb_ref,
                              report={"fit": report})
     write_profile(output, profile)
     stage("done")
@@ -315,7 +347,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         "memory_bandwidth_gbps": dev.memory_bandwidth_gbps,
         "efficiency": dict(efficiency), "bandwidth_efficiency": bw_eff, "launch_us": compute.launch_us,
         "overhead_us": overhead_ms * 1e3, "compute_scale": extra.compute_scale,
-        "comm_overhead": extra.comm.to_dict(), "latency_us": topology.links[0].latency_us,
+        "comm_overhead": extra.comm.to_dict(), "update_passes": update_passes,
+        "latency_us": topology.links[0].latency_us,
         "bandwidth_gbps": topology.links[0].bandwidth_gbps,
         **{k: v for k, v in report.items() if k not in ("nproc", "backend")},
     }
@@ -332,6 +365,9 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
                  f"GB/s x {report['bandwidth_efficiency']:.2f}, launch {report['launch_us']:.1f} us, "
                  f"runtime overhead {report['overhead_us']:.1f} us per op pass, parts {report['compute_scale']:.2f}x "
                  "slower in a training step than alone")
+    if report.get("update_passes") is not None:
+        lines.append(f"optimizer step: {report['update_passes']:.2f} passes over the parameter bytes at that "
+                     "memory bandwidth")
     eff = report["efficiency"]
     lines.append("efficiency (fraction of peak) by op kind: "
                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(eff.items(), key=lambda kv: -kv[1])))

@@ -111,7 +111,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
             result = run_search(cost_model)
         measured["best_parts_unmeasured"] = sum(
             1 for job in part_jobs(graph, [result.best], device_kind=kind)
-            if db.lookup(costdb.part_key(job.operator(), job.box, kind)) is None)
+            if db.lookup(costdb.part_key(job.operator(), job.box, kind, job.needs_grad)) is None)
     path = Path(out_path) if out_path is not None else Path(f"strategy-{_slug(spec.name)}-{_slug(topology.name)}.json")
     save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
                   model=spec.name, predicted_ms=result.best_cost.time_ms)

@@ -30,7 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.launch import launch
-from runtime.measure import measure_parts, part_jobs, time_step
+from runtime.measure import measure_parts, part_jobs
+from runtime.train import time_strategies
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.evaluate import SimulatorEvaluators
 from search.mcmc import search
@@ -136,16 +137,19 @@ def pick_strategies(graph: OperatorGraph, topology: DeviceTopology, *, count: in
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def measure_steps(model_ref: str, graph: OperatorGraph, strategy: Strategy, *, nproc: int, steps: int,
-                  timeout_s: float = 300.0) -> list[float]:
-    """The runtime's iteration times (ms): `steps` + 1 training steps in `nproc` processes (one thread
-    each); per step after the first (warm-up) the slowest rank's step time."""
+def measure_steps(model_ref: str, graph: OperatorGraph, strategies: Mapping[str, Strategy], *, nproc: int,
+                  steps: int, rounds: int, timeout_s: float = 300.0) -> dict[str, float]:
+    """The runtime's iteration time (ms) of each strategy: one job of `nproc` processes (one thread
+    each) trains the model under all of them, interleaved (`runtime.train.time_strategies`: `rounds`
+    rounds of 1 + `steps` steps per strategy, the first step of each dropped); per strategy the median
+    over the rounds of each round's median step (slowest rank). What a long training run sees: the
+    allocator's and the caches' warm-up of a fresh process is behind it after the first round."""
     kwargs = {"build": functools.partial(build_workload, model_ref, graph.batch_size), "graph": graph.to_dict(),
-              "strategy": {name: cfg.to_dict() for name, cfg in strategy.items()}, "steps": steps + 1}
-    results = launch(time_step, nproc, kwargs=kwargs, timeout_s=timeout_s, wall_timeout_s=timeout_s,
-                     num_threads=1)
-    per_step = [max(ts) for ts in zip(*[r["step_time_ms"] for r in results], strict=True)]
-    return per_step[1:]
+              "strategies": {name: {n: cfg.to_dict() for n, cfg in st.items()} for name, st in strategies.items()},
+              "steps": steps, "rounds": rounds}
+    per_round = launch(time_strategies, nproc, kwargs=kwargs, timeout_s=timeout_s, wall_timeout_s=timeout_s,
+                       num_threads=1)[0]
+    return {name: statistics.median(per_round[name]) for name in strategies}
 
 
 # ----------------------------------------------------------------------------------------------- validate
@@ -155,12 +159,12 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
              steps: int = DEFAULT_STEPS, batch: int | None = None, plot: str | os.PathLike | None = None,
              progress: Callable[[Mapping[str, Any]], None] | None = None, costdb: str | None = None,
              search_budget_s: float | None = DEFAULT_SEARCH_BUDGET_S, extra: Mapping[str, str] | None = None,
-             rounds: int = 2, timeout_s: float = 300.0) -> dict[str, Any]:
+             rounds: int = 3, timeout_s: float = 300.0) -> dict[str, Any]:
     """Predict and measure `strategies` strategies per model on `topology_ref` (a ``cpu-N`` preset or a
-    machine profile of this machine; see the module docstring). Each strategy runs `rounds` times `steps`
-    steps (after one warm-up step), the rounds interleaved over the strategies; the measured time is the
-    median over all those steps. `costdb` overrides the profile's cost database. Bad input raises
-    `ValueError`."""
+    machine profile of this machine; see the module docstring). The strategies train in one job per model,
+    interleaved: `rounds` rounds of 1 + `steps` steps each (`measure_steps`); the measured time is the
+    median over the rounds of each round's median after its first step. `costdb` overrides the profile's
+    cost database. Bad input raises `ValueError`."""
     if not models:
         raise ValueError("validate needs at least one model")
     if strategies < 1 or steps < 1 or rounds < 1:
@@ -196,15 +200,12 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
             _, cost_model = cost_model_for(topology_ref, db=db)
         # Rounds over all strategies rather than all steps of one strategy at once: a change of the
         # machine's load during the runs then spreads over the strategies instead of favouring some.
-        times: dict[str, list[float]] = {name: [] for name, _ in picked}
-        for k in range(rounds):
-            for name, strategy in picked:
-                report("run", model=model_ref, strategy=name, round=k)
-                times[name] += measure_steps(model_ref, graph, strategy, nproc=nproc, steps=steps,
-                                             timeout_s=timeout_s)
+        report("run", model=model_ref, strategies=len(picked), rounds=rounds)
+        times = measure_steps(model_ref, graph, dict(picked), nproc=nproc, steps=steps, rounds=rounds,
+                              timeout_s=timeout_s)
         for name, strategy in picked:
             predicted = simulate(graph, strategy, topology, cost_model).summary()["iteration_time_ms"]
-            measured = statistics.median(times[name])
+            measured = times[name]
             row = {"model": spec.name, "strategy": name, "predicted_ms": predicted, "measured_ms": measured,
                    "error": (predicted - measured) / measured}
             for other, (topo, model) in others.items():

@@ -158,7 +158,8 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
                              bandwidth_efficiency={"cpu": 0.5}, launch_us={"cpu": 15.0}, overhead_us=70.0,
                              compute_scale=1.25, costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}},
                              comm_overhead=CommOverhead(exchange_us=120.0, sync_us=80.0,
-                                                        allreduce_ms_per_gb=300.0, exchange_ms_per_gb=450.0))
+                                                        allreduce_ms_per_gb=300.0, exchange_ms_per_gb=450.0),
+                             update_passes=2.75)
     path = tmp_path / "machine.json"
     write_profile(path, profile)
     loaded = load_topology(str(path))
@@ -227,9 +228,10 @@ def test_a_bad_calibration_figure_is_a_clear_error(tmp_path: Path, key, value, m
         read_profile(path)
 
 
-def test_calibration_strategies_include_a_reshard_of_every_other_op() -> None:
+def test_calibration_strategies_include_a_reshard_and_an_alternation() -> None:
     """`reshard` splits the ops `mixed` leaves alone along a dim other than the sample, as many ways as
-    dp: the conv stack's activations are then exchanged whole, so the steps see the cost per byte."""
+    dp: the conv stack's activations are then exchanged whole, so the steps see the cost per byte;
+    `alternate` puts every op whole on the devices in turn: exchanges with one sender only."""
     from search.space import ConfigSpace
     from soapflow.api import capture_model
     from soapflow.calibrate import STEP_STRATEGIES, WORKLOADS, _strategies
@@ -246,5 +248,57 @@ def test_calibration_strategies_include_a_reshard_of_every_other_op() -> None:
     for name in changed:
         cfg = reshard[name]
         assert cfg.degree("sample") == 1 and cfg.num_parts == 2 and space.contains(name, cfg)
+    # alternate: every op whole, the two devices taking turns in graph order
+    alternate = strategies["alternate"]
+    assert [alternate[op.name].devices for op in graph] == [(k % 2,) for k in range(len(graph.ops))]
+    assert all(alternate[op.name].num_parts == 1 for op in graph)
+    assert "alternate" in STEP_STRATEGIES
     values = list(strategies.values())
     assert all(a != b for i, a in enumerate(values) for b in values[i + 1:])  # all distinct
+
+
+def test_time_strategies_runs_every_strategy_in_every_round() -> None:
+    """One process (world size 1): two strategies, three rounds of 1 + 2 steps each; a median per round."""
+    import functools
+
+    from runtime.train import time_strategies
+    from soapflow.api import capture_model
+    from soapflow.calibrate import TINY_WORKLOADS
+    from soapflow.runner import build_workload
+
+    ref = TINY_WORKLOADS[0]
+    _, graph = capture_model(ref)
+    single = {op.name: ParallelConfig.single(0).to_dict() for op in graph}
+    build = functools.partial(build_workload, ref, graph.batch_size)
+    out = time_strategies(0, 1, build=build, graph=graph.to_dict(), strategies={"a": single, "b": single},
+                          steps=2, rounds=3)
+    assert list(out) == ["a", "b"]
+    assert all(len(times) == 3 and all(t > 0 for t in times) for times in out.values())
+    with pytest.raises(ValueError, match="positive"):
+        time_strategies(0, 1, build=build, graph=graph.to_dict(), strategies={"a": single}, steps=0)
+
+
+def test_update_passes_are_fitted_from_timed_optimizer_steps_and_price_the_update(graphs) -> None:
+    """Timed optimizer steps that stream 3 passes over the parameter bytes at the model's bandwidth give
+    3 passes; a profile with them prices an update at 3/5 of the default (SGD with momentum, 5)."""
+    from runtime.measure import time_update
+    from simulator.calibration import fit_update_passes
+
+    topology = load_topology("cpu-2")
+    device = topology.devices[0]
+    plain = MachineProfile(topology=topology, efficiency={"cpu": {"*": 0.2}}, bandwidth_efficiency={"cpu": 0.5},
+                           launch_us={"cpu": 0.0})
+    model = plain.analytical()
+    per_ms = model.bandwidth_bytes_per_ms(device)
+    samples = [(n, 3 * n / per_ms) for n in (1 << 25, 1 << 26, 1 << 27)]
+    passes = fit_update_passes(samples, model, device)
+    assert passes == pytest.approx(3.0)
+    assert fit_update_passes([], model, device) is None
+    op = next(op for op in graphs[1] if op.params)
+    fitted = dataclasses.replace(plain, update_passes=passes).analytical()
+    assert fitted.update_ms(op, 1 << 20, device) == pytest.approx(0.6 * model.update_ms(op, 1 << 20, device))
+    with pytest.raises(ValueError, match="update_passes"):
+        dataclasses.replace(plain, update_passes=0.0)
+    # the runtime's timing of it (one process): one (bytes, ms) per size, the bytes in chunks
+    timed = time_update(0, 1, sizes=(1 << 20, 3 << 20), repeats=2, warmup=1, chunk_bytes=1 << 20)
+    assert [b for b, _ in timed] == [1 << 20, 3 << 20] and all(ms > 0 for _, ms in timed)

@@ -92,18 +92,19 @@ def test_measured_cost_model_reads_the_database_with_fallback(tiny_graph, tmp_pa
     op = next(o for o in tiny_graph if o.kind == "linear")
     box = tuple((0, d.size) for d in dims_of(op))
     key = costdb.part_key(op, box, "cpu")
-    kind, op_kind, dtype, inputs, outputs, params, attrs = key
+    kind, op_kind, dtype, inputs, outputs, params, attrs, grads = key
     m = Measurement(device_kind=kind, op_kind=op_kind, dtype=dtype, inputs=inputs, outputs=outputs,
-                    params=params, attrs=attrs, fwd_ms=0.5, bwd_ms=0.75)
+                    params=params, attrs=attrs, grads=grads, fwd_ms=0.5, bwd_ms=0.75)
     model = MeasuredCostModel(CostDatabase([m]), overhead_ms=0.25)
     assert model.compute_ms(op, box, device) == (0.75, 1.0)
     half = ((0, 2),) + box[1:]
     assert model.compute_ms(op, half, device) == AnalyticalCostModel().compute_ms(op, half, device)
     assert (model.hits, model.misses) == (1, 1)
     # a whole op is priced with its solo times (the other devices wait), a split one with concurrent times
-    kind, op_kind, dtype, inputs, outputs, params, attrs = costdb.part_key(op, half, "cpu")
+    kind, op_kind, dtype, inputs, outputs, params, attrs, grads = costdb.part_key(op, half, "cpu")
     m_half = Measurement(device_kind=kind, op_kind=op_kind, dtype=dtype, inputs=inputs, outputs=outputs,
-                         params=params, attrs=attrs, fwd_ms=0.5, bwd_ms=0.5, solo_fwd_ms=0.25, solo_bwd_ms=0.25)
+                         params=params, attrs=attrs, grads=grads, fwd_ms=0.5, bwd_ms=0.5, solo_fwd_ms=0.25,
+                         solo_bwd_ms=0.25)
     m_solo = Measurement(**{**m.to_dict(), "solo_fwd_ms": 0.125, "solo_bwd_ms": 0.375})
     assert Measurement.from_dict(m_solo.to_dict()) == m_solo
     model = MeasuredCostModel(CostDatabase([m_solo, m_half]))
@@ -136,7 +137,7 @@ def test_measure_parts_reuses_measured_keys(tiny_graph, tmp_path: Path) -> None:
     jobs = part_jobs(tiny_graph, [single, dp(tiny_graph, topo), single])
     kinds = {j.op["kind"] for j in jobs}
     assert "input" not in kinds and "linear" in kinds
-    keys = {costdb.part_key(j.operator(), j.box, "cpu") for j in jobs}
+    keys = {costdb.part_key(j.operator(), j.box, "cpu", j.needs_grad) for j in jobs}
     assert len(keys) == len(jobs)  # each distinct part once
     path = tmp_path / "db.jsonl"
     db, timed = measure_parts(jobs[:3], os.fspath(path), warmup=1, repeats=3, device="cpu")
@@ -152,5 +153,41 @@ def test_measure_parts_reuses_measured_keys(tiny_graph, tmp_path: Path) -> None:
     model = MeasuredCostModel(again)
     device = topo.devices[0]
     for j in jobs:
-        model.compute_ms(j.operator(), j.box, device)
+        model.compute_ms(j.operator(), j.box, device, j.needs_grad)
     assert model.misses == 0
+
+
+def test_a_part_whose_input_carries_a_gradient_is_keyed_apart() -> None:
+    """An MLP whose first layer (reading the batch: no input gradient) has the shapes of a later one
+    (whose backward also computes the input gradient): two parts to time, and the simulator looks each
+    up with the flags the graph gives it."""
+    from runtime.measure import part_jobs
+    from simulator.taskgraph import GraphFacts
+    from soap.capture import capture
+    from soap.config import ParallelConfig
+    from soap.strategy import Strategy
+    from soapflow.models import default_loss
+    from soapflow.zoo.mlp import mlp
+
+    module, (x, target) = mlp(8, sizes=(32, 32, 32, 32))
+    graph = capture(module, x, target, default_loss, name="square", batch_size=8)
+    single = Strategy({op.name: ParallelConfig.single(0) for op in graph})
+    linears = [j for j in part_jobs(graph, [single]) if j.op["kind"] == "linear"]
+    assert sorted(j.needs_grad for j in linears) == [(False,), (True,)]  # three layers, two keys
+    facts = GraphFacts(graph)
+    first, *rest = [op for op in graph if op.kind == "linear"]
+    assert facts.grad_inputs[facts.index[first.name]] == (False,)
+    assert all(facts.grad_inputs[facts.index[op.name]] == (True,) for op in rest)
+    box = tuple((0, d.size) for d in dims_of(first))
+    keys = {costdb.part_key(op, box, "cpu", facts.grad_inputs[facts.index[op.name]]) for op in (first, *rest)}
+    assert len(keys) == 2 and {k[-1] for k in keys} == {"0", "1"}
+    # priced from the matching measurement
+    fast = Measurement(**dict(zip(("device_kind", "op_kind", "dtype", "inputs", "outputs", "params", "attrs", "grads"),
+                                  costdb.part_key(first, box, "cpu", (False,)), strict=True)), fwd_ms=1.0, bwd_ms=1.0)
+    slow = Measurement(**{**fast.to_dict(), "grads": "1", "bwd_ms": 2.0})
+    model = MeasuredCostModel(CostDatabase([fast, slow]))
+    device = load_topology("cpu-2").devices[0]
+    assert model.compute_ms(first, box, device, (False,))[1] == 1.0
+    assert model.compute_ms(rest[0], box, device, (True,))[1] == 2.0
+    with pytest.raises(ValueError, match="grads"):
+        Measurement(**{**fast.to_dict(), "grads": "2"})
