@@ -199,7 +199,9 @@ class MeasuredCostModel:
     training step an op finds its operands out of cache, evicted by the ops before it and by the other
     processes), and `overhead_ms` is added to the forward and to the backward time of every such part
     (the runtime's own cost per op part and pass: interpreter, redistribution bookkeeping, autograd call).
-    `hits` and `misses` count lookups (reporting only: they never change a result).
+    A lookup with gradient flags (`grads`) that finds no measurement with them takes one written without
+    them (a database from before the key had them). `hits` and `misses` count lookups (reporting only:
+    they never change a result).
     """
 
     __slots__ = ("db", "fallback", "hits", "misses", "overhead_ms", "scale", "solo")
@@ -222,7 +224,11 @@ class MeasuredCostModel:
                    grads: Sequence[bool] | None = None) -> tuple[float, float]:
         if op.kind in FREE_KINDS:
             return (0.0, 0.0)
-        found = self.db.lookup(part_key(op, box, device.kind, grads))
+        key = part_key(op, box, device.kind, grads)
+        found = self.db.lookup(key)
+        if found is None and key[-1]:
+            # a database written before keys said which inputs carry a gradient
+            found = self.db.lookup((*key[:-1], ""))
         if found is None:
             self.misses += 1
             return self.fallback.compute_ms(op, box, device, grads)

@@ -191,3 +191,8 @@ def test_a_part_whose_input_carries_a_gradient_is_keyed_apart() -> None:
     assert model.compute_ms(rest[0], box, device, (True,))[1] == 2.0
     with pytest.raises(ValueError, match="grads"):
         Measurement(**{**fast.to_dict(), "grads": "2"})
+    # a line written before keys had the flags serves any lookup that finds nothing better
+    old = Measurement(**{**fast.to_dict(), "grads": "", "bwd_ms": 3.0})
+    model = MeasuredCostModel(CostDatabase([old, slow]))
+    assert model.compute_ms(first, box, device, (False,))[1] == 3.0
+    assert model.compute_ms(rest[0], box, device, (True,))[1] == 2.0
