@@ -4,7 +4,8 @@ Owns `PartJob` (one op part to time, self-contained so that it pickles into work
 `part_jobs` (the distinct parts of a graph under one or more strategies), `time_part` (warm-up, then the
 median of repeats), `measure_parts` (time what the cost database lacks and append it, atomically),
 `time_comm` (alpha-beta samples of send/recv, all-reduce and all-gather between the ranks of a launched
-job) and `time_step` (one rank's training steps, the runtime's own loop, for validation).
+job) and `time_update` (the optimizer step over parameters beyond the caches). Whole training steps are
+timed by `runtime.train.time_strategies`.
 
 Op parts run through `runtime.kernels.compute_part`, the very kernels the executor calls, on detached
 leaf inputs and parameter shards exactly as the executor passes them, so a measured part is what a rank
@@ -340,17 +341,5 @@ def time_update(rank: int, world_size: int, *, sizes: Sequence[int], repeats: in
     return out
 
 
-# ---------------------------------------------------------------------- a whole step
-
-
-def time_step(rank: int, world_size: int, *, build: Callable[[], Any], graph: Mapping[str, Any],
-              strategy: Mapping[str, Mapping[str, Any]], steps: int = 5) -> dict[str, Any]:
-    """The runtime's training loop (`runtime.train.train_rank`) for `steps` steps; its result."""
-    from runtime.train import TrainOptions, train_rank
-
-    return train_rank(rank, world_size, build=build, graph=graph, strategy=strategy,
-                      options=TrainOptions(steps=steps))
-
-
 __all__ = ["COMM_KINDS", "UNTIMED_KINDS", "PartJob", "job_for", "measure_parts", "measurement", "part_jobs",
-           "time_comm", "time_jobs", "time_part", "time_step", "time_update"]
+           "time_comm", "time_jobs", "time_part", "time_update"]

@@ -143,7 +143,8 @@ def measure_steps(model_ref: str, graph: OperatorGraph, strategies: Mapping[str,
     each) trains the model under all of them, interleaved (`runtime.train.time_strategies`: `rounds`
     rounds of 1 + `steps` steps per strategy, the first step of each dropped); per strategy the median
     over the rounds of each round's median step (slowest rank). What a long training run sees: the
-    allocator's and the caches' warm-up of a fresh process is behind it after the first round."""
+    allocator's and the caches' warm-up of a fresh process is behind it after the first round. Every
+    strategy keeps its own replica in the job, so it needs the memory of all of them at once."""
     kwargs = {"build": functools.partial(build_workload, model_ref, graph.batch_size), "graph": graph.to_dict(),
               "strategies": {name: {n: cfg.to_dict() for n, cfg in st.items()} for name, st in strategies.items()},
               "steps": steps, "rounds": rounds}
