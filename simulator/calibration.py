@@ -19,13 +19,15 @@ constants are the ones that make the simulator reproduce the calibration measure
   squares (scipy `nnls`);
 - `fit_overhead`: what a training step adds to the parts timed alone - a factor on every part's time
   (in a step an op finds its operands out of cache), the runtime's own cost per op part and pass (its
-  interpreter, redistribution bookkeeping, autograd calls), per exchange, per synchronizing collective
-  and per GB all-reduced (`simulator.comm.CommOverhead`: on top of the links, which stay the wire that
-  `fit_comm` measured) - from whole training steps of calibration workloads: measured step time =
-  simulated step time without them + (compute on the critical path) x (factor - 1) + (part passes on the
-  critical path) x overhead + (exchanges) x cost per exchange + (synchronizing collectives) x cost per
-  sync + (GB all-reduced) x cost per GB, each on the critical path; non-negative linear least squares
-  (scipy `nnls`, then a robust refinement), the slopes taken from the simulator itself.
+  interpreter, redistribution bookkeeping, autograd calls), per exchange, per synchronizing collective,
+  per GB all-reduced and per GB exchanged (`simulator.comm.CommOverhead`: on top of the links, which stay
+  the wire that `fit_comm` measured) - from whole training steps of calibration workloads: measured step
+  time = simulated step time without them + (compute on the critical path) x (factor - 1) + (part passes
+  on the critical path) x overhead + (exchanges) x cost per exchange + (synchronizing collectives) x cost
+  per sync + (GB all-reduced) x cost per GB + (GB exchanged) x cost per GB, each on the critical path;
+  non-negative linear least squares (scipy `nnls`, then a robust refinement), the slopes taken from the
+  simulator itself.
+- `fit_update_passes`: the optimizer step's passes over the parameter bytes, from timed optimizer steps.
 
 Fits use calibration measurements only, never validation runs (`soapflow.validate` measures strategies
 of the models under test and compares; nothing here sees them).
@@ -39,8 +41,8 @@ The machine profile is a topology file (`soap.topology`: devices with fitted `pe
                     "bandwidth_efficiency": {"cpu": 1.0}, "launch_us": {"cpu": 12.0},
                     "overhead_us": 85.0, "compute_scale": 1.3,
                     "comm_overhead": {"exchange_us": 300.0, "sync_us": 500.0,
-                                      "allreduce_ms_per_gb": 200.0},
-                    "costdb": "machine.costdb.jsonl", "fit": {...}}
+                                      "allreduce_ms_per_gb": 200.0, "exchange_ms_per_gb": 450.0},
+                    "update_passes": 3.5, "costdb": "machine.costdb.jsonl", "fit": {...}}
 
 Must import only `soap`, the other `simulator` modules, numpy and scipy (no torch, runtime or search).
 """
@@ -317,7 +319,7 @@ def fit_comm(samples: Sequence[CommSample], topology: DeviceTopology, *,
 class OverheadFit:
     """What a training step adds to the simulated step: a factor on every measured part's time
     (`compute_scale`, at least 1), milliseconds per op part pass, and the runtime's communication
-    overhead (per exchange, per synchronizing collective, per GB all-reduced)."""
+    overhead (per exchange, per synchronizing collective, per GB all-reduced, per GB exchanged)."""
 
     overhead_ms: float = 0.0
     compute_scale: float = 1.0
