@@ -1,12 +1,13 @@
 """Partitioned kernels: compute one part of one op with plain torch calls.
 
-Owns `compute_part` (every registry kind but `input`, `constant` and `opaque`, which the runtime feeds
-itself) and `run_opaque` (the whole-op call of an `opaque` op). A part receives exactly the tensors of the
-regions its registry entry names (`input_regions`, `param_regions`, `buffer_regions`) and returns its
-outputs shaped as `output_region`; halos, padding, masks and partial sums are derived from the same entry,
-so the simulator's regions and the runtime's computation cannot disagree. Everything here is
-autograd-friendly: no in-place op touches an input or a parameter (batchnorm's running statistics, which
-are buffers, are the one thing updated in place).
+Owns `KERNELS`, the part kernels by the name each registry kind gives in `OpDef.kernel` (every kind but
+`input`, `constant` and `opaque`, whose `OpDef.run_specially` says how the runtime runs them), with
+`compute_part` to call them, and `run_opaque` (the whole-op call of an `opaque` op). A part receives
+exactly the tensors of the regions its registry entry names (`input_regions`, `param_regions`,
+`buffer_regions`) and returns its outputs shaped as `output_region`; halos, padding, masks and partial
+sums are derived from the same entry, so the simulator's regions and the runtime's computation cannot
+disagree. Everything here is autograd-friendly: no in-place op touches an input or a parameter
+(batchnorm's running statistics, which are buffers, are the one thing updated in place).
 
 Imports `soap` and torch; must not import the simulator or the search.
 """
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from soap.graph import Operator
-from soap.opdef import Box, Range, Region, input_shape
+from soap.opdef import Box, Range, Region, input_shape, pair
 from soap.registry import op_def
 
 Tensor = torch.Tensor
@@ -55,15 +56,14 @@ def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params
     dropout mask from one training step to the next. `check` asserts the output shapes against the
     registry (the runtime checks the first step only: the shapes do not change between steps).
     """
-    kernel = _KERNELS.get(op.kind)
+    entry = op_def(op.kind)
+    kernel = KERNELS.get(entry.kernel)
     if kernel is None:
-        raise ValueError(f"op {op.name!r}: kind {op.kind!r} has no partitioned kernel "
-                         f"(the runtime feeds input and constant ops and calls run_opaque for opaque ones)")
+        raise ValueError(f"op {op.name!r}: kind {op.kind!r} has no partitioned kernel ({entry.run_specially})")
     ctx = _Context(training=training, buffers=dict(buffers or {}), step=step)
     outputs = kernel(op, box, inputs, params, ctx)
     if not check:
         return outputs
-    entry = op_def(op.kind)
     for i, out in enumerate(outputs):
         expected = _shape(entry.output_region(op, box, i))
         assert tuple(out.shape) == expected, (op.name, i, tuple(out.shape), expected)
@@ -143,13 +143,6 @@ def _shape(region: Region) -> tuple[int, ...]:
     return tuple(hi - lo for lo, hi in region)
 
 
-def _pair(value: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(value, int):
-        return (value, value)
-    a, b = value
-    return (int(a), int(b))
-
-
 def _pads(need: Range, have: Range) -> tuple[int, int]:
     """Rows to add before and after `have` (what was read, clipped to the tensor) to cover `need`."""
     if have[1] <= have[0]:
@@ -189,8 +182,8 @@ def _conv2d(op, box, inputs, params, ctx):
     weight = params["weight"]
     # a part holds whole groups or lies inside one: its group count follows from the channel counts
     groups = x.shape[1] // weight.shape[1]
-    return (F.conv2d(x, weight, params.get("bias"), stride=_pair(op.attrs.get("stride", 1)),
-                     padding=padding or 0, dilation=_pair(op.attrs.get("dilation", 1)), groups=groups),)
+    return (F.conv2d(x, weight, params.get("bias"), stride=pair(op.attrs.get("stride", 1)),
+                     padding=padding or 0, dilation=pair(op.attrs.get("dilation", 1)), groups=groups),)
 
 
 def _linear(op, box, inputs, params, ctx):
@@ -265,16 +258,16 @@ def _pool2d(op, box, inputs, params, ctx):
     a = op.attrs
     (region,) = entry.input_regions(op, box)
     need, have = entry.needed_window(op, box), (region[2], region[3])
-    kernel = _pair(a["kernel"])
-    stride = _pair(a.get("stride") or a["kernel"])
+    kernel = pair(a["kernel"])
+    stride = pair(a.get("stride") or a["kernel"])
     if a.get("mode", "max") == "max":
         # -inf padding never wins a max, so the explicit pad acts like torch's implicit one (which
         # allows at most half a kernel)
         padding = _symmetric_pads(need, have)
         if padding is not None and all(2 * p <= k for p, k in zip(padding, kernel, strict=True)):
-            return (F.max_pool2d(inputs[0], kernel, stride, padding, _pair(a.get("dilation", 1))),)
+            return (F.max_pool2d(inputs[0], kernel, stride, padding, pair(a.get("dilation", 1))),)
         x = _pad_window(inputs[0], need, have, -math.inf)
-        return (F.max_pool2d(x, kernel, stride, 0, _pair(a.get("dilation", 1))),)
+        return (F.max_pool2d(x, kernel, stride, 0, pair(a.get("dilation", 1))),)
     x = _pad_window(inputs[0], need, have, 0.0)
     total = F.avg_pool2d(x, kernel, stride, 0, divisor_override=1)
     if a.get("divisor_override"):
@@ -282,7 +275,7 @@ def _pool2d(op, box, inputs, params, ctx):
     # torch divides by the window's overlap with [-padding, size + padding) (count_include_pad) or with
     # the tensor itself; count that overlap the same way, over the part's global rows and columns
     size = input_shape(op, 0)[2:]
-    padding = _pair(a.get("padding", 0))
+    padding = pair(a.get("padding", 0))
     masks = []
     for (lo, hi), n, p in zip(need, size, padding, strict=True):
         rows = torch.arange(lo, hi, device=x.device)
@@ -440,7 +433,9 @@ def _loss(op, box, inputs, params, ctx):
     return (total,)
 
 
-_KERNELS: dict[str, Kernel] = {
+# The part kernel of each kind, by the name its `OpDef.kernel` gives (tests/test_op_kinds.py checks that the
+# names match the registry both ways).
+KERNELS: dict[str, Kernel] = {
     "conv2d": _conv2d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
     "layernorm": _layernorm, "embedding": _embedding, "lstm": _lstm, "attention": _attention,
     "pool2d": _pool2d, "adaptive_pool2d": _adaptive_pool2d, "elementwise": _elementwise, "binary": _binary,

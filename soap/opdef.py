@@ -1,9 +1,9 @@
-"""The shape of an op-registry entry: iteration dims, boxes, regions.
+"""The shape of an op-registry entry: iteration dims, boxes, regions, FLOPs, capture mapping and kernel.
 
-The registry (`soap/registry.py`) holds one entry (`OpDef`) per op kind. An entry names the op's
-*iteration dims* (`DimSpec`): the output dims plus any reduction dims, each with its SOAP kind.
-A part of an op is a `Box`: one half-open index range per iteration dim, aligned with `dims(op)`.
-For a box the entry returns
+The registry (`soap/registry.py`) holds one entry (`OpDef`) per op kind, the one place where a kind is
+defined (docs/op_kinds.md, "How to add an op kind"). An entry names the op's *iteration dims*
+(`DimSpec`): the output dims plus any reduction dims, each with its SOAP kind. A part of an op is a
+`Box`: one half-open index range per iteration dim, aligned with `dims(op)`. For a box the entry returns
 
 - `output_region(op, box, i)`: the part of output `i` the box produces (a `Region`: one range per tensor
   axis). When the box covers only part of a dim whose `out_axis` is None, the part holds partial sums of
@@ -12,18 +12,22 @@ For a box the entry returns
 - `param_regions(op, box)`: the part of each parameter it reads.
 
 The simulator derives communication from these regions; the runtime's kernels compute a part from exactly
-these regions. One definition, two users. Pure Python: this module must not import torch, the simulator,
-the search or the runtime.
+these regions. One definition, two users. The entry also gives the op's forward FLOPs by formula (`flops`,
+`backward_flops`, or `flops_counted` where capture counts them with torch), names the aten ops capture
+maps to the kind (`captured_from`) and the runtime kernel that computes a part (`kernel`). Pure Python:
+this module must not import torch, the simulator, the search or the runtime, which is why the kernel is
+named here and held in `runtime.kernels.KERNELS`.
 
-The helpers below the classes (`input_shape`, `window_range`, `clip_range`, `part_boxes`) are shared by
-the registry entries and the runtime kernels, so that both derive halos and part boxes the same way.
+The helpers below the classes (`input_shape`, `pair`, `window_range`, `clip_range`, `part_boxes`) are
+shared by the registry entries, capture and the runtime kernels, so that all of them read attributes and
+derive halos and part boxes the same way.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -91,9 +95,19 @@ def split_range(size: int, degree: int, index: int) -> Range:
 
 
 class OpDef:
-    """Base of all registry entries. Subclasses set `kind` and implement `dims` and the region functions.
+    """Base of all registry entries: everything soapflow knows about one op kind.
 
-    The defaults cover ops whose output 0 is indexed by the dims with an `out_axis`, and whose other
+    A subclass sets `kind` and declares the five facts every consumer reads (tests/test_op_kinds.py
+    checks each registered kind for all of them):
+
+    1. dims: `dims` (and `check` where some degrees of splittable dims are not allowed);
+    2. regions: `input_regions` (and `output_region`, `param_regions`, `buffer_regions` where the
+       defaults do not fit);
+    3. FLOPs: `flops` (and `backward_flops` where the default rule does not fit), or `flops_counted`;
+    4. capture mapping: `captured_from`, or `captured_specially`;
+    5. kernel: `kernel`, or `run_specially`.
+
+    The region defaults cover ops whose output 0 is indexed by the dims with an `out_axis`, and whose other
     outputs (if any) the subclass maps itself.
     """
 
@@ -102,6 +116,35 @@ class OpDef:
     # True where the op's output exists on every device at no cost: buffers each process holds, and the
     # batch, which each process's data loader reads where its consumers need it.
     everywhere: bool = False
+    # The aten ops capture turns into this kind, by overload-packet name with trailing underscores dropped
+    # (``conv2d``, ``max_pool2d_with_indices``, ``_softmax``); each has a mapper in
+    # soap/capture/mappers.py, which may still leave a call opaque when its arguments do not fit the kind.
+    # Empty only for the kinds capture makes itself, and then `captured_specially` says how.
+    captured_from: tuple[str, ...] = ()
+    captured_specially: str = ""
+    # The entry of `runtime.kernels.KERNELS` that computes a part of an op of this kind (soap must not
+    # import the runtime, so the kind names its kernel and the runtime's table holds it). Empty only for
+    # the kinds the runtime runs without a part kernel, and then `run_specially` says how.
+    kernel: str = ""
+    run_specially: str = ""
+    # True where capture takes an op's forward and backward FLOPs from torch's FlopCounterMode running
+    # its aten call on fake tensors (the counter knows convolutions, matrix products and attention);
+    # `flops` is then only the fallback where the counter counts no forward FLOPs.
+    flops_counted: bool = False
+
+    def flops(self, op: Operator) -> float | None:
+        """Forward FLOPs of the whole `op` by formula (a multiply-add is 2 FLOPs).
+
+        Capture records it for the kinds that are not `flops_counted`, and for the counted ones where the
+        counter counts no forward FLOPs; None (counted kinds only) means there is no formula and the
+        counter's figures stand (zero where it fails).
+        """
+        raise NotImplementedError(f"op kind {self.kind!r} declares no FLOPs formula")
+
+    def backward_flops(self, op: Operator, fwd_flops: float) -> float:
+        """Backward FLOPs of `op` given the forward FLOPs `flops` gave: twice the forward for an op with
+        parameters (the gradients of its inputs and of its parameters), once for the others."""
+        return (2.0 if op.params else 1.0) * fwd_flops
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         raise NotImplementedError
@@ -150,6 +193,22 @@ def input_shape(op: Operator, index: int) -> tuple[int, ...]:
         raise ValueError(f"op {op.name!r} ({op.kind}) lacks attr 'input_shapes' for input {index}; "
                          f"capture records one shape per tensor input")
     return tuple(int(s) for s in shapes[index])
+
+
+def pair(value: int | Sequence[int]) -> tuple[int, int]:
+    """A spatial attribute (kernel, stride, padding, dilation) as ``(h, w)``.
+
+    Accepts what torch's conv and pooling functions accept and what capture writes: an int for both axes,
+    or a sequence of one (both axes) or two ints.
+    """
+    if isinstance(value, int):
+        return (value, value)
+    values = [int(v) for v in value]
+    if len(values) == 1:
+        return (values[0], values[0])
+    if len(values) != 2:
+        raise ValueError(f"a spatial pair needs one or two ints, got {list(value)}")
+    return (values[0], values[1])
 
 
 def window_range(out_range: Range, *, kernel: int, stride: int, padding: int, dilation: int = 1) -> Range:

@@ -1,8 +1,18 @@
 """The op registry: one `OpDef` entry per op kind (see `soap/opdef.py` for what an entry answers).
 
-Owns the iteration dims of every kind in `docs/op_kinds.md` and how a part's box maps to the regions of
-its outputs, inputs, parameters and buffers. Shapes of inputs come from the ``input_shapes`` attr that
-capture records on every op (an `Operator` holds only its output specs).
+Owns every kind in `docs/op_kinds.md`, each defined once: its iteration dims, how a part's box maps to the
+regions of its outputs, inputs, parameters and buffers, its FLOPs formula, the aten ops capture maps to
+it and the name of its runtime kernel (what each of these means: `OpDef` in soap/opdef.py). Shapes of
+inputs come from the ``input_shapes`` attr that capture records on every op (an `Operator` holds only
+its output specs).
+
+FLOPs formulas (forward; `OpDef.backward_flops` is twice that for ops with parameters, once for the
+others): LSTM ``8 N T H (I + H)`` per layer (4 gates, an input and a hidden matmul per step, 2 FLOPs per
+multiply-add), attention ``4 N heads Tq Tk head_dim`` (the two matmuls; backward twice that);
+elementwise, binary and dropout 1 per output element, batch norm, layer norm and softmax 5, cross
+entropy 5 and mse 3 per logit, reduce and adaptive pooling 1 per input element, pooling one per window
+element, data movement 0. Convolution, linear, matmul, attention and opaque ops are `flops_counted`:
+capture counts them with torch.
 
 Pure Python: must not import torch, the simulator, the search or the runtime.
 """
@@ -23,6 +33,7 @@ from soap.opdef import (
     clip_range,
     full_region,
     input_shape,
+    pair,
     part_boxes,
     window_range,
 )
@@ -72,11 +83,14 @@ def _norm_axis(axis: int, ndim: int) -> int:
     return axis + ndim if axis < 0 else axis
 
 
-def _pair(value: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(value, int):
-        return (value, value)
-    a, b = value
-    return (int(a), int(b))
+def output_numel(op: Operator) -> int:
+    """Elements of all outputs of `op`, the unit of the per-element FLOPs formulas."""
+    return sum(t.numel for t in op.outputs)
+
+
+def first_input_numel(op: Operator) -> int:
+    """Elements of tensor input 0 of `op` (0 without tensor inputs)."""
+    return math.prod(input_shape(op, 0)) if op.inputs else 0
 
 
 def broadcast_region(in_shape: Sequence[int], out_region: Region) -> Region:
@@ -116,6 +130,8 @@ class Input(OpDef):
     """
 
     kind = "input"
+    captured_specially = "one op per tensor of the example batch, the loss target last"
+    run_specially = "fed: every rank holds the global batch and reads the region each part needs"
     everywhere = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
@@ -123,6 +139,9 @@ class Input(OpDef):
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return ()
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # a source: computes nothing
 
 
 class Constant(OpDef):
@@ -132,6 +151,9 @@ class Constant(OpDef):
     """
 
     kind = "constant"
+    captured_specially = ("one op per buffer an op reads, just before its first use (a batch norm's "
+                          "running statistics go to its attrs instead)")
+    run_specially = "fed: every rank holds the model's buffers whole"
     everywhere = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
@@ -140,6 +162,9 @@ class Constant(OpDef):
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return ()
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # a source: computes nothing
 
 
 # ---------------------------------------------------------------- layers with weights
@@ -156,6 +181,9 @@ class Conv2d(OpDef):
     """
 
     kind = "conv2d"
+    captured_from = ("conv2d",)
+    kernel = "conv2d"
+    flops_counted = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, co, ho, wo = op.outputs[0].shape
@@ -185,9 +213,9 @@ class Conv2d(OpDef):
     def needed_window(self, op: Operator, box: Box) -> tuple[Range, Range]:
         """The unclipped input rows and columns of the part; the kernel pads the clipped remainder."""
         (kh, kw), a = op.params["weight"].shape[2:], op.attrs
-        sh, sw = _pair(a.get("stride", 1))
-        ph, pw = _pair(a.get("padding", 0))
-        dh, dw = _pair(a.get("dilation", 1))
+        sh, sw = pair(a.get("stride", 1))
+        ph, pw = pair(a.get("padding", 0))
+        dh, dw = pair(a.get("dilation", 1))
         return (window_range(box[2], kernel=kh, stride=sh, padding=ph, dilation=dh),
                 window_range(box[3], kernel=kw, stride=sw, padding=pw, dilation=dw))
 
@@ -213,6 +241,9 @@ class Conv2d(OpDef):
             regions["bias"] = (box[1],)
         return regions
 
+    def flops(self, op: Operator) -> float | None:
+        return None  # no formula: the counter's figures stand
+
 
 class Linear(OpDef):
     """y[N.., out] = x[N.., in] @ W[out, in]^T + b[out].
@@ -223,6 +254,9 @@ class Linear(OpDef):
     """
 
     kind = "linear"
+    captured_from = ("linear",)
+    kernel = "linear"
+    flops_counted = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = op.outputs[0].shape
@@ -245,6 +279,9 @@ class Linear(OpDef):
             regions["bias"] = (out_rng,)
         return regions
 
+    def flops(self, op: Operator) -> float | None:
+        return None  # no formula: the counter's figures stand
+
 
 class Matmul(OpDef):
     """c[.., M, N] = a[.., M, K] @ b[.., K, N] (torch.matmul; leading axes broadcast, b may be 2-D).
@@ -254,6 +291,9 @@ class Matmul(OpDef):
     """
 
     kind = "matmul"
+    captured_from = ("matmul", "bmm", "mm")
+    kernel = "matmul"
+    flops_counted = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = op.outputs[0].shape
@@ -271,6 +311,9 @@ class Matmul(OpDef):
         return (broadcast_region(a_shape[:-2], lead) + (m, k),
                 broadcast_region(b_shape[:-2], lead) + (k, n))
 
+    def flops(self, op: Operator) -> float | None:
+        return None  # no formula: the counter's figures stand
+
 
 class BatchNorm(OpDef):
     """y = batch_norm(x[N, C, ..]) with affine `weight`, `bias` [C] (either may be absent).
@@ -281,6 +324,8 @@ class BatchNorm(OpDef):
     """
 
     kind = "batchnorm"
+    captured_from = ("batch_norm",)
+    kernel = "batchnorm"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = op.outputs[0].shape
@@ -299,6 +344,9 @@ class BatchNorm(OpDef):
     def buffer_regions(self, op: Operator, box: Box) -> dict[str, Region]:
         return {name: (box[1],) for name in ("running_mean", "running_var") if op.attrs.get(name)}
 
+    def flops(self, op: Operator) -> float:
+        return 5.0 * output_numel(op)
+
 
 class LayerNorm(_AxisOp):
     """y = layer_norm(x, `normalized_shape`, weight, bias, `eps`); weight and bias optional.
@@ -307,10 +355,15 @@ class LayerNorm(_AxisOp):
     """
 
     kind = "layernorm"
+    captured_from = ("layer_norm",)
+    kernel = "layernorm"
 
     def fixed_axes(self, op: Operator) -> tuple[int, ...]:
         nd = len(op.outputs[0].shape)
         return tuple(range(nd - len(op.attrs["normalized_shape"]), nd))
+
+    def flops(self, op: Operator) -> float:
+        return 5.0 * output_numel(op)
 
 
 class Embedding(OpDef):
@@ -321,6 +374,8 @@ class Embedding(OpDef):
     """
 
     kind = "embedding"
+    captured_from = ("embedding",)
+    kernel = "embedding"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = op.outputs[0].shape
@@ -337,6 +392,9 @@ class Embedding(OpDef):
     def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
         return {"weight": (box[-1], box[-2])}
 
+    def flops(self, op: Operator) -> float:
+        return 0.0  # a gather: data movement
+
 
 class LSTM(OpDef):
     """out[N, T, H], h_n[L, N, H], c_n[L, N, H] = LSTM(x[N, T, I]) (batch first, zero initial state).
@@ -347,6 +405,8 @@ class LSTM(OpDef):
     """
 
     kind = "lstm"
+    captured_from = ("lstm",)
+    kernel = "lstm"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, t, h = op.outputs[0].shape
@@ -363,6 +423,14 @@ class LSTM(OpDef):
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return ((box[0], box[1], (0, op.params["weight_ih_l0"].shape[1])),)
 
+    def flops(self, op: Operator) -> float:
+        # 8 N T H (I + H) per layer: 4 gates, an input and a hidden matmul per step, 2 FLOPs per
+        # multiply-add; layers after the first read the hidden state of the one below (I = H)
+        n, t, features = input_shape(op, 0)
+        hidden, layers = op.attrs["hidden_size"], op.attrs["num_layers"]
+        return float(sum(8 * n * t * hidden * ((features if k == 0 else hidden) + hidden)
+                         for k in range(layers)))
+
 
 class Attention(OpDef):
     """o[N, heads, T, hd] = softmax(q k^T * scale (+ causal mask)) v, with q, k, v [N, heads, T, hd].
@@ -373,6 +441,9 @@ class Attention(OpDef):
     """
 
     kind = "attention"
+    captured_from = ("scaled_dot_product_attention",)
+    kernel = "attention"
+    flops_counted = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, heads, t, hd = op.outputs[0].shape
@@ -385,6 +456,15 @@ class Attention(OpDef):
         q, k, v = (input_shape(op, i) for i in range(3))
         n, h, s = box[0], box[1], box[2]
         return ((n, h, s, (0, q[3])), (n, h, (0, k[2]), (0, k[3])), (n, h, (0, v[2]), (0, v[3])))
+
+    def flops(self, op: Operator) -> float:
+        # q k^T and the product with v: 2 N heads Tq Tk head_dim each
+        n, heads, tq, head_dim = input_shape(op, 0)
+        tk = input_shape(op, 1)[2]
+        return 4.0 * n * heads * tq * tk * head_dim
+
+    def backward_flops(self, op: Operator, fwd_flops: float) -> float:
+        return 2.0 * fwd_flops  # the gradients of q, k and v: twice the two matmuls
 
 
 # ---------------------------------------------------------------- pooling
@@ -400,6 +480,8 @@ class Pool2d(OpDef):
     """
 
     kind = "pool2d"
+    captured_from = ("max_pool2d", "max_pool2d_with_indices", "avg_pool2d")
+    kernel = "pool2d"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, c, ho, wo = op.outputs[0].shape
@@ -411,8 +493,8 @@ class Pool2d(OpDef):
     def needed_window(self, op: Operator, box: Box) -> tuple[Range, Range]:
         """The unclipped input rows and columns of the part; the kernel pads the clipped remainder."""
         a = op.attrs
-        (kh, kw), (sh, sw) = _pair(a["kernel"]), _pair(a.get("stride") or a["kernel"])
-        (ph, pw), (dh, dw) = _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
+        (kh, kw), (sh, sw) = pair(a["kernel"]), pair(a.get("stride") or a["kernel"])
+        (ph, pw), (dh, dw) = pair(a.get("padding", 0)), pair(a.get("dilation", 1))
         return (window_range(box[2], kernel=kh, stride=sh, padding=ph, dilation=dh),
                 window_range(box[3], kernel=kw, stride=sw, padding=pw, dilation=dw))
 
@@ -420,6 +502,9 @@ class Pool2d(OpDef):
         h, w = input_shape(op, 0)[2:]
         rows, cols = self.needed_window(op, box)
         return ((box[0], box[1], clip_range(rows, h), clip_range(cols, w)),)
+
+    def flops(self, op: Operator) -> float:
+        return float(output_numel(op) * math.prod(op.attrs["kernel"]))
 
 
 class AdaptivePool2d(OpDef):
@@ -429,6 +514,8 @@ class AdaptivePool2d(OpDef):
     """
 
     kind = "adaptive_pool2d"
+    captured_from = ("adaptive_avg_pool2d", "adaptive_max_pool2d")
+    kernel = "adaptive_pool2d"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, c, ho, wo = op.outputs[0].shape
@@ -440,6 +527,9 @@ class AdaptivePool2d(OpDef):
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         h, w = input_shape(op, 0)[2:]
         return ((box[0], box[1], (0, h), (0, w)),)
+
+    def flops(self, op: Operator) -> float:
+        return float(first_input_numel(op))
 
 
 # ---------------------------------------------------------------- pointwise and shape ops
@@ -454,6 +544,13 @@ class Elementwise(_AxisOp):
     """
 
     kind = "elementwise"
+    # the scalar forms of the arithmetic ops (x + 2.0) are elementwise; their tensor forms are binary
+    captured_from = ("relu", "gelu", "tanh", "sigmoid", "silu", "neg", "exp", "clone", "alias", "contiguous",
+                     "add", "sub", "mul", "div", "rsub", "pow")
+    kernel = "elementwise"
+
+    def flops(self, op: Operator) -> float:
+        return float(output_numel(op))
 
 
 class Binary(OpDef):
@@ -465,6 +562,8 @@ class Binary(OpDef):
     """
 
     kind = "binary"
+    captured_from = ("add", "sub", "mul", "div", "rsub", "masked_fill")
+    kernel = "binary"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return tuple(axis_dims(op.outputs[0].shape))
@@ -474,6 +573,9 @@ class Binary(OpDef):
 
     def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
         return {name: broadcast_region(p.shape, tuple(box)) for name, p in op.params.items()}
+
+    def flops(self, op: Operator) -> float:
+        return float(output_numel(op))
 
 
 class Reduce(OpDef):
@@ -485,6 +587,8 @@ class Reduce(OpDef):
     """
 
     kind = "reduce"
+    captured_from = ("mean", "sum")
+    kernel = "reduce"
 
     def reduce_axes(self, op: Operator) -> tuple[int, ...]:
         """The reduced axes of the input, non-negative and sorted."""
@@ -509,6 +613,9 @@ class Reduce(OpDef):
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return (tuple(box),)
 
+    def flops(self, op: Operator) -> float:
+        return float(first_input_numel(op))
+
 
 class Concat(OpDef):
     """y = cat(x0, x1, .., dim=`axis`).
@@ -517,6 +624,8 @@ class Concat(OpDef):
     """
 
     kind = "concat"
+    captured_from = ("cat",)
+    kernel = "concat"
 
     def axis(self, op: Operator) -> int:
         return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
@@ -533,6 +642,9 @@ class Concat(OpDef):
             out.append(tuple(region))
         return tuple(out)
 
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
 
 class Split(OpDef):
     """y0, y1, .. = split(x, `sizes`, dim=`axis`): one output per size.
@@ -541,6 +653,8 @@ class Split(OpDef):
     """
 
     kind = "split"
+    captured_from = ("split", "split_with_sizes", "chunk")
+    kernel = "split"
 
     def axis(self, op: Operator) -> int:
         return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
@@ -559,6 +673,9 @@ class Split(OpDef):
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return (tuple(box),)
 
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
 
 class Slice(OpDef):
     """y = x[.., `start`:`stop`:`step`, ..] along `axis`; with `squeeze` the axis is dropped (x[.., start]).
@@ -567,6 +684,8 @@ class Slice(OpDef):
     """
 
     kind = "slice"
+    captured_from = ("select", "slice")
+    kernel = "slice"
 
     def axis(self, op: Operator) -> int:
         nd = len(op.outputs[0].shape) + bool(op.attrs.get("squeeze", False))
@@ -594,6 +713,9 @@ class Slice(OpDef):
         else:
             region[axis] = self.read_range(op)
         return (tuple(region),)
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
 
 
 def _suffix_products(shape: Sequence[int]) -> list[int]:
@@ -681,6 +803,8 @@ class Reshape(OpDef):
     """
 
     kind = "reshape"
+    captured_from = ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze", "squeeze")
+    kernel = "reshape"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return tuple(axis_dims(op.outputs[0].shape))
@@ -702,6 +826,9 @@ class Reshape(OpDef):
             raise ValueError(f"op {op.name!r}: reshape part {list(box)} is not a box of its input")
         return (region,)
 
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
 
 class Transpose(OpDef):
     """y = x.permute(`perm`): output axis i is input axis perm[i].
@@ -710,6 +837,8 @@ class Transpose(OpDef):
     """
 
     kind = "transpose"
+    captured_from = ("transpose", "permute", "t", "numpy_T")
+    kernel = "transpose"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return tuple(axis_dims(op.outputs[0].shape))
@@ -721,6 +850,9 @@ class Transpose(OpDef):
             region[in_axis] = box[out_axis]
         return (tuple(region),)
 
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
 
 class Softmax(_AxisOp):
     """y = softmax(x, `axis`) (log_softmax when `log`).
@@ -729,9 +861,14 @@ class Softmax(_AxisOp):
     """
 
     kind = "softmax"
+    captured_from = ("softmax", "_softmax", "log_softmax", "_log_softmax")
+    kernel = "softmax"
 
     def fixed_axes(self, op: Operator) -> tuple[int, ...]:
         return (int(op.attrs["axis"]),)
+
+    def flops(self, op: Operator) -> float:
+        return 5.0 * output_numel(op)
 
 
 class Dropout(_AxisOp):
@@ -742,6 +879,11 @@ class Dropout(_AxisOp):
     """
 
     kind = "dropout"
+    captured_from = ("dropout",)
+    kernel = "dropout"
+
+    def flops(self, op: Operator) -> float:
+        return float(output_numel(op))
 
 
 class Loss(OpDef):
@@ -754,6 +896,9 @@ class Loss(OpDef):
     """
 
     kind = "loss"
+    # cross_entropy_loss, mse_loss, and nll_loss of a log_softmax over classes (fused into one op)
+    captured_from = ("cross_entropy_loss", "mse_loss", "nll_loss", "nll_loss_nd")
+    kernel = "loss"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = input_shape(op, 0)
@@ -772,6 +917,9 @@ class Loss(OpDef):
         target = tuple(box[:1]) + tuple(box[2:]) if op.attrs["fn"] == "cross_entropy" else tuple(box)
         return (tuple(box), target)
 
+    def flops(self, op: Operator) -> float:
+        return (5.0 if op.attrs["fn"] == "cross_entropy" else 3.0) * first_input_numel(op)
+
 
 class Opaque(OpDef):
     """An op the registry does not know: it runs whole on one device. attrs: `target` (``module`` for a
@@ -781,6 +929,10 @@ class Opaque(OpDef):
     """
 
     kind = "opaque"
+    captured_specially = ("any other aten call that makes a tensor, or one whose mapper turns its arguments "
+                          "down: one call of that aten op")
+    run_specially = "run whole on one device by runtime.kernels.run_opaque, which calls the attrs' target"
+    flops_counted = True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = op.outputs[0].shape
@@ -791,6 +943,9 @@ class Opaque(OpDef):
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return tuple(full_region(input_shape(op, i)) for i in range(len(op.inputs)))
+
+    def flops(self, op: Operator) -> float | None:
+        return None  # no formula: the counter's figures stand
 
 
 for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), Embedding(),

@@ -1,4 +1,4 @@
-"""Capture (`soap/capture.py`): op kinds, names, shapes, parameters, FLOPs, opaque ops, the fx fallback,
+"""Capture (`soap/capture/`): op kinds, names, shapes, parameters, FLOPs, opaque ops, the fx fallback,
 fingerprints, and every zoo model.
 
 Shapes are checked against a real forward pass of the same module on a small real batch; capture itself

@@ -1,0 +1,233 @@
+"""Capture, stage 1: a module and its loss become an aten graph in the training IR (`_Traced`).
+
+Owns the wrapper that puts the model and its loss in one module (`_WithLoss`, with the default loss), the
+standard leaf modules (`LEAF_MODULES`, `_is_leaf`) and the two tracing paths. `torch.export.export`
+(non-strict, training IR, not decomposed further) traces the wrapper on fake tensors, so neither the batch
+nor activations ever take real memory. Where export fails, `torch.fx.symbolic_trace` with the leaf modules
+traces it instead and each traced call is lowered to the same training-IR aten ops with
+`make_fx(pre_dispatch=True)`, so both paths feed one grouping and mapping step and give the same op kinds
+and names. Either way every aten node carries the ``nn_module_stack`` that grouping reads, and
+placeholders are told apart as batch tensors, parameters and buffers by their state-dict names.
+
+Imports torch only; must not import the later capture stages (`grouping`, `mappers`, `builder`), the
+simulator, the search, the runtime or soapflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import operator
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+LEAF_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding, nn.LSTM,
+    nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.ReLU, nn.GELU, nn.Tanh,
+    nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Softmax, nn.Flatten, nn.Identity,
+)
+
+
+# The wrapper's attribute holding the model: state-dict names and module paths start with it.
+_MODEL = "model"
+
+
+def _default_loss(target: torch.Tensor) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """Mean squared error for float targets; cross entropy over the last axis of the output otherwise."""
+    if target.is_floating_point():
+        return F.mse_loss
+    return F.cross_entropy if target.dim() == 1 else _flat_cross_entropy
+
+
+def _flat_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+class _WithLoss(nn.Module):
+    """`model` and its loss as one module, so that one trace holds the whole training step's forward."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(*inputs), target)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the warnings and error logs torch emits while tracing (a failed export logs tracebacks)."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in LEAF_MODULES)
+
+
+@dataclasses.dataclass(slots=True)
+class _Traced:
+    """Aten call nodes in topological order, and what each placeholder is.
+
+    `params` and `buffers` map placeholders to the state-dict names in the captured module (the
+    wrapper's ``model.`` prefix removed); `user_inputs` are the inputs then the target.
+    """
+
+    nodes: list[fx.Node]
+    user_inputs: list[fx.Node]
+    params: dict[fx.Node, str]
+    buffers: dict[fx.Node, str]
+
+
+def _model_fqn(fqn: str) -> str:
+    return fqn.removeprefix(f"{_MODEL}.")
+
+
+def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> _Traced:
+    from torch.export.graph_signature import InputKind
+
+    program = torch.export.export(wrapper, (inputs, target), strict=False)
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    params: dict[fx.Node, str] = {}
+    buffers: dict[fx.Node, str] = {}
+    user_inputs: list[fx.Node] = []
+    for spec in program.graph_signature.input_specs:
+        node = placeholders[spec.arg.name]
+        if spec.kind == InputKind.PARAMETER:
+            params[node] = _model_fqn(spec.target)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            buffers[node] = _model_fqn(spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(node)
+    nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers)
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return _is_leaf(m)
+
+
+def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
+              fake_mode: Any) -> _Traced:
+    """symbolic_trace with leaf modules, then each call lowered to training-IR aten ops by make_fx."""
+    from torch.fx._symbolic_trace import PH
+
+    graph = _LeafTracer().trace(wrapper, concrete_args={"inputs": tuple(PH for _ in inputs), "target": PH})
+    out = fx.Graph()
+    params: dict[fx.Node, str] = {}
+    buffers: dict[fx.Node, str] = {}
+    by_fqn: dict[str, fx.Node] = {}
+
+    def state_placeholder(fqn: str, tensor: torch.Tensor, table: dict[fx.Node, str]) -> fx.Node:
+        node = out.placeholder(f"s{len(by_fqn)}")
+        node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
+        table[node] = _model_fqn(fqn)
+        by_fqn[fqn] = node
+        return node
+
+    for fqn, p in wrapper.named_parameters():
+        state_placeholder(fqn, p, params)
+    for fqn, b in wrapper.named_buffers():
+        state_placeholder(fqn, b, buffers)
+    user_inputs = []
+    for i, t in enumerate((*inputs, target)):
+        node = out.placeholder(f"u{i}")
+        node.meta["val"] = t
+        user_inputs.append(node)
+
+    env: dict[fx.Node, Any] = {}
+    placeholders = iter(user_inputs)
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        if node.op == "output":
+            out.output(args[0])
+            break
+        stack = dict(node.meta.get("nn_module_stack") or {})
+        if node.op == "get_attr":
+            if node.target not in by_fqn:
+                state_placeholder(node.target, _get_attr(wrapper, node.target), buffers)
+            env[node] = by_fqn[node.target]
+        elif node.op == "call_module":
+            module = wrapper.get_submodule(node.target)
+            state = {k: by_fqn[f"{node.target}.{k}"]
+                     for k, _ in (*module.named_parameters(), *module.named_buffers())}
+            key = next(reversed(stack)) if stack else node.target
+            stack = {**{k: v for k, v in stack.items() if k != key}, f"{key}@{node.name}": (node.target, "")}
+            env[node] = _inline(out, _call_module(module), (state, *args), kwargs, stack)
+        elif (node.op == "call_function" and node.target is operator.getitem
+              and not isinstance(args[0], fx.Node)):
+            env[node] = args[0][args[1]]
+        elif node.op == "call_method":
+            env[node] = _inline(out, _call_method(node.target), args, kwargs, stack)
+        else:
+            env[node] = _inline(out, node.target, args, kwargs, stack)
+    nodes = [n for n in out.nodes if n.op == "call_function"]
+    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers)
+
+
+def _get_attr(root: nn.Module, target: str) -> torch.Tensor:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _call_module(module: nn.Module) -> Callable:
+    def call(state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(module, state, args, kwargs)
+    return call
+
+
+def _call_method(method: str) -> Callable:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, method)(*args, **kwargs)
+    return call
+
+
+def _inline(out: fx.Graph, fn: Callable, args: tuple, kwargs: dict, stack: dict) -> Any:
+    """Append the aten ops of `fn(*args, **kwargs)` to `out`; returns the result with nodes for tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    slots = [i for i, x in enumerate(flat) if isinstance(x, fx.Node)]
+
+    def call(*tensors: torch.Tensor) -> Any:
+        items = list(flat)
+        for i, t in zip(slots, tensors, strict=True):
+            items[i] = t
+        a, k = pytree.tree_unflatten(items, spec)
+        return fn(*a, **k)
+
+    values = [flat[i].meta["val"] for i in slots]
+    fake_mode = torch._guards.detect_fake_mode(values)
+    with fake_mode or contextlib.nullcontext():
+        eager = call(*values)
+    if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(eager)):
+        return eager
+    sub = make_fx(call, pre_dispatch=True)(*values)
+    sub_inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    before = len(out.nodes)
+    result = out.graph_copy(sub.graph, dict(zip(sub_inputs, [flat[i] for i in slots], strict=True)))
+    for node in itertools.islice(reversed(out.nodes), len(out.nodes) - before):
+        node.meta["nn_module_stack"] = stack
+    return result
+
