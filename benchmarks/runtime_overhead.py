@@ -12,8 +12,9 @@ result).
   ratio <= 1.0.
 - soapflow tp vs soapflow dp on the MLP at batch 64: reported.
 
-Every variant runs the same optimizer (`runtime.train.make_optimizer`: SGD, single-tensor path) on the
-same synthetic batches; a step is forward, loss, backward (gradient synchronization included) and the
+Every variant runs the same optimizer (`runtime.train.make_optimizer` with one `TrainSetup`, the default:
+SGD with momentum, single-tensor path; soapflow's gradient buckets are DDP's 25 MiB) on the same synthetic
+batches; a step is forward, loss, backward (gradient synchronization included) and the
 update, started after a barrier. The soapflow step is `runtime.train.train_step`, what `soapflow run`
 times. The variants share the worker processes, so all run with the allocator setting of
 `runtime.launch.keep_freed_memory`, as every rank of `soapflow run` does.
@@ -42,9 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from runtime.executor import Executor  # noqa: E402
 from runtime.launch import launch  # noqa: E402
-from runtime.plan import build_plan  # noqa: E402
 from runtime.train import (  # noqa: E402
-    TrainOptions,
     make_optimizer,
     named_tensors,
     strategy_from_configs,
@@ -54,6 +53,8 @@ from runtime.train import (  # noqa: E402
 from search.baselines import BASELINES  # noqa: E402
 from soap.capture import capture  # noqa: E402
 from soap.graph import OperatorGraph  # noqa: E402
+from soap.lowering import lower  # noqa: E402
+from soap.setup import TrainSetup  # noqa: E402
 from soap.topology import load_topology  # noqa: E402
 from soapflow.zoo.mlp import MLP  # noqa: E402
 
@@ -91,23 +92,24 @@ def build(model: str, batch: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.
 
 
 class Soapflow:
-    def __init__(self, rank: int, world: int, model: str, batch: int, graph: dict, strategy: dict):
+    def __init__(self, rank: int, world: int, model: str, batch: int, setup: TrainSetup, graph: dict,
+                 strategy: dict):
         g = OperatorGraph.from_dict(graph)
         module, example, _ = build(model, batch)
         self.example = example
-        self.executor = Executor(g, build_plan(g, strategy_from_configs(strategy), world), rank=rank,
-                                 tensors=named_tensors(module), module=module)
-        self.optimizer = make_optimizer(self.executor.parameters(), TrainOptions())
+        plan = lower(g, strategy_from_configs(strategy), setup, world)
+        self.executor = Executor(g, plan, rank=rank, tensors=named_tensors(module), module=module)
+        self.optimizer = make_optimizer(self.executor.parameters(), setup)
 
     def step(self, batch: list[torch.Tensor], step: int) -> None:
         train_step(self.executor, self.optimizer, batch, step=step)
 
 
 class DDP:
-    def __init__(self, rank: int, world: int, model: str, batch: int):
+    def __init__(self, rank: int, world: int, model: str, batch: int, setup: TrainSetup):
         module, self.example, self.loss_fn = build(model, batch)
-        self.model = nn.parallel.DistributedDataParallel(module)
-        self.optimizer = make_optimizer(list(self.model.parameters()), TrainOptions())
+        self.model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=setup.bucket_mb)
+        self.optimizer = make_optimizer(list(self.model.parameters()), setup)
         self.rank, self.world = rank, world
 
     def step(self, batch: list[torch.Tensor], step: int) -> None:
@@ -121,14 +123,14 @@ class DTensorTP:
     """Megatron MLP with DTensor: the first linear column-parallel, the second row-parallel; every rank
     reads the whole batch (the layout DTensor's tensor parallelism expects)."""
 
-    def __init__(self, rank: int, world: int, model: str, batch: int):
+    def __init__(self, rank: int, world: int, model: str, batch: int, setup: TrainSetup):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         module, self.example, self.loss_fn = build(model, batch)
         mesh = init_device_mesh("cpu", (world,))
         self.model = parallelize_module(module, mesh, {"layers.0": ColwiseParallel(), "layers.2": RowwiseParallel()})
-        self.optimizer = make_optimizer(list(self.model.parameters()), TrainOptions())
+        self.optimizer = make_optimizer(list(self.model.parameters()), setup)
 
     def step(self, batch: list[torch.Tensor], step: int) -> None:
         x, y = batch
@@ -137,18 +139,19 @@ class DTensorTP:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def bench_rank(rank: int, world: int, *, variants: list[dict], rounds: int, steps: int, warmup: int
-               ) -> dict[str, list[float]]:
+def bench_rank(rank: int, world: int, *, variants: list[dict], setup: TrainSetup, rounds: int, steps: int,
+               warmup: int) -> dict[str, list[float]]:
     """Every variant's step times (ms, the slower rank's), interleaved step by step: step k of every
-    variant runs back to back (in alternating order), so paired samples see the same machine load."""
+    variant runs back to back (in alternating order), so paired samples see the same machine load. Every
+    variant trains with `setup`."""
     runners = {}
     for v in variants:
         if v["kind"] == "soapflow":
-            runners[v["name"]] = Soapflow(rank, world, v["model"], v["batch"], v["graph"], v["strategy"])
+            runners[v["name"]] = Soapflow(rank, world, v["model"], v["batch"], setup, v["graph"], v["strategy"])
         elif v["kind"] == "ddp":
-            runners[v["name"]] = DDP(rank, world, v["model"], v["batch"])
+            runners[v["name"]] = DDP(rank, world, v["model"], v["batch"], setup)
         else:
-            runners[v["name"]] = DTensorTP(rank, world, v["model"], v["batch"])
+            runners[v["name"]] = DTensorTP(rank, world, v["model"], v["batch"], setup)
     names = [v["name"] for v in variants]
     batches = {n: [synthetic_batch(runners[n].example, step=s, seed=0, highs={1: 10}) for s in range(steps)]
                for n in names}
@@ -205,9 +208,10 @@ def main() -> None:
                      {"name": f"dt-tp-mlp{batch}", "kind": "dtensor", "model": "mlp", "batch": batch}]
     variants += [soapflow_variant("sf-dp-cnn64", "cnn", 64, "dp"),
                  {"name": "ddp-cnn64", "kind": "ddp", "model": "cnn", "batch": 64}]
+    train = TrainSetup()
     start = time.perf_counter()
-    samples = launch(bench_rank, 2, kwargs={"variants": variants, "rounds": args.rounds, "steps": args.steps,
-                                              "warmup": args.warmup},
+    samples = launch(bench_rank, 2, kwargs={"variants": variants, "setup": train, "rounds": args.rounds,
+                                              "steps": args.steps, "warmup": args.warmup},
                        timeout_s=300, num_threads=1)[0]
     elapsed = time.perf_counter() - start
     rows = []
@@ -234,7 +238,8 @@ def main() -> None:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     setup = {"processes": 2, "threads_per_process": 1, "backend": "gloo", "rounds": args.rounds,
-             "steps_per_round": args.steps, "warmup_steps": args.warmup, "torch": torch.__version__,
+             "steps_per_round": args.steps, "warmup_steps": args.warmup, "train_setup": train.to_dict(),
+             "torch": torch.__version__,
              "python": platform.python_version(), "machine": platform.machine()}
     (RESULTS / "runtime_overhead.json").write_text(json.dumps(
         {"setup": setup, "comparisons": rows, "step_ms": samples}, indent=2) + "\n")
@@ -244,7 +249,8 @@ def main() -> None:
         f"step k of every variant runs back to back, {args.rounds * args.steps} pairs after warm-up): median "
         "and quartiles; `fast ratio` is the ratio of the two variants' 25th-percentile step times (their "
         "fastest quarter, the least disturbed by other load on the machine); `met` judges the median ratio. "
-        "2 processes x 1 thread on gloo, SGD, float32; MLP 1024-4096-1024 (mse), small CNN "
+        f"2 processes x 1 thread on gloo, {train.optimizer} (momentum {train.momentum}), float32, "
+        f"{train.bucket_mb:g} MiB gradient buckets; MLP 1024-4096-1024 (mse), small CNN "
         "(2 convs + linear, 32x32, cross-entropy). Below 1 soapflow is faster. All variants share the worker "
         "processes, which run with `runtime.launch.keep_freed_memory` (freed memory stays mapped), as every "
         "rank of `soapflow run` does.\n\n"

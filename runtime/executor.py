@@ -4,17 +4,21 @@ Owns `Executor` (forward, explicit backward, gradient synchronization, the local
 `ExecutionError` (which names the rank, the phase and the op that failed). Imports `soap`, torch and the
 other `runtime` modules only (no simulator, no search, no soapflow).
 
-How a step runs on one rank (DESIGN section 6), with `Plan` (runtime/plan.py) saying who holds what:
+How a step runs on one rank, with the step plan (`soap.lowering.StepPlan`) saying who holds what and
+what moves where:
 
-- forward, op by op in graph order: move the op's input regions to its part here (`Redistribution`:
-  local slices and point-to-point pieces, partial sums added), then compute the part with
+- forward, op by op in graph order: move the op's input regions to its part here, edge by edge
+  (`EdgeMover`: local slices and one exchange per edge, partial sums added), then compute the part with
   `runtime.kernels.compute_part` on detached leaf copies of the inputs and on this rank's parameter
   shards. Sources move nothing (`OpDef.everywhere`): an op reads its region of an `input` from the
   global synthetic batch every rank holds, and of a `constant` from this rank's own buffer.
 - backward, op by op in reverse graph order: backpropagate the part from the gradients its consumers
   sent back (leaf gradients give the input gradients), send every input piece's gradient back to the
-  rank it came from (added there), then hand the parameters that just became final to `GradSync`, which
-  all-reduces replicated shards within exactly their device set, bucketed and asynchronous.
+  rank it came from (added there), then tell `GradSync` the op is done: it launches the plan's
+  all-reduces whose gradients just became final, within exactly their device set, asynchronous.
+
+`collectives` counts what this rank issued in the last step (`CollectiveLog`), in the shape of
+`StepPlan.collectives`, so a run can show that it did what the plan says.
 
 The loss is the last op: its parts hold partial sums of the global mean (or the whole loss), each
 backpropagated with gradient 1; the step's loss is the sum over ranks of the local parts.
@@ -28,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from runtime import kernels
-from runtime.collectives import GradSync, Redistribution, make_groups, region_shape
-from runtime.plan import EdgePlan, Plan, Region, SyncEntry
+from runtime.collectives import CollectiveLog, EdgeMover, GradSync, make_groups
 from soap.graph import Operator, OperatorGraph, TensorRef
+from soap.lowering import StepPlan, SyncEntry
+from soap.opdef import Region
 from soap.registry import op_def
 
 TORCH_DTYPES = {
@@ -49,19 +54,20 @@ def as_slices(region: Region) -> tuple[slice, ...]:
 
 
 class Executor:
-    """Runs `graph` under `plan` on rank `rank` (torch.distributed already initialized when the plan
-    spans more than one device).
+    """Runs `graph` under the step plan `plan` on rank `rank` (torch.distributed already initialized when
+    the plan spans more than one device).
 
     `tensors` maps every parameter and buffer fqn of the model to its full value (every rank builds the
     whole model from the same seed and keeps only the shards its parts read). `float_dtype` is the dtype
     the run computes in (float64 for tight verification); `module` is the model, for opaque ops.
     """
 
-    def __init__(self, graph: OperatorGraph, plan: Plan, *, rank: int, tensors: Mapping[str, torch.Tensor],
+    def __init__(self, graph: OperatorGraph, plan: StepPlan, *, rank: int, tensors: Mapping[str, torch.Tensor],
                  module: torch.nn.Module | None = None, float_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = 4 * 2**20, timeout_s: float = 60.0):
+                 timeout_s: float = 60.0):
         self.graph = graph
         self.plan = plan
+        self.flow = plan.flow
         self.rank = rank
         self.module = module
         self.float_dtype = float_dtype
@@ -69,20 +75,24 @@ class Executor:
         self.step = 0
         self.num_forwards = 0
         self.distributed = plan.num_devices > 1
+        self.log = CollectiveLog()
         self.shards: dict[tuple[str, Region], torch.Tensor] = {}
         self.buffers: dict[tuple[str, Region], torch.Tensor] = {}
         self.op_params: dict[str, dict[str, torch.Tensor]] = {}
         self.op_buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.param_shapes = {p.fqn: p.shape for op in graph for p in op.params.values()}
         # Outputs every rank holds whole (`OpDef.everywhere`): the buffers, and each step's global batch.
         self.sources: dict[str, torch.Tensor] = {}
-        for op in graph:
+        # Per op position, the part on this rank (None: none) and its box.
+        self.parts = [step.part_on(rank) for step in plan.ops]
+        self.boxes = [step.boxes[p] if p is not None else None for step, p in zip(plan.ops, self.parts, strict=True)]
+        for i, op in enumerate(graph):
             entry = op_def(op.kind)
             if op.kind == "constant":
                 self.sources[op.name] = self._cast(tensors[op.attrs["fqn"]]).detach()
-            p = plan.local_part(op.name, rank)
-            if p is None:
+            box = self.boxes[i]
+            if box is None:
                 continue
-            box = plan.parts[op.name][p][0]
             params = {}
             for name, region in entry.param_regions(op, box).items():
                 fqn = op.params[name].fqn
@@ -100,28 +110,32 @@ class Executor:
                     self.buffers[key] = self._cast(tensors[fqn][as_slices(key[1])]).detach().clone()
                 buffers[name] = self.buffers[key]
             self.op_buffers[op.name] = buffers
-        self.redists = {op.name: self._redistribution(op) for op in graph}
-        # Per-op facts of the plan that every step reads (worked out once: a step is a hot loop).
-        self.boxes = {op.name: plan.parts[op.name][p][0] if (p := plan.local_part(op.name, rank)) is not None
-                      else None for op in graph}
+        flow = self.flow
+        self.movers = [EdgeMover(step, flow.edges[step.edge], plan.ops[flow.edges[step.edge].src],
+                                 plan.ops[flow.edges[step.edge].dst], rank=rank,
+                                 dtype=self.torch_dtype(graph.tensor(flow.edges[step.edge].ref).dtype), log=self.log)
+                       for step in plan.edges]
         self.out_refs = {op.name: tuple(TensorRef(op=op.name, index=i) for i in range(len(op.outputs)))
                          for op in graph}
-        self.grad_shapes = {ref: region_shape(edge.src_regions[j])
-                            for edges in plan.edges.values() for edge in edges
-                            if (ref := edge.ref) and (j := plan.local_part(ref.op, rank)) is not None}
+        # the shape of this rank's part of every output a gradient flows back to
+        self.grad_shapes = {}
+        for e in flow.edges:
+            p = self.parts[e.src]
+            if p is not None:
+                self.grad_shapes[e.ref] = tuple(int(hi - lo) for lo, hi in plan.ops[e.src].out_regions[e.out][p])
         self.wheres = {op.name: (f"forward of op {op.name!r} ({op.kind})", f"backward of op {op.name!r} ({op.kind})")
                        for op in graph}
-        # Every process group, for gradient synchronization and for the exchanges between ops, created up
-        # front in the same (sorted) order on every rank.
-        device_sets = set(plan.groups).union(*(r.device_sets() for r in self.redists.values()))
-        groups = make_groups(sorted(device_sets), timeout_s=timeout_s) if self.distributed else {}
-        for r in self.redists.values():
-            r.bind(groups)
-        self.sync = GradSync(plan.sync, rank=rank, groups=groups, bucket_bytes=bucket_bytes,
-                             grad_of=self._grad_of, set_grad=self._set_grad)
+        # Every process group, for the exchanges and the all-reduces, created up front in the same (sorted)
+        # order on every rank.
+        groups = make_groups(plan.process_groups(), timeout_s=timeout_s) if self.distributed else {}
+        for mover in self.movers:
+            mover.bind(groups)
+        self.sync = GradSync(plan.all_reduces, rank=rank, groups=groups, grad_of=self._grad_of,
+                             set_grad=self._set_grad, log=self.log)
         self.saved: dict[str, tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]]] = {}
         self.values: dict[str, tuple[torch.Tensor, ...]] = {}
         self.grads: dict[TensorRef, torch.Tensor] = {}
+        self.collectives: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -132,14 +146,6 @@ class Executor:
         dtype = TORCH_DTYPES[name]
         return self.float_dtype if dtype == torch.float32 else dtype
 
-    def _redistribution(self, op: Operator) -> Redistribution:
-        edges = self.plan.edges[op.name]
-        return Redistribution(
-            edges, rank=self.rank, my_part=self.plan.local_part(op.name, self.rank),
-            my_src_parts=[self.plan.local_part(e.ref.op, self.rank) for e in edges],
-            dtypes=[self.torch_dtype(self.graph.tensor(e.ref).dtype) for e in edges],
-            local_tensor=lambda e: self.sources[e.ref.op])
-
     def parameters(self) -> list[torch.Tensor]:
         """This rank's parameter shards (leaf tensors), in a fixed order: what the optimizer updates."""
         return [self.shards[k] for k in sorted(self.shards)]
@@ -149,9 +155,22 @@ class Executor:
 
     # ------------------------------------------------------------------ forward
 
-    def _local_output(self, edge: EdgePlan) -> torch.Tensor | None:
-        values = self.values.get(edge.ref.op)
-        return None if values is None else values[edge.ref.index]
+    def _inputs(self, i: int, op: Operator) -> list[torch.Tensor | None]:
+        """The input regions of op position `i`'s part here (None where it has none or does not read
+        one), every edge's exchange taken part in whether or not this rank has a part."""
+        box_part = self.parts[i]
+        reads = self.plan.ops[i].reads
+        out: list[torch.Tensor | None] = []
+        for slot, eid in enumerate(self.flow.slot_edges[i]):
+            if eid is None:
+                # a source: every rank holds it whole and slices what its part reads
+                want = reads[slot][box_part] if box_part is not None else None
+                out.append(None if want is None else self.sources[op.inputs[slot].op][as_slices(want)])
+                continue
+            e = self.flow.edges[eid]
+            values = self.values.get(self.flow.ops[e.src].name)
+            out.append(self.movers[eid].forward(None if values is None else values[e.out]))
+        return out
 
     def _compute(self, op: Operator, box, inputs: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         params = self.op_params[op.name]
@@ -178,7 +197,8 @@ class Executor:
         self.saved.clear()
         self.values.clear()
         self.grads.clear()
-        for op in self.graph:
+        self.log.reset()
+        for i, op in enumerate(self.graph):
             self.where = self.wheres[op.name][0]
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
@@ -186,13 +206,12 @@ class Executor:
                 continue
             if op.name in self.sources:
                 continue
-            edges = self.plan.edges[op.name]
-            inputs = self.redists[op.name].forward([self._local_output(e) for e in edges])
-            box = self.boxes[op.name]
+            inputs = self._inputs(i, op)
+            box = self.boxes[i]
             if box is None:
                 continue
-            leaves = [x.detach().requires_grad_(True) if x is not None and e.needs_grad else x
-                      for e, x in zip(edges, inputs, strict=True)]
+            leaves = [x.detach().requires_grad_(True) if x is not None and grad else x
+                      for grad, x in zip(self.flow.grad_inputs[i], inputs, strict=True)]
             if fail:
                 raise RuntimeError("injected fault (test hook)")
             outs = self._compute(op, box, leaves)
@@ -207,8 +226,7 @@ class Executor:
 
     # ------------------------------------------------------------------ backward
 
-    def _accumulate(self, edge: EdgePlan, slices: tuple[slice, ...], piece: torch.Tensor) -> None:
-        ref = edge.ref
+    def _accumulate(self, ref: TensorRef, slices: tuple[slice, ...], piece: torch.Tensor) -> None:
         buf = self.grads.get(ref)
         if buf is None:
             shape = self.grad_shapes[ref]
@@ -226,7 +244,9 @@ class Executor:
         loss = self.saved.get(self.plan.loss_op)
         if loss is not None:
             self.grads[self.out_refs[self.plan.loss_op][0]] = torch.ones_like(loss[1][0])
-        for op in reversed(self.graph.ops):
+        flow = self.flow
+        for i in range(len(self.graph.ops) - 1, -1, -1):
+            op = self.graph.ops[i]
             self.where = self.wheres[op.name][1]
             if op.name in self.sources:
                 continue
@@ -243,10 +263,15 @@ class Executor:
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 in_grads = [x.grad if x is not None and x.requires_grad else None for x in leaves]
-            self.redists[op.name].backward(in_grads, self._accumulate)
-            self.sync.ready(op.name)
+            for slot, eid in enumerate(flow.slot_edges[i]):
+                if eid is not None:
+                    ref = flow.edges[eid].ref
+                    self.movers[eid].backward(in_grads[slot],
+                                              lambda sl, piece, ref=ref: self._accumulate(ref, sl, piece))
+            self.sync.ready(i)
         self.where = "gradient synchronization"
         self.sync.finish()
+        self.collectives = self.log.snapshot()
         self.values.clear()
         self.grads.clear()
         self.where = "step"
@@ -255,7 +280,7 @@ class Executor:
         if e.region is not None:
             shard = self.shards[(e.fqn, e.region)]
             return shard.grad if shard.grad is not None else torch.zeros_like(shard)
-        full = torch.zeros(self.plan.param_shapes[e.fqn], dtype=self.float_dtype)
+        full = torch.zeros(self.param_shapes[e.fqn], dtype=self.float_dtype)
         for (fqn, region), shard in self.shards.items():
             if fqn == e.fqn and shard.grad is not None:
                 full[as_slices(region)].add_(shard.grad)

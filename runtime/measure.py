@@ -28,12 +28,13 @@ import torch.distributed as dist
 from runtime import kernels
 from runtime.executor import TORCH_DTYPES
 from runtime.launch import keep_freed_memory
-from runtime.plan import needs_grad as plan_needs_grad
 from soap import costdb
 from soap.config import parts
-from soap.graph import Operator, OperatorGraph, TensorRef
+from soap.graph import Operator, OperatorGraph
+from soap.lowering import GradFlow
 from soap.opdef import Box
 from soap.registry import op_def
+from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
 # Op kinds no kernel computes: the runtime feeds them (input, constant) or calls the model (opaque).
@@ -72,14 +73,14 @@ def _int_high(graph: OperatorGraph, op: Operator, slot: int) -> int:
     return 2
 
 
-def job_for(graph: OperatorGraph, op: Operator, box: Box, needs_grad: Mapping[TensorRef, bool] | None = None
-            ) -> PartJob:
-    """The `PartJob` of part `box` of `op` in `graph` (`needs_grad`: `runtime.plan.needs_grad(graph)`)."""
-    grads = needs_grad if needs_grad is not None else plan_needs_grad(graph)
+def job_for(graph: OperatorGraph, op: Operator, box: Box, flow: GradFlow | None = None) -> PartJob:
+    """The `PartJob` of part `box` of `op` in `graph` (`flow`: the graph's `GradFlow`, built when not
+    given; which inputs carry a gradient does not depend on the training setup)."""
+    flow = flow if flow is not None else GradFlow(graph, TrainSetup())
     dtypes = tuple(graph.tensor(ref).dtype for ref in op.inputs)
     highs = tuple(_int_high(graph, op, slot) for slot in range(len(op.inputs)))
     return PartJob(op=op.to_dict(), box=tuple(tuple(r) for r in box), input_dtypes=dtypes, int_highs=highs,
-                   needs_grad=tuple(bool(grads.get(ref, False)) for ref in op.inputs))
+                   needs_grad=flow.grad_inputs[flow.index[op.name]])
 
 
 def part_jobs(graph: OperatorGraph, strategies: Iterable[Strategy | Mapping[str, Any]], *,
@@ -87,13 +88,13 @@ def part_jobs(graph: OperatorGraph, strategies: Iterable[Strategy | Mapping[str,
     """Every distinct part (by cost-database key) of the timed kinds under the given strategies, once."""
     seen: set[costdb.Key] = set()
     out: list[PartJob] = []
-    grads = plan_needs_grad(graph)
+    flow = GradFlow(graph, TrainSetup())
     for strategy in strategies:
         for op in graph:
             if op.kind in UNTIMED_KINDS or op.name not in strategy:
                 continue
             for box, _ in parts(op, strategy[op.name]):
-                job = job_for(graph, op, box, grads)
+                job = job_for(graph, op, box, flow)
                 key = costdb.part_key(op, box, device_kind, job.needs_grad)
                 if key not in seen:
                     seen.add(key)
@@ -311,14 +312,14 @@ def time_comm(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int 
     return out
 
 
-def time_update(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int = 5, warmup: int = 2,
-                chunk_bytes: int = 4 << 20) -> list[tuple[int, float]]:
-    """(bytes, median ms) of the runtime's optimizer step (`runtime.train.make_optimizer` with the
-    default `TrainOptions`) over `bytes` of float32 parameters in tensors of at most `chunk_bytes`, as a
+def time_update(rank: int, world_size: int, *, sizes: Sequence[int], setup: TrainSetup, repeats: int = 5,
+                warmup: int = 2, chunk_bytes: int = 4 << 20) -> list[tuple[int, float]]:
+    """(bytes, median ms) of the runtime's optimizer step (`runtime.train.make_optimizer` with `setup`)
+    over `bytes` of float32 parameters in tensors of at most `chunk_bytes`, as a
     model's parameters are, with their gradients set; every rank at once (a barrier starts each repeat),
     as data-parallel replicas update together. Sizes beyond the caches show the memory-bound cost a
     training step sees."""
-    from runtime.train import TrainOptions, make_optimizer
+    from runtime.train import make_optimizer
 
     out = []
     for nbytes in sizes:
@@ -328,7 +329,7 @@ def time_update(rank: int, world_size: int, *, sizes: Sequence[int], repeats: in
         params = [torch.randn(max(1, n), requires_grad=True) for n in numels]
         for p in params:
             p.grad = torch.randn_like(p)
-        optimizer = make_optimizer(params, TrainOptions())
+        optimizer = make_optimizer(params, setup)
         times = []
         for i in range(warmup + repeats):
             if world_size > 1:

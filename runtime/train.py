@@ -19,8 +19,8 @@ the smallest `nn.Embedding` of the model, else 2. Boolean tensors are fair coin 
 
 Verification: the reference trains `build()`'s module in one process with `torch.optim` on the same
 batches, optimizer and learning rate. BatchNorm under a sample split normalizes each part with its own
-batch statistics, as DDP does (DESIGN section 6); the reference reproduces that by running such a
-BatchNorm module on the same sample chunks (its input split along the batch into the op's sample degree,
+batch statistics, as DDP does (docs/architecture.md, "The runtime"); the reference reproduces that by
+running such a BatchNorm module on the same sample chunks (its input split along the batch into the op's sample degree,
 each chunk normalized alone, the results concatenated). With the chunks of DDP (one per rank) this is
 exactly DDP's computation, which the tests check against `DistributedDataParallel` itself.
 """
@@ -43,12 +43,12 @@ from torch import nn
 
 from runtime.checkpoint import Checkpoint, assemble, load_checkpoint, save_checkpoint, shard_state
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices
-from runtime.plan import Plan, build_plan
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
+from soap.lowering import StepPlan, lower
+from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
-OPTIMIZERS = ("sgd", "adam")
 FAULTS = ("raise", "kill")
 # Ops that move elements without changing what they mean: an integer input keeps its range through them.
 _SHAPE_OPS = frozenset({"reshape", "transpose", "slice", "split", "concat"})
@@ -71,7 +71,8 @@ class Workload:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainOptions:
-    """How to train: `steps` optimizer steps of `optimizer` (sgd, with `momentum`; or adam) at `lr`.
+    """How to run: `steps` optimizer steps of the training `setup` (optimizer, learning rate, buckets:
+    what the step plan depends on, shared with the simulator).
 
     `dtype` is the dtype floating tensors compute in (float64 makes verification tight); `verify` gathers
     the parameters on rank 0 and compares losses and parameters with single-process training.
@@ -82,13 +83,10 @@ class TrainOptions:
     """
 
     steps: int = 3
-    lr: float = 0.01
-    optimizer: str = "sgd"
-    momentum: float = 0.0
+    setup: TrainSetup = TrainSetup()
     seed: int = 0
     dtype: str = "float32"
     verify: bool = False
-    bucket_mb: float = 4.0
     timeout_s: float = 60.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -102,20 +100,18 @@ class TrainOptions:
             raise ValueError(f"unknown fault {self.fault[0]!r}; known: {', '.join(FAULTS)}")
         if self.steps < 1:
             raise ValueError(f"steps must be positive, got {self.steps}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
 
 
-def make_optimizer(params: Sequence[torch.Tensor], options: TrainOptions) -> torch.optim.Optimizer:
+def make_optimizer(params: Sequence[torch.Tensor], setup: TrainSetup) -> torch.optim.Optimizer:
+    """The setup's optimizer over `params`."""
     # foreach=False on both sides: the single-tensor code path, so sharded and reference updates are
     # the same elementwise arithmetic.
-    if options.optimizer == "adam":
-        return torch.optim.Adam(params, lr=options.lr, foreach=False)
-    return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, foreach=False)
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=setup.lr, weight_decay=setup.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=setup.lr, momentum=setup.momentum, weight_decay=setup.weight_decay,
+                           foreach=False)
 
 
 # ---------------------------------------------------------------------- synthetic data
@@ -177,7 +173,7 @@ def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _gather_params(executor: Executor, plan: Plan, rank: int) -> tuple[dict[str, torch.Tensor], float] | None:
+def _gather_params(executor: Executor, plan: StepPlan, rank: int) -> tuple[dict[str, torch.Tensor], float] | None:
     """Full parameters on rank 0 from every rank's shards, and the largest difference between replicas."""
     items = [(fqn, region, t.detach().clone()) for fqn, region, t in executor.shard_items()]
     gathered: list[Any] = [None] * plan.num_devices if rank == 0 else None
@@ -197,7 +193,7 @@ def _gather_params(executor: Executor, plan: Plan, rank: int) -> tuple[dict[str,
                 continue
             seen[(fqn, region)] = t
             if fqn not in full:
-                full[fqn] = torch.full(plan.param_shapes[fqn], float("nan"), dtype=t.dtype)
+                full[fqn] = torch.full(executor.param_shapes[fqn], float("nan"), dtype=t.dtype)
             full[fqn][as_slices(region)] = t
     return full, replica_diff
 
@@ -233,20 +229,20 @@ def _restore(module: nn.Module, ckpt: Checkpoint) -> None:
             tensors[name].copy_(value)
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, executor: Executor, plan: Plan, ckpt: Checkpoint,
+def _restore_optimizer(optimizer: torch.optim.Optimizer, executor: Executor, plan: StepPlan, ckpt: Checkpoint,
                        options: TrainOptions) -> None:
-    if ckpt.optimizer != options.optimizer:
+    if ckpt.optimizer != options.setup.optimizer:
         raise ValueError(f"the checkpoint was written with optimizer {ckpt.optimizer}, this run uses "
-                         f"{options.optimizer}")
+                         f"{options.setup.optimizer}")
     for fqn, region, shard in executor.shard_items():
         full = ckpt.optimizer_state.get(fqn)
         if full:
-            state = shard_state(full, region, plan.param_shapes[fqn])
+            state = shard_state(full, region, executor.param_shapes[fqn])
             optimizer.state[shard] = {k: v.to(shard.dtype) if isinstance(v, torch.Tensor) and v.dim() else v
                                       for k, v in state.items()}
 
 
-def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: Plan, *, rank: int,
+def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: StepPlan, *, rank: int,
           module: nn.Module, step: int, losses: Sequence[float], options: TrainOptions,
           meta: Mapping[str, Any]) -> None:
     """Gather every rank's shards, optimizer state and buffers on rank 0, which writes the checkpoint;
@@ -271,27 +267,26 @@ def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: Pla
                 if isinstance(value, torch.Tensor) and value.dim() and value.shape == shard.shape:
                     full = state.setdefault(fqn, {}).get(key)
                     if full is None:
-                        full = state[fqn][key] = torch.zeros(plan.param_shapes[fqn], dtype=value.dtype)
+                        full = state[fqn][key] = torch.zeros(executor.param_shapes[fqn], dtype=value.dtype)
                     full[as_slices(region)] = value
                 else:
                     state.setdefault(fqn, {}).setdefault(key, value)
         bufs = assemble([b for _, rank_buffers in gathered for b in rank_buffers], initial)
         save_checkpoint(options.checkpoint_dir, Checkpoint(
-            step=step, params=params, buffers=bufs, optimizer=options.optimizer, optimizer_state=state,
+            step=step, params=params, buffers=bufs, optimizer=options.setup.optimizer, optimizer_state=state,
             losses=tuple(losses), meta=dict(meta)))
     if plan.num_devices > 1:
         dist.barrier()
 
 
 def _executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[str, Mapping[str, Any]],
-              module: nn.Module, options: TrainOptions) -> tuple[Plan, Executor, torch.optim.Optimizer | None]:
+              module: nn.Module, options: TrainOptions) -> tuple[StepPlan, Executor, torch.optim.Optimizer | None]:
     """This rank's plan, executor over `module`'s tensors, and optimizer (None where the rank holds no
     parameter: every op with weights placed elsewhere)."""
-    plan = build_plan(g, strategy_from_configs(strategy), world_size)
+    plan = lower(g, strategy_from_configs(strategy), options.setup, world_size)
     executor = Executor(g, plan, rank=rank, tensors=named_tensors(module), module=module,
-                        float_dtype=TORCH_DTYPES[options.dtype], bucket_bytes=int(options.bucket_mb * 2**20),
-                        timeout_s=options.timeout_s)
-    optimizer = make_optimizer(executor.parameters(), options) if executor.parameters() else None
+                        float_dtype=TORCH_DTYPES[options.dtype], timeout_s=options.timeout_s)
+    optimizer = make_optimizer(executor.parameters(), options.setup) if executor.parameters() else None
     return plan, executor, optimizer
 
 
@@ -344,8 +339,9 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
 
     `graph` is `OperatorGraph.to_dict()` and `strategy` the per-op configs, so every rank runs exactly
     the plan the caller validated. Returns `rank`, `first_step` (0, or the resumed checkpoint's step),
-    `losses` and `step_time_ms` (per step run), `step_time_ms_per_rank` (every rank's list) and, on rank 0
-    with `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
+    `losses` and `step_time_ms` (per step run), `step_time_ms_per_rank` (every rank's list), `collectives`
+    (per rank, the collectives its last step issued: `Executor.collectives`) and, on rank 0 with
+    `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
     """
     g = OperatorGraph.from_dict(graph)
     torch.manual_seed(options.seed)
@@ -384,8 +380,13 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, times_ms)
     median_ms = statistics.median(times_ms) if times_ms else float("nan")
+    collectives: list[Any] = [executor.collectives]
+    if world_size > 1:
+        collectives = [None] * world_size
+        dist.all_gather_object(collectives, executor.collectives)
     result: dict[str, Any] = {
         "rank": rank, "first_step": first_step, "losses": losses, "step_time_ms": times_ms,
+        "collectives": collectives,
         "median_step_time_ms": median_ms, "step_time_ms_per_rank": per_rank,
         "median_step_time_ms_per_rank": [statistics.median(t) if t else float("nan") for t in per_rank]}
     if options.verify:
@@ -434,7 +435,7 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
             if degree > 1:
                 _chunked_batchnorm(module.get_submodule(_batchnorm_module(graph, op.name)), degree)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, options)
+    optimizer = make_optimizer(params, options.setup)
     highs = integer_highs(graph, module)
     n_inputs = len(workload.inputs)
     losses = []

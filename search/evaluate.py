@@ -3,7 +3,9 @@
 Owns `Cost` (simulated iteration time plus memory feasibility), the `Evaluator` protocol the MCMC chains
 drive (`start` a strategy, `propose` one op's new config, then `accept` or `reject` it), and
 `SimulatorEvaluators`, the picklable factory that builds evaluators on the simulator (`simulator/`), with
-delta simulation (default) or with a full simulation per proposal (to measure what delta buys).
+delta simulation (default) or with a full simulation per proposal (to measure what delta buys). The
+factory carries the caller's training setup (`soap.setup.TrainSetup`) to every `Simulator` it builds, in
+this process or in the search's worker processes.
 
 Tests plug in their own evaluators (a fixed-cost model makes chains hand-checkable). Must not import
 torch, the runtime or soapflow.
@@ -18,6 +20,7 @@ from typing import Any, Protocol
 from simulator.engine import Simulator
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
+from soap.setup import TrainSetup
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
@@ -127,13 +130,15 @@ class DeltaEvaluator:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimulatorEvaluators:
     """The search's default `EvaluatorFactory`: one `Simulator` per chain, with delta simulation, or
-    (`delta=False`) a full simulation of every proposal. `cost_model` None is the simulator's default."""
+    (`delta=False`) a full simulation of every proposal. `cost_model` and `setup` None are the
+    simulator's defaults."""
 
     cost_model: Any = None
     delta: bool = True
+    setup: TrainSetup | None = None
 
     def __call__(self, graph: OperatorGraph, topology: DeviceTopology) -> Evaluator:
-        sim = Simulator(graph, topology, self.cost_model)
+        sim = Simulator(graph, topology, self.cost_model, setup=self.setup)
         if self.delta:
             return DeltaEvaluator(sim)
 

@@ -1,7 +1,8 @@
 """The strategy search: Metropolis-Hastings MCMC over strategies, as in FlexFlow (SysML 2019, section 5).
 
 Owns `search` (the stage `search` of capture -> validate -> simulate -> search -> export -> execute), its
-result `SearchResult`, and `NoFeasibleStrategy`.
+result `SearchResult`, `NoFeasibleStrategy`, one Markov chain (`_Chain`) and the loop that steps a
+worker's chains (`_run_chains`). The worker processes themselves are `search.workers`.
 
 The method:
 
@@ -25,9 +26,10 @@ The method:
   that the result does not depend on how chains are grouped into workers). A chain whose start would
   need a full simulation after the time budget is spent (large graphs on many devices) is not started.
 - `jobs` > 1 runs the chains in that many worker processes (each chain whole in one worker; a worker
-  steps its chains round-robin). With a proposal budget only, the result depends on the seed alone,
-  not on `jobs` or the machine's speed: each chain draws from its own `random.Random` seeded by
-  (seed, chain name). A time budget makes the number of proposals, hence the result, depend on speed.
+  steps its chains round-robin, as the search itself does with `jobs` 1). With a proposal budget only,
+  the result depends on the seed alone, not on `jobs` or the machine's speed: each chain draws from its
+  own `random.Random` seeded by (seed, chain name). A time budget makes the number of proposals, hence
+  the result, depend on speed.
 - every chain costs proposals with its own `Evaluator` (delta simulation: only the changed op's tasks
   are re-timed). Each baseline is simulated by an evaluator of its own; with `jobs` 1 a chain that
   starts from a baseline takes over that evaluator instead of simulating its start again.
@@ -38,28 +40,23 @@ Must not import torch, the runtime or soapflow.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import queue
 import random
 import time
-import traceback
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.evaluate import Cost, Evaluator, EvaluatorFactory
 from search.space import ConfigSpace
-from soap.config import ParallelConfig
+from search.workers import ChainSpec, Progress, WorkerJob, from_plain, run_workers, to_plain
 from soap.graph import OperatorGraph
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
 DEFAULT_BETA_SCALE = 100.0
 PROGRESS_INTERVAL_S = 0.5
-
-Progress = Callable[[Mapping[str, Any]], None]
 
 
 class NoFeasibleStrategy(ValueError):
@@ -180,41 +177,7 @@ def _beta_per_ms(beta_scale: float, cost_ref_ms: float) -> float:
 # ----------------------------------------------------------------------------------- running the chains
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _ChainSpec:
-    name: str
-    start: dict[str, Any]  # plain strategy (see `_plain`)
-    seed: str
-    max_proposals: int | None
-
-
-@dataclass(slots=True, kw_only=True)
-class _WorkerJob:
-    graph: dict[str, Any]
-    topology: DeviceTopology
-    evaluators: EvaluatorFactory
-    chains: list[_ChainSpec]
-    budget_s: float | None  # time left for this worker's chains
-    stall_s: float | None
-    offset_s: float  # the search's elapsed time when the worker starts
-    beta_per_ms: float
-    beta_scale: float
-    best_ms: float  # the best baseline's time (inf if none fits): the best the worker starts from
-    plain: bool = field(default=False)  # return strategies as plain dicts (to cross a process boundary)
-    # chain name -> (evaluator already started on the chain's start, its cost); in-process workers only
-    started: dict[str, tuple[Evaluator, Cost]] = field(default_factory=dict)
-
-
-def _plain(strategy: Strategy) -> dict[str, Any]:
-    return {op: [dict(cfg.degrees), list(cfg.devices)] for op, cfg in strategy.items()}
-
-
-def _unplain(doc: Mapping[str, Any]) -> Strategy:
-    return Strategy({op: ParallelConfig(degrees=degrees, devices=tuple(devices))
-                     for op, (degrees, devices) in doc.items()})
-
-
-def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) -> dict[str, Any]:
+def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -> dict[str, Any]:
     """Step the job's chains round-robin until each has stopped; the worker's part of the result."""
     t0 = time.monotonic()
     space = ConfigSpace(graph, job.topology)
@@ -229,7 +192,7 @@ def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) 
             unstarted.append(ChainReport(name=spec.name, start_ms=math.inf, best_ms=math.inf, num_proposals=0,
                                          num_accepted=0, stop="not started: time"))
             continue
-        chain = _Chain(spec.name, _unplain(spec.start), evaluator or job.evaluators(graph, job.topology), space,
+        chain = _Chain(spec.name, from_plain(spec.start), evaluator or job.evaluators(graph, job.topology), space,
                        random.Random(spec.seed), job.beta_per_ms, job.beta_scale, spec.max_proposals,
                        start_cost=cost)
         chain.improved_s = time.monotonic() - t0
@@ -276,7 +239,7 @@ def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) 
         "chains": [{
             "report": ChainReport(name=c.name, start_ms=c.start_cost.value, best_ms=c.best_cost.value,
                                   num_proposals=c.num_proposals, num_accepted=c.num_accepted, stop=c.stop),
-            "best": _plain(c.best) if job.plain else c.best,
+            "best": to_plain(c.best) if job.plain else c.best,
             "best_cost": c.best_cost,
             "min_peak": c.min_peak,
         } for c in chains] + [{"report": r, "best": None, "best_cost": Cost(time_ms=0.0, feasible=False),
@@ -286,53 +249,6 @@ def _run_chains(job: _WorkerJob, graph: OperatorGraph, report: Progress | None) 
         "start_s": job.offset_s,
         "elapsed_s": elapsed,
     }
-
-
-def _worker_main(job: _WorkerJob, index: int, out: Any) -> None:
-    """Entry point of a worker process: runs its chains, posts progress and the result on `out`."""
-    try:
-        graph = OperatorGraph.from_dict(job.graph)
-        result = _run_chains(job, graph, lambda p: out.put(("progress", index, dict(p))))
-        out.put(("done", index, result))
-    except BaseException:  # noqa: BLE001 - the parent re-raises it with the worker's traceback
-        out.put(("error", index, traceback.format_exc()))
-
-
-def _run_workers(jobs: list[_WorkerJob], progress: Progress | None) -> list[dict[str, Any]]:
-    """Run each job in its own process; forward progress (totals over workers) to `progress`."""
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(job, i, out), daemon=True) for i, job in enumerate(jobs)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    latest: dict[int, Mapping[str, Any]] = {}
-    try:
-        while len(results) < len(jobs):
-            try:
-                kind, index, payload = out.get(timeout=1.0)
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results]
-                if dead and out.empty():
-                    raise RuntimeError(f"search worker {dead[0]} died "
-                                       f"(exit code {procs[dead[0]].exitcode})") from None
-                continue
-            if kind == "error":
-                raise RuntimeError(f"search worker {index} failed:\n{payload}")
-            if kind == "done":
-                results[index] = payload
-            elif progress is not None:
-                latest[index] = payload
-                progress({"proposals": sum(p["proposals"] for p in latest.values()),
-                          "elapsed_s": max(p["elapsed_s"] for p in latest.values()),
-                          "best_ms": min(p["best_ms"] for p in latest.values())})
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-    return [results[i] for i in range(len(jobs))]
 
 
 # -------------------------------------------------------------------------------------------- the search
@@ -402,7 +318,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     if max_proposals is not None:
         q, r = divmod(max_proposals, len(named))
         per_chain = [q + (i < r) for i in range(len(named))]
-    specs = [_ChainSpec(name=n, start=_plain(s), seed=f"soapflow.search/{seed}/{n}", max_proposals=k)
+    specs = [ChainSpec(name=n, start=to_plain(s), seed=f"soapflow.search/{seed}/{n}", max_proposals=k)
              for (n, s), k in zip(named, per_chain, strict=True) if k is None or k > 0]
 
     offset = time.monotonic() - t0
@@ -413,7 +329,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     left = None if budget_s is None else max(budget_s - offset, 0.0)
     jobs = min(jobs, len(specs))
     groups = [specs[i::jobs] for i in range(jobs)]
-    work = [_WorkerJob(graph=graph.to_dict(), topology=topology, evaluators=evaluators, chains=g,
+    work = [WorkerJob(graph=graph.to_dict(), topology=topology, evaluators=evaluators, chains=g,
                        budget_s=left, stall_s=None if budget_s is None else budget_s / 2, offset_s=offset,
                        beta_per_ms=beta, beta_scale=beta_scale,
                        best_ms=feasible[best_baseline].time_ms if best_baseline else math.inf,
@@ -424,7 +340,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     if jobs == 1:
         outcomes = [_run_chains(work[0], graph, progress)]
     else:
-        outcomes = _run_workers(work, progress)
+        outcomes = run_workers(work, _run_chains, progress)
     search_s = max((o["elapsed_s"] for o in outcomes), default=0.0)
 
     # The best: baselines first (ties keep the baseline), then chains in start order.
@@ -443,7 +359,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
         cost = chain["best_cost"]
         if cost.feasible and (best_cost is None or cost.time_ms < best_cost.time_ms):
             best_name, best_cost = f"chain {chain['report'].name}", cost
-            best = chain["best"] if isinstance(chain["best"], Strategy) else _unplain(chain["best"])
+            best = chain["best"] if isinstance(chain["best"], Strategy) else from_plain(chain["best"])
     if best is None or best_cost is None:
         raise NoFeasibleStrategy(_no_fit_message(topology, min_peak))
     history = _merge_history(outcomes, feasible[best_baseline].time_ms if best_baseline else math.inf, offset)

@@ -27,7 +27,8 @@ constants are the ones that make the simulator reproduce the calibration measure
   per sync + (GB all-reduced) x cost per GB + (GB exchanged) x cost per GB, each on the critical path;
   non-negative linear least squares (scipy `nnls`, then a robust refinement), the slopes taken from the
   simulator itself.
-- `fit_update_passes`: the optimizer step's passes over the parameter bytes, from timed optimizer steps.
+- `fit_update_scale`: the factor on the optimizer step's ideal passes over the parameter bytes, from timed
+  optimizer steps.
 
 Fits use calibration measurements only, never validation runs (`soapflow.validate` measures strategies
 of the models under test and compares; nothing here sees them).
@@ -42,7 +43,7 @@ The machine profile is a topology file (`soap.topology`: devices with fitted `pe
                     "overhead_us": 85.0, "compute_scale": 1.3,
                     "comm_overhead": {"exchange_us": 300.0, "sync_us": 500.0,
                                       "allreduce_ms_per_gb": 200.0, "exchange_ms_per_gb": 450.0},
-                    "update_passes": 3.5, "costdb": "machine.costdb.jsonl", "fit": {...}}
+                    "update_scale": 1.2, "costdb": "machine.costdb.jsonl", "fit": {...}}
 
 Must import only `soap`, the other `simulator` modules, numpy and scipy (no torch, runtime or search).
 """
@@ -166,7 +167,7 @@ class ComputeFit:
         return AnalyticalCostModel(efficiency={self.device_kind: eff},
                                    bandwidth_efficiency={self.device_kind: min(1.0, self.bandwidth_efficiency)},
                                    launch_us={self.device_kind: self.launch_us + extra_launch_us},
-                                   update_passes=(base or AnalyticalCostModel()).update_passes)
+                                   update_scale=(base or AnalyticalCostModel()).update_scale)
 
 
 def _times(model: CostModel, samples: Sequence[OpSample], device: Device) -> np.ndarray:
@@ -357,13 +358,14 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
                                          allreduce_ms_per_gb=float(coef[4]), exchange_ms_per_gb=float(coef[5])))
 
 
-def fit_update_passes(samples: Sequence[tuple[int, float]], model: AnalyticalCostModel, device: Device) -> float | None:
-    """The optimizer step's passes over the parameter bytes (`AnalyticalCostModel.update_passes`) that
-    make the analytical model's update time match the timed steps `(bytes, ms)`: the median over the
-    samples of time x the model's memory bandwidth / bytes (None without samples). The runtime's default
-    optimizer, SGD, reads parameter and gradient and writes the parameter: 3 passes in theory; what a
-    step measures (its operands out of cache) is what counts."""
-    ratios = [ms * model.bandwidth_bytes_per_ms(device) / nbytes for nbytes, ms in samples if nbytes > 0 and ms > 0]
+def fit_update_scale(samples: Sequence[tuple[int, float]], model: AnalyticalCostModel, device: Device,
+                     passes: float) -> float | None:
+    """The factor (`AnalyticalCostModel.update_scale`) on an optimizer's ideal `passes` over the parameter
+    bytes (`TrainSetup.update_passes`) that makes the analytical model's update time match the timed steps
+    `(bytes, ms)`: the median over the samples of time x the model's memory bandwidth / (passes x bytes)
+    (None without samples). What a step measures (its operands out of cache) is what counts."""
+    ratios = [ms * model.bandwidth_bytes_per_ms(device) / (passes * nbytes)
+              for nbytes, ms in samples if nbytes > 0 and ms > 0]
     return statistics.median(ratios) if ratios else None
 
 
@@ -384,7 +386,7 @@ class MachineProfile:
     overhead_us: float = 0.0
     compute_scale: float = 1.0
     comm_overhead: CommOverhead = NO_OVERHEAD
-    update_passes: float | None = None
+    update_scale: float | None = None
     costdb: str | None = None
     report: Mapping[str, Any] = field(default_factory=dict)
 
@@ -393,8 +395,8 @@ class MachineProfile:
             raise ValueError(f"overhead_us must be finite and >= 0, got {self.overhead_us}")
         if not (self.compute_scale > 0 and math.isfinite(self.compute_scale)):
             raise ValueError(f"compute_scale must be finite and > 0, got {self.compute_scale}")
-        if self.update_passes is not None and not (self.update_passes > 0 and math.isfinite(self.update_passes)):
-            raise ValueError(f"update_passes must be finite and > 0, got {self.update_passes}")
+        if self.update_scale is not None and not (self.update_scale > 0 and math.isfinite(self.update_scale)):
+            raise ValueError(f"update_scale must be finite and > 0, got {self.update_scale}")
 
     def analytical(self) -> AnalyticalCostModel:
         """The calibrated analytical model: its roofline times `compute_scale` (efficiencies divided by it,
@@ -405,7 +407,7 @@ class MachineProfile:
             bandwidth_efficiency={d: v / scale for d, v in self.bandwidth_efficiency.items()},
             launch_us={d: v * scale + self.overhead_us for d, v in self.launch_us.items()},
             comm_overhead=self.comm_overhead,
-            **({} if self.update_passes is None else {"update_passes": self.update_passes}))
+            **({} if self.update_scale is None else {"update_scale": self.update_scale}))
 
     def cost_model(self, db: costdb.CostDatabase | None = None) -> CostModel:
         """Measured times from `db` (or the profile's cost database) with the step's factor and the runtime
@@ -425,7 +427,7 @@ class MachineProfile:
             "efficiency": {k: dict(v) for k, v in self.efficiency.items()},
             "bandwidth_efficiency": dict(self.bandwidth_efficiency), "launch_us": dict(self.launch_us),
             "overhead_us": self.overhead_us, "compute_scale": self.compute_scale,
-            "comm_overhead": self.comm_overhead.to_dict(), "update_passes": self.update_passes,
+            "comm_overhead": self.comm_overhead.to_dict(), "update_scale": self.update_scale,
             "costdb": self.costdb,
             **dict(self.report)}
         return doc
@@ -464,7 +466,7 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
     if isinstance(db, str) and not os.path.isabs(db):
         db = os.fspath(Path(path).parent / db)
     known = ("format", "device_kind", "efficiency", "bandwidth_efficiency", "launch_us", "overhead_us",
-             "compute_scale", "comm_overhead", "update_passes", "costdb")
+             "compute_scale", "comm_overhead", "update_scale", "update_passes", "costdb")
     comm = cal.get("comm_overhead", {})
 
     def number(value: Any, what: str) -> float:
@@ -481,10 +483,19 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
                           compute_scale=number(cal.get("compute_scale", 1.0), "compute_scale"),
                           comm_overhead=CommOverhead(**{k: number(comm.get(k, 0.0), f"comm_overhead.{k}")
                                                         for k in CommOverhead.__slots__}),
-                          update_passes=None if cal.get("update_passes") is None
-                          else number(cal["update_passes"], "update_passes"),
+                          update_scale=_update_scale(cal, number),
                           costdb=db if isinstance(db, str) else None,
                           report={k: v for k, v in cal.items() if k not in known})
+
+
+def _update_scale(cal: Mapping[str, Any], number: Any) -> float | None:
+    """A profile's `update_scale`; a profile written before it had one carries `update_passes`, fitted for
+    the runtime's then default optimizer (SGD without momentum: 3 ideal passes)."""
+    if cal.get("update_scale") is not None:
+        return number(cal["update_scale"], "update_scale")
+    if cal.get("update_passes") is not None:
+        return number(cal["update_passes"], "update_passes") / 3
+    return None
 
 
 def cost_model_for(topology_ref: str | os.PathLike, *, db: costdb.CostDatabase | str | None = None

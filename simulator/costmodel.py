@@ -47,8 +47,9 @@ class CostModel(Protocol):
         of the op, None: not known) says which inputs carry a gradient the backward computes."""
         ...
 
-    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
-        """Time of the optimizer step over `param_bytes` bytes of `op`'s parameters held on `device`."""
+    def update_ms(self, param_bytes: int, device: Device, passes: float) -> float:
+        """Time of the optimizer step over `param_bytes` bytes of parameters held on `device`, for an
+        optimizer that streams `passes` times the parameter bytes (`TrainSetup.update_passes`)."""
         ...
 
     def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
@@ -115,14 +116,15 @@ class AnalyticalCostModel:
     when capture recorded none). `efficiency[device kind][op kind]` (fraction of peak FLOP/s),
     `bandwidth_efficiency[device kind]` and `launch_us[device kind]` override the defaults entry by entry;
     '*' is the fallback kind. Backward launches two kernels for ops with parameters (input and weight
-    gradients). The optimizer step streams `update_passes` x the parameter bytes (SGD with momentum reads
-    parameter, gradient and momentum and writes parameter and momentum: 5).
+    gradients). The optimizer step streams its passes over the parameter bytes (`TrainSetup.update_passes`:
+    SGD with momentum reads parameter, gradient and momentum and writes parameter and momentum, 5) times
+    `update_scale` (1 by default; calibration fits it from timed optimizer steps).
     """
 
     efficiency: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     bandwidth_efficiency: Mapping[str, float] = field(default_factory=dict)
     launch_us: Mapping[str, float] = field(default_factory=dict)
-    update_passes: float = 5.0
+    update_scale: float = 1.0
     comm_overhead: CommOverhead = NO_OVERHEAD
 
     def __post_init__(self) -> None:
@@ -133,8 +135,8 @@ class AnalyticalCostModel:
         if bad:
             raise ValueError(f"efficiencies must be in (0, 1], got {bad}")
         launch = {**DEFAULT_LAUNCH_US, **self.launch_us}
-        if any(v < 0 for v in launch.values()) or self.update_passes < 0:
-            raise ValueError(f"launch_us and update_passes must be >= 0, got {launch}, {self.update_passes}")
+        if any(v < 0 for v in launch.values()) or not self.update_scale > 0:
+            raise ValueError(f"launch_us must be >= 0 and update_scale > 0, got {launch}, {self.update_scale}")
         object.__setattr__(self, "efficiency", eff)
         object.__setattr__(self, "bandwidth_efficiency", MappingProxyType(bw))
         object.__setattr__(self, "launch_us", MappingProxyType(launch))
@@ -175,10 +177,11 @@ class AnalyticalCostModel:
         bwd += launch * (2 if op.params else 1)
         return (fwd, bwd)
 
-    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
+    def update_ms(self, param_bytes: int, device: Device, passes: float) -> float:
         if param_bytes <= 0:
             return 0.0
-        return self.update_passes * param_bytes / self.bandwidth_bytes_per_ms(device) + self._launch_ms(device)
+        streamed = self.update_scale * passes * param_bytes
+        return streamed / self.bandwidth_bytes_per_ms(device) + self._launch_ms(device)
 
     def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
         # reads every partial once and writes the sum once
@@ -244,8 +247,8 @@ class MeasuredCostModel:
         """The fallback's (a machine profile's calibrated analytical model carries it)."""
         return getattr(self.fallback, "comm_overhead", NO_OVERHEAD)
 
-    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
-        return self.fallback.update_ms(op, param_bytes, device)
+    def update_ms(self, param_bytes: int, device: Device, passes: float) -> float:
+        return self.fallback.update_ms(param_bytes, device, passes)
 
     def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:
         return self.fallback.reduce_ms(nbytes, num_inputs, device)
@@ -290,7 +293,7 @@ class FixedCostModel:
             return hit
         return (self.fwd_each_ms, self.fwd_each_ms if self.bwd_each_ms is None else self.bwd_each_ms)
 
-    def update_ms(self, op: Operator, param_bytes: int, device: Device) -> float:
+    def update_ms(self, param_bytes: int, device: Device, passes: float) -> float:
         return self.update_each_ms
 
     def reduce_ms(self, nbytes: int, num_inputs: int, device: Device) -> float:

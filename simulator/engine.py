@@ -36,7 +36,9 @@ by re-timing less: see benchmarks/simulator_speed.py.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Mapping
 from heapq import heapify, heappop, heappush
+from typing import NamedTuple
 
 from simulator.comm import NO_OVERHEAD, Comm
 from simulator.costmodel import AnalyticalCostModel, CostModel
@@ -44,7 +46,6 @@ from simulator.taskgraph import (
     BWD,
     COMM_CATS,
     COMPUTE_CATS,
-    DEFAULT_BUCKET_CAP_BYTES,
     FWD,
     REDUCE,
     SUB_COMPUTE,
@@ -54,14 +55,19 @@ from simulator.taskgraph import (
     UPDATE,
     XFER,
     EdgePlan,
-    GraphFacts,
+    Exchange,
     KeySpace,
     OpPlan,
+    ParamPlan,
     Planner,
+    Reduce,
+    SyncShare,
 )
 from simulator.timeline import Timeline
 from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import OperatorGraph
+from soap.lowering import GradFlow, StepPlan, lower
+from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, validate_strategy
 from soap.topology import DeviceTopology
 
@@ -73,60 +79,84 @@ SyncId = tuple[tuple[int, ...], int]  # (device group, bucket)
 
 
 class _Unit:
-    """The tasks of an op (forward, backward), of an edge, or of an op's updates, and the data edges
-    the unit made (undone exactly when the unit is replaced)."""
+    """The tasks of an op (forward, backward), of an edge, or of a parameter unit's updates, and the data
+    edges the unit made (undone exactly when the unit is replaced)."""
 
-    __slots__ = ("tids", "links", "fwd", "bwd", "by_part")
+    __slots__ = ("tids", "links", "fwd", "bwd", "by_device")
 
     def __init__(self, tids: list[int], links: list[Link], fwd: list[int] | None = None,
-                 bwd: list[int] | None = None, by_part: dict[int, int] | None = None):
+                 bwd: list[int] | None = None, by_device: dict[int, int] | None = None):
         self.tids, self.links = tids, links
-        self.fwd, self.bwd, self.by_part = fwd, bwd, by_part
+        self.fwd, self.bwd, self.by_device = fwd, bwd, by_device
 
 
 class _Sync:
-    """One all-reduce task (per device group and bucket) and, per member op, the edges into and out of it.
-
-    It outlives changes to its members: a proposal edits its edges and duration in place."""
+    """One all-reduce task (per device group and bucket) and, per parameter unit taking part, its share
+    and the edges into and out of the task. It outlives changes to its members: a proposal edits its
+    edges and duration in place."""
 
     __slots__ = ("tid", "members", "links")
 
-    def __init__(self, tid: int, members: dict[int, tuple[tuple[int, ...], int]], links: dict[int, list[Link]]):
+    def __init__(self, tid: int, members: dict[int, SyncShare], links: dict[int, list[Link]]):
         self.tid, self.members, self.links = tid, members, links
 
 
+class _SyncEdit(NamedTuple):
+    """An all-reduce a proposal edited, as it was: enough for `reject` to restore it."""
+
+    sid: SyncId
+    sync: _Sync
+    preds: list[int]
+    succs: list[int]
+    dur: int
+    nbytes: int
+    members: dict[int, SyncShare]
+    links: dict[int, list[Link]]
+
+
+class _Journal:
+    """What `propose` changed, for `reject` to undo it (`noop`: the proposal changed nothing)."""
+
+    __slots__ = ("noop", "op", "cfg", "plan", "params", "old_len", "mem", "moved", "iteration", "dead",
+                 "removed", "gone", "synced", "cut", "added", "links", "new_syncs", "order", "end", "rk", "cuts",
+                 "res_tails")
+
+    def __init__(self, *, noop: bool = False):
+        self.noop = noop
+
+
 class Simulator:
-    """Full and delta simulation of strategies for one (graph, topology, cost model).
+    """Full and delta simulation of strategies for one (graph, topology, cost model, training setup).
 
     Typical use (the search)::
 
-        sim = Simulator(graph, topology, cost_model)
+        sim = Simulator(graph, topology, cost_model, setup=setup)
         sim.full(strategy)                  # -> Timeline; `strategy` becomes current
         t_ms = sim.propose("fc1", cfg)      # delta: iteration time with fc1 changed to cfg
         sim.accept()  # or sim.reject()     # keep the change, or restore the previous state cheaply
 
     While a proposal is pending, `strategy`, `iteration_time_ms`, `feasible`, `peak_memory_bytes`,
     `memory_excess_bytes` and `timeline()` describe it; otherwise the current state. Instances share
-    nothing; the caches they hold are pure functions of (graph, topology, cost model).
+    nothing; the caches they hold are pure functions of (graph, setup, topology, cost model).
     """
 
     def __init__(self, graph: OperatorGraph, topology: DeviceTopology, cost_model: CostModel | None = None, *,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, optimizer_copies: int = 1):
+                 setup: TrainSetup | None = None):
         self.graph = graph
         self.topology = topology
+        self.setup = setup if setup is not None else TrainSetup()
         self.cost_model: CostModel = cost_model if cost_model is not None else AnalyticalCostModel()
-        self.facts = GraphFacts(graph, bucket_cap_bytes=bucket_cap_bytes)
+        self.flow = GradFlow(graph, self.setup)
         self.keys = KeySpace(len(graph), topology.num_devices)
         self.comm = Comm(topology, getattr(self.cost_model, "comm_overhead", NO_OVERHEAD))
-        self.planner = Planner(self.facts, topology, self.cost_model, self.keys, self.comm,
-                               optimizer_copies=optimizer_copies)
+        self.planner = Planner(self.flow, topology, self.cost_model, self.keys, self.comm)
         self.num_devices = topology.num_devices
         self.num_resources = self.num_devices + len(topology.links)
         self.capacity = [d.memory_bytes for d in topology.devices]
         self._kb = self.keys.bits
         self._sh = self._kb + _TID_BITS  # a priority is (ready << _sh) | (key << _TID_BITS) | task id
         self._configs: list[ParallelConfig] | None = None
-        self._journal: dict | None = None
+        self._journal: _Journal | None = None
 
     # -- public API ----------------------------------------------------------------------------------
 
@@ -181,7 +211,7 @@ class Simulator:
         self._need_state()
         if self._journal is not None:
             raise RuntimeError("a proposal is pending: accept() or reject() it first")
-        i = self.facts.index.get(op)
+        i = self.flow.index.get(op)
         if i is None:
             raise ValueError(f"no operator named {op!r} in graph {self.graph.name!r}")
         try:
@@ -189,7 +219,7 @@ class Simulator:
         except ConfigError as exc:
             raise StrategyError(str(exc)) from None
         if cfg == self._configs[i]:
-            self._journal = {"noop": True}
+            self._journal = _Journal(noop=True)
         else:
             self._delta(i, cfg)
         return self._iteration_ns / 1e6
@@ -204,7 +234,7 @@ class Simulator:
     def reject(self) -> None:
         if self._journal is None:
             raise RuntimeError("no pending proposal to reject")
-        if "noop" not in self._journal:
+        if not self._journal.noop:
             self._undo(self._journal)
         self._journal = None
 
@@ -213,6 +243,14 @@ class Simulator:
         self.propose(op, cfg)
         self.accept()
         return self.timeline()
+
+    def step_plan(self) -> StepPlan:
+        """The `StepPlan` the state described times (lowered afresh: what the runtime would execute)."""
+        return lower(self.graph, self.strategy, self.setup, self.num_devices, flow=self.flow)
+
+    def collectives(self) -> list[dict[str, dict[str, int]]]:
+        """Per device, per kind, the count and bytes of the collectives of one step (`StepPlan.collectives`)."""
+        return self.step_plan().collectives()
 
     def timeline(self) -> Timeline:
         """The `Timeline` of the state described (the pending proposal if there is one)."""
@@ -233,24 +271,25 @@ class Simulator:
 
     def task_name(self, key: int) -> str:
         """A readable name for a task key (traces, task records)."""
-        facts = self.facts
+        flow = self.flow
         pos, sub, e, a, b = self.keys.split(key)
-        n = facts.num_ops
+        n = flow.num_ops
         if pos < n:
-            op = facts.ops[pos]
+            op = flow.ops[pos]
             if sub == SUB_COMPUTE:
                 return f"{op.name} fwd[{a}]"
             src = op.inputs[e].op
             return f"{src} -> {op.name}" if sub == SUB_XFER else f"{op.name} sum input {e} [{a}]"
         if pos < 2 * n:
-            op = facts.ops[2 * n - 1 - pos]
+            op = flow.ops[2 * n - 1 - pos]
             if sub == SUB_COMPUTE:
                 return f"{op.name} bwd[{a}]"
             if sub == SUB_SYNC:
-                return f"allreduce bucket {facts.bucket[2 * n - 1 - pos]} devices {a}..{b}"
+                bucket = flow.bucket_first_op.index(2 * n - 1 - pos)
+                return f"allreduce bucket {bucket} devices {a}..{b}"
             consumer = self.graph.consumers(op.name)[e][0]
             return f"grad {consumer} -> {op.name}" if sub == SUB_XFER else f"{op.name} sum grads [{a}]"
-        return f"{facts.ops[pos - 2 * n].name} update[{a}]"
+        return f"{flow.ops[pos - 2 * n].name} update[device {a}]"
 
     # -- building ------------------------------------------------------------------------------------
 
@@ -260,7 +299,7 @@ class Simulator:
 
     def _build(self, configs: list[ParallelConfig]) -> None:
         """Instantiate every task of `configs` and simulate from scratch."""
-        facts, planner = self.facts, self.planner
+        flow, planner = self.flow, self.planner
         self._dur: list[int] = []
         self._key: list[int] = []
         self._kt: list[int] = []  # (key << _TID_BITS) | task id: the heap priority at ready time 0
@@ -275,15 +314,16 @@ class Simulator:
         self._dead = 0
         self._configs = configs
         self._plans: list[OpPlan] = [planner.op_plan(i, cfg) for i, cfg in enumerate(configs)]
+        self._params: list[ParamPlan] = [self._param_plan(u) for u in range(len(flow.units))]
         links: list[Link] = []
-        self._op_units = [self._add_op_unit(i, links) for i in range(facts.num_ops)]
-        self._update_units = [self._add_update_unit(i, links) for i in range(facts.num_ops)]
-        self._edge_units = [self._add_edge_unit(e, links) for e in range(len(facts.edges))]
+        self._op_units = [self._add_op_unit(i, links) for i in range(flow.num_ops)]
+        self._update_units = [self._add_update_unit(u, links) for u in range(len(flow.units))]
+        self._edge_units = [self._add_edge_unit(e, links) for e in range(len(flow.edges))]
         self._syncs: dict[SyncId, _Sync] = {}
-        members: dict[SyncId, dict[int, tuple[tuple[int, ...], int]]] = {}
-        for i, plan in enumerate(self._plans):
-            for group, entry in plan.sync.items():
-                members.setdefault((group, facts.bucket[i]), {})[i] = entry
+        members: dict[SyncId, dict[int, SyncShare]] = {}
+        for u, plan in enumerate(self._params):
+            for sid, share in plan.sync.items():
+                members.setdefault(sid, {})[u] = share
         for sid in sorted(members):
             self._syncs[sid] = self._new_sync(sid, members[sid], links)
         self._apply(links)
@@ -291,7 +331,9 @@ class Simulator:
         self._moved = 0
         for plan in self._plans:
             self._add_mem(plan.mem, 1)
-        for e in range(len(facts.edges)):
+        for plan in self._params:
+            self._add_mem(plan.mem, 1)
+        for e in range(len(flow.edges)):
             ep = self._edge_plan(e)
             self._add_mem(ep.recv, 1)
             self._moved += ep.moved
@@ -305,14 +347,17 @@ class Simulator:
             succs[u].append(v)
             preds[v].append(u)
 
-    def _add_mem(self, table: dict[int, int], sign: int) -> None:
+    def _add_mem(self, table: Mapping[int, int], sign: int) -> None:
         mem = self._mem
         for d, b in table.items():
             mem[d] += sign * b
 
     def _edge_plan(self, e: int) -> EdgePlan:
-        edge = self.facts.edges[e]
+        edge = self.flow.edges[e]
         return self.planner.edge_plan(e, self._configs[edge.src], self._configs[edge.dst])
+
+    def _param_plan(self, u: int) -> ParamPlan:
+        return self.planner.param_plan(u, [self._configs[i] for i in self.flow.units[u]])
 
     def _new_tasks(self, durs: list[int], keys: list[int], res: list[tuple[int, ...]], cat: int,
                    nbytes: list[int] | None = None) -> list[int]:
@@ -341,84 +386,68 @@ class Simulator:
         links += mine
         return _Unit(fwd + bwd, mine, fwd, bwd)
 
-    def _add_update_unit(self, i: int, links: list[Link]) -> _Unit | None:
-        plan = self._plans[i]
-        if not plan.update:
+    def _add_update_unit(self, u: int, links: list[Link]) -> _Unit | None:
+        plan = self._params[u]
+        if not plan.updates:
             return None
-        devs = plan.devices
-        tids = self._new_tasks([ns for _, ns, _ in plan.update], [k for _, _, k in plan.update],
-                               [(devs[c],) for c, _, _ in plan.update], UPDATE)
-        bwd = self._op_units[i].bwd
-        mine = [(bwd[c], t) for (c, _, _), t in zip(plan.update, tids, strict=True)]
+        tids = self._new_tasks([x.ns for x in plan.updates], [x.key for x in plan.updates],
+                               [(x.device,) for x in plan.updates], UPDATE)
+        units = self._op_units
+        mine = [(units[i].bwd[c], t) for x, t in zip(plan.updates, tids, strict=True) for i, c in plan.waits[x.device]]
         links += mine
-        return _Unit(tids, mine, by_part={c: t for (c, _, _), t in zip(plan.update, tids, strict=True)})
+        return _Unit(tids, mine, by_device={x.device: t for x, t in zip(plan.updates, tids, strict=True)})
 
     def _add_edge_unit(self, e: int, links: list[Link]) -> _Unit:
-        edge = self.facts.edges[e]
+        edge = self.flow.edges[e]
         ep = self._edge_plan(e)
         prod, cons = self._op_units[edge.src], self._op_units[edge.dst]
         mine: list[Link] = []
         tids: list[int] = []
-        src_f, dst_f = prod.fwd, cons.fwd
-        if ep.fwd_reduce:
-            target = list(dst_f)
-            red = self._new_tasks([r[1] for r in ep.fwd_reduce], [r[2] for r in ep.fwd_reduce],
-                                  [(r[3],) for r in ep.fwd_reduce], REDUCE)
-            tids += red
-            for r, t in zip(ep.fwd_reduce, red, strict=True):
-                mine.append((t, dst_f[r[0]]))
-                target[r[0]] = t
-        else:
-            target = dst_f
-        if src_f:
-            mine += [(src_f[p], target[c]) for p, c in ep.fwd_dep]
-        if ep.fwd_xfer:
-            xs = self._new_tasks([x[4] for x in ep.fwd_xfer], [x[5] for x in ep.fwd_xfer],
-                                 [x[3] for x in ep.fwd_xfer], XFER, [x[2] for x in ep.fwd_xfer])
-            tids += xs
-            for x, t in zip(ep.fwd_xfer, xs, strict=True):
-                if src_f:
-                    mine += [(src_f[p], t) for p in x[0]]
-                mine += [(t, target[c]) for c in x[1]]
+        self._add_pass(ep.fwd_dep, ep.fwd_xfer, ep.fwd_reduce, prod.fwd, cons.fwd, mine, tids)
         if edge.grad:
-            src_b, dst_b = cons.bwd, prod.bwd
-            if ep.bwd_reduce:
-                target = list(dst_b)
-                red = self._new_tasks([r[1] for r in ep.bwd_reduce], [r[2] for r in ep.bwd_reduce],
-                                      [(r[3],) for r in ep.bwd_reduce], REDUCE)
-                tids += red
-                for r, t in zip(ep.bwd_reduce, red, strict=True):
-                    mine.append((t, dst_b[r[0]]))
-                    target[r[0]] = t
-            else:
-                target = dst_b
-            mine += [(src_b[c], target[p]) for c, p in ep.bwd_dep]
-            if ep.bwd_xfer:
-                xs = self._new_tasks([x[4] for x in ep.bwd_xfer], [x[5] for x in ep.bwd_xfer],
-                                     [x[3] for x in ep.bwd_xfer], XFER, [x[2] for x in ep.bwd_xfer])
-                tids += xs
-                for x, t in zip(ep.bwd_xfer, xs, strict=True):
-                    mine += [(src_b[c], t) for c in x[0]]
-                    mine += [(t, target[p]) for p in x[1]]
+            self._add_pass(ep.bwd_dep, ep.bwd_xfer, ep.bwd_reduce, cons.bwd, prod.bwd, mine, tids)
         links += mine
         return _Unit(tids, mine)
 
-    def _sync_figures(self, sid: SyncId, members: dict) -> tuple[tuple[int, ...], int, int, int]:
+    def _add_pass(self, deps: list[tuple[int, int]], xfer: Exchange | None, reduces: list[Reduce],
+                  src: list[int], dst: list[int], mine: list[Link], tids: list[int]) -> None:
+        """The tasks and data edges of one pass of an edge, from the tasks `src` of the sending parts to
+        the tasks `dst` of the receiving parts (a reduce task, where there is one, stands before its
+        part's task and receives in its place)."""
+        target = dst
+        if reduces:
+            target = list(dst)
+            red = self._new_tasks([r.ns for r in reduces], [r.key for r in reduces], [(r.device,) for r in reduces],
+                                  REDUCE)
+            tids += red
+            for r, t in zip(reduces, red, strict=True):
+                mine.append((t, dst[r.part]))
+                target[r.part] = t
+        if src:
+            mine += [(src[p], target[c]) for p, c in deps]
+        if xfer is not None:
+            (t,) = self._new_tasks([xfer.ns], [xfer.key], [xfer.resources], XFER, [xfer.nbytes])
+            tids.append(t)
+            if src:
+                mine += [(src[p], t) for p in xfer.senders]
+            mine += [(t, target[c]) for c in xfer.receivers]
+
+    def _sync_figures(self, sid: SyncId, members: Mapping[int, SyncShare]) -> tuple[tuple[int, ...], int, int, int]:
         """(resources, ns, key, bytes on the wire) of an all-reduce with `members`."""
         group, bucket = sid
-        nbytes = sum(nb for _, nb in members.values())
+        nbytes = sum(share.nbytes for share in members.values())
         res, ns, key = self.planner.sync_task(group, bucket, nbytes)
         return res, ns, key, 2 * (len(group) - 1) * nbytes  # each device sends 2(n-1)/n of the buffer
 
-    def _sync_links(self, i: int, tid: int, parts: tuple[int, ...]) -> list[Link]:
-        bwd = self._op_units[i].bwd
-        upd = self._update_units[i].by_part
-        return [(bwd[c], tid) for c in parts] + [(tid, upd[c]) for c in parts]
+    def _sync_links(self, u: int, tid: int, share: SyncShare, group: tuple[int, ...]) -> list[Link]:
+        units = self._op_units
+        upd = self._update_units[u].by_device
+        return [(units[i].bwd[c], tid) for i, c in share.holders] + [(tid, upd[d]) for d in group]
 
-    def _new_sync(self, sid: SyncId, members: dict, links: list[Link]) -> _Sync:
+    def _new_sync(self, sid: SyncId, members: dict[int, SyncShare], links: list[Link]) -> _Sync:
         res, ns, key, wire = self._sync_figures(sid, members)
         (tid,) = self._new_tasks([ns], [key], [res], SYNC, [wire])
-        mine = {i: self._sync_links(i, tid, members[i][0]) for i in sorted(members)}
+        mine = {u: self._sync_links(u, tid, members[u], sid[0]) for u in sorted(members)}
         for group_links in mine.values():
             links += group_links
         return _Sync(tid, members, mine)
@@ -480,19 +509,26 @@ class Simulator:
     # -- delta ---------------------------------------------------------------------------------------
 
     def _delta(self, i: int, cfg: ParallelConfig) -> None:
-        facts = self.facts
+        flow = self.flow
+        u = flow.unit[i]
         old_plan = self._plans[i]
-        new_plan = self.planner.op_plan(i, cfg)
-        bucket = facts.bucket[i]
-        groups = sorted(set(old_plan.sync) | set(new_plan.sync))
-        edges = facts.in_edges[i] + facts.out_edges[i]
+        edges = flow.in_edges[i] + flow.out_edges[i]
         old_len = len(self._dur)
-        j: dict = {"i": i, "cfg": self._configs[i], "plan": old_plan, "old_len": old_len, "mem": list(self._mem),
-                   "moved": self._moved, "iteration": self._iteration_ns, "dead": self._dead}
+        j = _Journal()
+        j.op, j.cfg, j.plan, j.old_len = i, self._configs[i], old_plan, old_len
+        j.params = self._params[u] if u >= 0 else None
+        j.mem, j.moved, j.iteration, j.dead = list(self._mem), self._moved, self._iteration_ns, self._dead
+        self._configs[i] = cfg
+        new_plan = self.planner.op_plan(i, cfg)
+        new_params = self._param_plan(u) if u >= 0 else None
+        self._configs[i] = j.cfg
+        sids = sorted(set(j.params.sync if j.params else ()) | set(new_params.sync if new_params else ()))
         alive, rk, preds, succs = self._alive, self._rk, self._preds, self._succs
-        self._account(old_plan, edges, groups, bucket, -1)
+        self._account(old_plan, j.params, edges, sids, -1)
         # 1. take out the op's units (tasks die; edges to surviving tasks are cut)
-        removed = [("op", i, self._op_units[i]), ("update", i, self._update_units[i])]
+        removed = [("op", i, self._op_units[i])]
+        if u >= 0:
+            removed.append(("update", u, self._update_units[u]))
         removed += [("edge", e, self._edge_units[e]) for e in edges]
         removed = [r for r in removed if r[2] is not None]
         k0 = _NEW
@@ -504,67 +540,73 @@ class Simulator:
                     k0 = rk[t]
             gone.update(unit.tids)
         for _, _, unit in removed:
-            for u, v in unit.links:
-                if alive[u]:
-                    succs[u].remove(v)
+            for a, v in unit.links:
+                if alive[a]:
+                    succs[a].remove(v)
                 if alive[v]:
-                    preds[v].remove(u)
+                    preds[v].remove(a)
                     if rk[v] < k0:
                         k0 = rk[v]
-        # the all-reduces of the op's bucket: edited in place (the op's edges out, its new ones in below)
-        synced = []
-        for g in groups:
-            sid = (g, bucket)
+        # the all-reduces the unit takes part in: edited in place (its edges out, its new ones in below)
+        synced: list[_SyncEdit] = []
+        cut: list[Link] = []
+        for sid in sids:
             sync = self._syncs.get(sid)
             if sync is None:
                 continue
             t = sync.tid
-            synced.append((sid, sync, preds[t], succs[t], self._dur[t], self._nbytes[t], dict(sync.members),
-                           dict(sync.links)))
+            synced.append(_SyncEdit(sid, sync, preds[t], succs[t], self._dur[t], self._nbytes[t], dict(sync.members),
+                                    dict(sync.links)))
             if rk[t] < k0:
                 k0 = rk[t]
             # new list objects: the journal keeps the old ones for `reject`
             preds[t] = [p for p in preds[t] if alive[p]]
-            succs[t] = [u for u in succs[t] if alive[u]]
-            sync.members.pop(i, None)
-            sync.links.pop(i, None)
-            if not sync.members and g not in new_plan.sync:
+            succs[t] = [v for v in succs[t] if alive[v]]
+            sync.members.pop(u, None)
+            for a, v in sync.links.pop(u, ()):
+                # the unit's other ops keep their tasks: cut their edges into the all-reduce by hand
+                if v == t and alive[a]:
+                    preds[t].remove(a)
+                    succs[a].remove(t)
+                    cut.append((a, t))
+            if not sync.members and sid not in new_params.sync:
                 alive[t] = False
                 gone.add(t)
                 del self._syncs[sid]
         self._dead += len(gone)
-        j.update(removed=removed, gone=gone, synced=synced)
+        j.removed, j.gone, j.synced, j.cut = removed, gone, synced, cut
         # 2. put in the new units
         self._configs[i] = cfg
         self._plans[i] = new_plan
         links: list[Link] = []
         added = [("op", i, self._add_op_unit(i, links))]
         self._op_units[i] = added[0][2]
-        self._update_units[i] = self._add_update_unit(i, links)
-        if self._update_units[i] is not None:
-            added.append(("update", i, self._update_units[i]))
+        if u >= 0:
+            self._params[u] = new_params
+            self._update_units[u] = self._add_update_unit(u, links)
+            if self._update_units[u] is not None:
+                added.append(("update", u, self._update_units[u]))
         for e in edges:
             self._edge_units[e] = self._add_edge_unit(e, links)
             added.append(("edge", e, self._edge_units[e]))
         new_syncs = []
-        for g, entry in new_plan.sync.items():
-            sid = (g, bucket)
+        for sid, share in (new_params.sync.items() if new_params else ()):
             sync = self._syncs.get(sid)
             if sync is None:
-                sync = self._syncs[sid] = self._new_sync(sid, {i: entry}, links)
+                sync = self._syncs[sid] = self._new_sync(sid, {u: share}, links)
                 new_syncs.append(sid)
             else:
-                sync.members[i] = entry
-                sync.links[i] = self._sync_links(i, sync.tid, entry[0])
-                links += sync.links[i]
-        for sid, sync, *_ in synced:
-            if sync.members:  # duration and bytes follow the membership (the key and the group do not)
-                _, ns, _, wire = self._sync_figures(sid, sync.members)
-                self._dur[sync.tid] = ns
-                self._nbytes[sync.tid] = wire
-        j.update(added=added, links=links, new_syncs=new_syncs)
+                sync.members[u] = share
+                sync.links[u] = self._sync_links(u, sync.tid, share, sid[0])
+                links += sync.links[u]
+        for edit in synced:
+            if edit.sync.members:  # duration and bytes follow the membership (the key and the group do not)
+                _, ns, _, wire = self._sync_figures(edit.sid, edit.sync.members)
+                self._dur[edit.sync.tid] = ns
+                self._nbytes[edit.sync.tid] = wire
+        j.added, j.links, j.new_syncs = added, links, new_syncs
         self._apply(links)
-        self._account(new_plan, edges, groups, bucket, 1)
+        self._account(new_plan, new_params, edges, sids, 1)
         # 3. the earliest point anything can change
         end, sh, kt = self._end, self._sh, self._kt
         for _, v in links:
@@ -584,19 +626,22 @@ class Simulator:
         self._replay(k0, old_len, j)
         self._journal = j
 
-    def _account(self, plan: OpPlan, edges: list[int], groups: list, bucket: int, sign: int) -> None:
-        """Add (`sign` 1) or take out (-1) the memory and bytes of an op's units and its bucket's syncs."""
+    def _account(self, plan: OpPlan, params: ParamPlan | None, edges: list[int], sids: list[SyncId],
+                 sign: int) -> None:
+        """Add (`sign` 1) or take out (-1) the memory and bytes of an op's units and its unit's all-reduces."""
         self._add_mem(plan.mem, sign)
+        if params is not None:
+            self._add_mem(params.mem, sign)
         for e in edges:
             ep = self._edge_plan(e)
             self._add_mem(ep.recv, sign)
             self._moved += sign * ep.moved
-        for g in groups:
-            sync = self._syncs.get((g, bucket))
+        for sid in sids:
+            sync = self._syncs.get(sid)
             if sync is not None:
                 self._moved += sign * self._nbytes[sync.tid]
 
-    def _replay(self, k0: int, old_len: int, j: dict) -> None:
+    def _replay(self, k0: int, old_len: int, j: _Journal) -> None:
         """Re-simulate every task at or after `k0` (old order) plus the new ones (module docstring).
 
         The old times and order are kept whole for `reject` (list copies are cheap next to the replay).
@@ -605,7 +650,7 @@ class Simulator:
         order, rk, end, alive, preds, succs = self._order, self._rk, self._end, self._alive, self._preds, self._succs
         rk_of = rk.__getitem__
         pos = bisect_left(order, k0, key=rk_of)
-        j.update(order=order, end=end[:old_len], rk=rk[:old_len])
+        j.order, j.end, j.rk = order, end[:old_len], rk[:old_len]
         self._order = order[:pos]
         # the resources' state at the cut
         last_end = [0] * self.num_resources
@@ -619,7 +664,7 @@ class Simulator:
                 del lst[c:]
             if c:
                 last_end[x] = end[lst[c - 1]]
-        j.update(cuts=cuts, res_tails=res_tails)
+        j.cuts, j.res_tails = cuts, res_tails
         n = len(self._dur)
         indeg = list(map(len, preds))
         rdy = [0] * n
@@ -642,58 +687,62 @@ class Simulator:
         heapify(heap)
         self._run(heap, indeg, rdy, last_end)
         self._iteration_ns = max(last_end)
-        assert len(self._order) == len(order) - len(j["gone"]) + n - old_len, \
+        assert len(self._order) == len(order) - len(j.gone) + n - old_len, \
             "a task of the suffix was never ready"
 
-    def _undo(self, j: dict) -> None:
-        old_len = j["old_len"]
+    def _undo(self, j: _Journal) -> None:
+        old_len = j.old_len
         succs, preds, alive = self._succs, self._preds, self._alive
-        kept = {sync.tid for _, sync, *_ in j["synced"]}  # their edge lists come back whole below
-        for u, v in j["links"]:
-            if u < old_len and u not in kept:
-                succs[u].remove(v)
+        kept = {edit.sync.tid for edit in j.synced}  # their edge lists come back whole below
+        for a, v in j.links:
+            if a < old_len and a not in kept:
+                succs[a].remove(v)
             if v < old_len and v not in kept:
-                preds[v].remove(u)
+                preds[v].remove(a)
         for lst in (self._dur, self._key, self._kt, self._res, self._cat, self._nbytes, self._preds, self._succs,
                     self._alive):
             del lst[old_len:]
-        gone = j["gone"]
+        gone = j.gone
         for t in gone:
             alive[t] = True
-        for _, _, unit in j["removed"]:
-            for u, v in unit.links:
-                if u not in gone:
-                    succs[u].append(v)
+        for _, _, unit in j.removed:
+            for a, v in unit.links:
+                if a not in gone:
+                    succs[a].append(v)
                 if v not in gone:
-                    preds[v].append(u)
-        i = j["i"]
-        for sid in j["new_syncs"]:
+                    preds[v].append(a)
+        for a, t in j.cut:  # the all-reduce's own lists come back whole below
+            succs[a].append(t)
+        for sid in j.new_syncs:
             del self._syncs[sid]
-        for sid, sync, p, s, dur, nbytes, members, links in j["synced"]:
-            t = sync.tid
-            preds[t], succs[t] = p, s
-            self._dur[t], self._nbytes[t] = dur, nbytes
-            sync.members, sync.links = members, links
-            self._syncs[sid] = sync
-        self._update_units[i] = None
-        for kind, ident, unit in j["removed"]:
+        for edit in j.synced:
+            t = edit.sync.tid
+            preds[t], succs[t] = edit.preds, edit.succs
+            self._dur[t], self._nbytes[t] = edit.dur, edit.nbytes
+            edit.sync.members, edit.sync.links = edit.members, edit.links
+            self._syncs[edit.sid] = edit.sync
+        u = self.flow.unit[j.op]
+        if u >= 0:
+            self._update_units[u] = None
+            self._params[u] = j.params
+        for kind, ident, unit in j.removed:
             if kind == "op":
                 self._op_units[ident] = unit
             elif kind == "update":
                 self._update_units[ident] = unit
             else:
                 self._edge_units[ident] = unit
-        self._configs[i] = j["cfg"]
-        self._plans[i] = j["plan"]
-        self._mem = j["mem"]
-        self._moved = j["moved"]
-        self._iteration_ns = j["iteration"]
-        self._dead = j["dead"]
-        self._end, self._rk, self._order = j["end"], j["rk"], j["order"]
+        self._configs[j.op] = j.cfg
+        self._plans[j.op] = j.plan
+        self._mem = j.mem
+        self._moved = j.moved
+        self._iteration_ns = j.iteration
+        self._dead = j.dead
+        self._end, self._rk, self._order = j.end, j.rk, j.order
         res_tids = self._res_tids
-        for x, c in enumerate(j["cuts"]):
+        for x, c in enumerate(j.cuts):
             del res_tids[x][c:]
-        for x, tail in j["res_tails"]:
+        for x, tail in j.res_tails:
             res_tids[x] += tail
 
     # -- critical path -------------------------------------------------------------------------------
@@ -728,10 +777,10 @@ class Simulator:
 
 
 def simulate(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology,
-             cost_model: CostModel | None = None) -> Timeline:
-    """Simulate one training iteration of `graph` under `strategy` on `topology` (analytical costs by
-    default)."""
-    return Simulator(graph, topology, cost_model).full(strategy)
+             cost_model: CostModel | None = None, *, setup: TrainSetup | None = None) -> Timeline:
+    """Simulate one training iteration of `graph` under `strategy` on `topology` (analytical costs and the
+    default `TrainSetup` unless given)."""
+    return Simulator(graph, topology, cost_model, setup=setup).full(strategy)
 
 
 __all__ = ["BWD", "FWD", "REDUCE", "SYNC", "Simulator", "UPDATE", "XFER", "simulate"]

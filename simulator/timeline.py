@@ -119,7 +119,7 @@ class Timeline:
         return tuple(b / 1e6 for b in busy)
 
     def summary(self) -> dict[str, Any]:
-        """The keys of ``soapflow simulate --json`` (DESIGN.md section 8), plus `oom`."""
+        """The keys of ``soapflow simulate --json`` that scripts may rely on (README), plus `oom`."""
         return {
             "iteration_time_ms": self.iteration_time_ms,
             "compute_ms": self.compute_ms,

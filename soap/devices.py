@@ -179,11 +179,3 @@ def device_spec(kind: str) -> DeviceSpec:
         return DEVICE_SPECS[kind]
     except KeyError:
         raise ValueError(f"unknown device kind {kind!r}; known kinds: {', '.join(DEVICE_SPECS)}") from None
-
-
-def link_spec(name: str) -> LinkSpec:
-    """The table row for a link spec name; `ValueError` listing the known names when there is none."""
-    try:
-        return LINK_SPECS[name]
-    except KeyError:
-        raise ValueError(f"unknown link spec {name!r}; known: {', '.join(LINK_SPECS)}") from None

@@ -1,14 +1,20 @@
-"""`Strategy` (op name -> ParallelConfig) and the strategy file (format ``soapflow.strategy/1``).
+"""`Strategy` (op name -> ParallelConfig) and the strategy file (format ``soapflow.strategy/2``).
 
 File layout (JSON, human-editable)::
 
-    {"format": "soapflow.strategy/1", "model": "mlp", "fingerprint": "<sha256>", "batch_size": 64,
+    {"format": "soapflow.strategy/2", "model": "mlp", "fingerprint": "<sha256>", "batch_size": 64,
      "topology": "cpu-2", "num_devices": 2, "predicted_iteration_time_ms": 1.23,
+     "setup": {"optimizer": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "precision": "fp32",
+               "bucket_mb": 25.0},
      "ops": {"fc1": {"degrees": {"out_features": 2}, "devices": [0, 1]}, ...}}
 
-An op missing from the file defaults to data parallel (with a warning); a fingerprint mismatch warns and
-the file still applies by op name; a config that does not fit the graph raises `StrategyError` naming the
-op and the reason. Must not import torch, the simulator, the search or the runtime.
+`setup` is the training setup (`soap.setup.TrainSetup`) the strategy was found for: the step it was
+timed on depends on it (optimizer state in memory, gradient buckets). Version 1 files (no `setup`) are
+still read. An op missing from the file defaults to data parallel (with a warning); a fingerprint
+mismatch warns and the file still applies by op name; a recorded setup that differs from the one the file
+is used with warns (naming the fields) and the file still applies; a config that does not fit the graph
+raises `StrategyError` naming the op and the reason. Must not import torch, the simulator, the search or
+the runtime.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from typing import Any
 from soap.config import ConfigError, ParallelConfig, validate
 from soap.files import read_json, write_json
 from soap.graph import OperatorGraph
+from soap.setup import TrainSetup
 
-FORMAT = "soapflow.strategy/1"
+FORMAT = "soapflow.strategy/2"
+# The formats `read_strategy_doc` accepts: version 1 is version 2 without the `setup` key.
+READABLE_FORMATS = ("soapflow.strategy/1", FORMAT)
 
 
 class StrategyError(ValueError):
@@ -85,7 +94,7 @@ def validate_strategy(graph: OperatorGraph, strategy: Strategy, num_devices: int
 
 
 def strategy_to_dict(strategy: Strategy, graph: OperatorGraph, *, topology: str, num_devices: int,
-                     model: str = "", predicted_ms: float | None = None) -> dict[str, Any]:
+                     setup: TrainSetup, model: str = "", predicted_ms: float | None = None) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "model": model or graph.name,
@@ -94,14 +103,15 @@ def strategy_to_dict(strategy: Strategy, graph: OperatorGraph, *, topology: str,
         "topology": topology,
         "num_devices": num_devices,
         "predicted_iteration_time_ms": predicted_ms,
+        "setup": setup.to_dict(),
         "ops": {op.name: strategy[op.name].to_dict() for op in graph if op.name in strategy},
     }
 
 
 def save_strategy(path: str | os.PathLike, strategy: Strategy, graph: OperatorGraph, *, topology: str,
-                  num_devices: int, model: str = "", predicted_ms: float | None = None) -> None:
+                  num_devices: int, setup: TrainSetup, model: str = "", predicted_ms: float | None = None) -> None:
     """Write the strategy file atomically (temporary file in the same folder, then rename)."""
-    doc = strategy_to_dict(strategy, graph, topology=topology, num_devices=num_devices, model=model,
+    doc = strategy_to_dict(strategy, graph, topology=topology, num_devices=num_devices, setup=setup, model=model,
                            predicted_ms=predicted_ms)
     write_json(path, doc)
 
@@ -111,20 +121,42 @@ def read_strategy_doc(path: str | os.PathLike) -> dict[str, Any]:
     doc = read_json(path, f"strategy file {str(path)!r}", StrategyError)
     if not isinstance(doc, dict):
         raise StrategyError(f"strategy file {str(path)!r} must hold a JSON object")
-    if doc.get("format") != FORMAT:
+    if doc.get("format") not in READABLE_FORMATS:
         raise StrategyError(f"strategy file {str(path)!r} has format {doc.get('format')!r}; "
-                            f"this soapflow reads {FORMAT!r}")
+                            f"this soapflow reads {' and '.join(map(repr, READABLE_FORMATS))}")
     if not isinstance(doc.get("ops"), dict):
         raise StrategyError(f"strategy file {str(path)!r} has no 'ops' object")
     return doc
 
 
+def recorded_setup(doc: Mapping[str, Any], *, source: str = "strategy") -> TrainSetup | None:
+    """The training setup a strategy document records (None for a version 1 document, which has none)."""
+    found = doc.get("setup")
+    if found is None:
+        return None
+    if not isinstance(found, dict):
+        raise StrategyError(f"{source}: 'setup' must be an object, got {found!r}")
+    try:
+        return TrainSetup.from_dict(found)
+    except (ValueError, TypeError) as exc:
+        raise StrategyError(f"{source}: setup: {exc}") from None
+
+
+def setup_differences(recorded: TrainSetup, setup: TrainSetup) -> list[str]:
+    """``<field> <recorded value> in the file, <value> here`` for every field in which `recorded` (a file's)
+    and `setup` (the one it is used with) differ, in field order."""
+    mine, theirs = recorded.to_dict(), setup.to_dict()
+    return [f"{name} {mine[name]!r} in the file, {theirs[name]!r} here" for name in mine if mine[name] != theirs[name]]
+
+
 def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices: int, *,
-                       default: Strategy | None = None, source: str = "strategy") -> Strategy:
+                       default: Strategy | None = None, setup: TrainSetup | None = None,
+                       source: str = "strategy") -> Strategy:
     """Build and validate a Strategy for `graph` from a strategy document.
 
     `default` supplies configs for ops the document leaves out (data parallel, normally), with a
-    warning; without it a missing op is an error.
+    warning; without it a missing op is an error. `setup` is the training setup the strategy is used
+    with: where the document records a different one, a warning names the fields that differ.
     """
     if doc.get("fingerprint") and doc["fingerprint"] != graph.fingerprint:
         warnings.warn(f"{source} was made for a different graph (fingerprint mismatch); "
@@ -132,6 +164,10 @@ def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices
     if doc.get("num_devices") not in (None, num_devices):
         warnings.warn(f"{source} was made for {doc['num_devices']} devices, the topology has {num_devices}",
                       stacklevel=2)
+    recorded = recorded_setup(doc, source=source)
+    if setup is not None and recorded is not None and recorded != setup:
+        warnings.warn(f"{source} was found for a different training setup "
+                      f"({'; '.join(setup_differences(recorded, setup))}); applying it anyway", stacklevel=2)
     configs: dict[str, ParallelConfig] = {}
     for name, entry in doc["ops"].items():
         if name not in graph:
@@ -162,6 +198,7 @@ def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices
 
 
 def load_strategy(path: str | os.PathLike, graph: OperatorGraph, num_devices: int, *,
-                  default: Strategy | None = None) -> Strategy:
-    return strategy_from_dict(read_strategy_doc(path), graph, num_devices, default=default,
+                  default: Strategy | None = None, setup: TrainSetup | None = None) -> Strategy:
+    """The strategy file at `path` for `graph` (see `strategy_from_dict`)."""
+    return strategy_from_dict(read_strategy_doc(path), graph, num_devices, default=default, setup=setup,
                               source=f"strategy file {str(path)!r}")

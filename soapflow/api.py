@@ -1,7 +1,8 @@
 """The public Python API: the stages in order, capture -> validate -> simulate -> search -> export -> run.
 
 Each function is a thin, keyword-only composition of the packages below it; the `soapflow` command
-is written on top of these and adds only formatting.
+is written on top of these and adds only formatting. The training setup (`soap.setup.TrainSetup`) is
+built once by the caller (the command line) and passed to every stage that depends on it.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from pathlib import Path
 from search.baselines import BASELINES, BaselineNotApplicable, dp
 from soap.capture import capture
 from soap.graph import OperatorGraph
+from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, load_strategy, validate_strategy
 from soap.topology import DeviceTopology, load_topology
 from soapflow.models import ModelSpec, default_loss, load_model
 
 __all__ = [
-    "BASELINES", "BaselineNotApplicable", "ModelSpec", "capture_model", "load_model", "load_topology",
-    "resolve_strategy",
+    "BASELINES", "BaselineNotApplicable", "ModelSpec", "TrainSetup", "capture_model", "load_model",
+    "load_topology", "resolve_strategy",
 ]
 
 
@@ -30,11 +32,13 @@ def capture_model(ref: str, *, batch_size: int | None = None) -> tuple[ModelSpec
     return spec, graph
 
 
-def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
+def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology,
+                     setup: TrainSetup) -> Strategy:
     """A baseline name (dp, mp, tp, expert) or a strategy file, validated against graph and topology.
 
     Ops a file leaves out run data parallel (with a warning); where data parallelism is not defined
-    for the graph, they run whole on device 0.
+    for the graph, they run whole on device 0. A file found for another training setup than `setup`
+    warns, naming the fields that differ.
     """
     if ref in BASELINES:
         strategy = BASELINES[ref](graph, topology)
@@ -47,4 +51,4 @@ def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology
         default = dp(graph, topology)
     except BaselineNotApplicable:
         default = BASELINES["mp"](graph, topology)
-    return load_strategy(os.fspath(ref), graph, topology.num_devices, default=default)
+    return load_strategy(os.fspath(ref), graph, topology.num_devices, default=default, setup=setup)

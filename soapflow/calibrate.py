@@ -8,16 +8,19 @@ The stages, in order:
    time them forward and backward alone and in N concurrent processes (`runtime.measure.measure_parts`;
    parts already in the cost database are not timed again);
 2. communication: time point-to-point, all-reduce and all-gather between N local processes over a
-   spread of sizes (`runtime.measure.time_comm`), and the runtime's optimizer step over parameters
-   beyond the caches (`runtime.measure.time_update`);
+   spread of sizes (`runtime.measure.time_comm`), and the runtime's optimizer step (the setup's) over
+   parameters beyond the caches (`runtime.measure.time_update`);
 3. fits (`simulator.calibration`): the analytical model's per-op-kind efficiency, bandwidth efficiency
-   and launch cost from the op parts; link latency and bandwidth from the transfers; the optimizer
-   step's passes over the parameter bytes;
+   and launch cost from the op parts; link latency and bandwidth from the transfers; the factor on the
+   optimizer step's ideal passes over the parameter bytes (`update_scale`, against the setup's
+   `TrainSetup.update_passes`);
 4. runtime overhead: train each calibration workload under `STEP_STRATEGIES`, interleaved in one job
    (`runtime.train.time_strategies`), and fit what the simulator (measured parts, fitted links) leaves
    unexplained: the step's factor on part times, the runtime's cost per op part pass, and its
    communication overhead (`simulator.comm.CommOverhead`);
 5. write the profile (a topology file with a ``calibration`` key, loadable by `load_topology`) and report.
+
+Every stage that trains or simulates a step uses the caller's training setup (`soap.setup.TrainSetup`).
 
 Must not be imported by `runtime`, `simulator` or `search`.
 """
@@ -40,7 +43,7 @@ from torch import nn
 
 from runtime.launch import launch
 from runtime.measure import measure_parts, part_jobs, time_comm, time_update
-from runtime.train import time_strategies
+from runtime.train import TrainOptions, time_strategies
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.space import ConfigSpace
 from simulator.calibration import (
@@ -51,7 +54,7 @@ from simulator.calibration import (
     fit_comm,
     fit_compute,
     fit_overhead,
-    fit_update_passes,
+    fit_update_scale,
     profile_devices,
     write_profile,
 )
@@ -59,6 +62,7 @@ from simulator.comm import CommOverhead
 from simulator.engine import simulate
 from soap.config import ParallelConfig
 from soap.costdb import part_key
+from soap.setup import TrainSetup
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology, load_topology
 from soapflow.api import capture_model
@@ -128,15 +132,15 @@ TINY_WORKLOADS = (f"{__name__}:calib_mlp",)
 
 
 def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topology: DeviceTopology, db,
-                  profile: MachineProfile, nproc: int, backend: str, steps: int, rounds: int,
+                  profile: MachineProfile, setup: TrainSetup, nproc: int, backend: str, steps: int, rounds: int,
                   timeout_s: float) -> list[StepSample]:
-    """Train `ref` under each of `strategies` in one job, interleaved (`runtime.train.time_strategies`:
+    """Train `ref` with `setup` under each of `strategies` in one job, interleaved (`runtime.train.time_strategies`:
     `rounds` rounds of 1 + `steps` steps per strategy); per strategy the measured iteration time (the
     median over the rounds of each round's median step, slowest rank) beside the simulated one and its
     slopes (see `StepSample`)."""
     kwargs = {"build": functools.partial(build_workload, ref, graph.batch_size), "graph": graph.to_dict(),
               "strategies": {name: {n: cfg.to_dict() for n, cfg in st.items()} for name, st in strategies.items()},
-              "steps": steps, "rounds": rounds}
+              "steps": steps, "rounds": rounds, "options": TrainOptions(setup=setup)}
     measured = launch(time_strategies, nproc, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
                       wall_timeout_s=timeout_s, num_threads=1)[0]
     one = {"exchange_us": CommOverhead(exchange_us=1e3), "sync_us": CommOverhead(sync_us=1e3),
@@ -145,7 +149,7 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
     for name, strategy in strategies.items():
         def sim(strategy=strategy, **changes: Any) -> float:
             model = dataclasses.replace(profile, **changes).cost_model(db)
-            return simulate(graph, strategy, topology, model).summary()["iteration_time_ms"]
+            return simulate(graph, strategy, topology, model, setup=setup).summary()["iteration_time_ms"]
 
         base = sim()
         # slopes of the simulated time: per unit of compute scale (every part twice as long), per ms of
@@ -234,8 +238,9 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
               costdb: str | os.PathLike | None = None, progress: Callable[[Mapping[str, Any]], None] | None = None,
               *, workloads: tuple[str, ...] = WORKLOADS, repeats: int = 5, comm_sizes: tuple[int, ...] = COMM_SIZES,
               comm_repeats: int = 5, overhead_steps: int = 4, overhead_rounds: int = 3,
-              timeout_s: float = 300.0) -> dict[str, Any]:
-    """Measure this machine with `nproc` local processes and write the machine profile `output`.
+              timeout_s: float = 300.0, setup: TrainSetup | None = None) -> dict[str, Any]:
+    """Measure this machine with `nproc` local processes, training with `setup` (None: `TrainSetup()`),
+    and write the machine profile `output`.
 
     The cost database (`costdb`; default ``<output stem>.costdb.jsonl`` beside the
     output) receives every part timed and is reused: parts already there are not timed again. Returns a
@@ -248,6 +253,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         raise ValueError("backend nccl is not supported yet: the runtime computes on CPU tensors (use gloo)")
     if nproc < 2:
         raise ValueError(f"--nproc must be at least 2 (transfers are measured between processes), got {nproc}")
+    setup = setup if setup is not None else TrainSetup()
     stage = _Stages(progress)
     output = Path(output)
     db_path = Path(costdb) if costdb is not None else output.with_name(f"{output.stem}.costdb.jsonl")
@@ -282,7 +288,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                     for kind in per_rank[0] for i, (nbytes, _) in enumerate(per_rank[0][kind])]
 
     stage("optimizer step", sizes=len(UPDATE_SIZES))
-    updates = launch(time_update, nproc, kwargs={"sizes": UPDATE_SIZES, "repeats": comm_repeats},
+    updates = launch(time_update, nproc, kwargs={"sizes": UPDATE_SIZES, "setup": setup, "repeats": comm_repeats},
                      backend=backend, timeout_s=timeout_s, wall_timeout_s=timeout_s, num_threads=1)
     update_samples = [(nbytes, max(r[i][1] for r in updates)) for i, (nbytes, _) in enumerate(updates[0])]
 
@@ -296,8 +302,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     topology, efficiency, bw_eff = profile_devices(fitted_links, compute)
     profile = MachineProfile(topology=topology, efficiency={device.kind: efficiency},
                              bandwidth_efficiency={device.kind: bw_eff}, launch_us={device.kind: compute.launch_us})
-    update_passes = fit_update_passes(update_samples, profile.analytical(), topology.devices[0])
-    profile = dataclasses.replace(profile, update_passes=update_passes)
+    update_scale = fit_update_scale(update_samples, profile.analytical(), topology.devices[0], setup.update_passes)
+    profile = dataclasses.replace(profile, update_scale=update_scale)
 
     # 4. the step's factor and the runtime's overheads (per op part pass, per exchange, per synchronizing
     # collective, per GB all-reduced), from training steps of the workloads
@@ -305,8 +311,9 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     for ref, graph, strategies in captured:
         chosen = {name: strategies[name] for name in STEP_STRATEGIES if name in strategies}
         stage("runtime overhead", workload=ref.rpartition(":")[2], strategies=list(chosen))
-        steps += _step_samples(ref, graph, chosen, topology=topology, db=db, profile=profile, nproc=nproc,
-                               backend=backend, steps=overhead_steps, rounds=overhead_rounds, timeout_s=timeout_s)
+        steps += _step_samples(ref, graph, chosen, topology=topology, db=db, profile=profile, setup=setup,
+                               nproc=nproc, backend=backend, steps=overhead_steps, rounds=overhead_rounds,
+                               timeout_s=timeout_s)
     extra = fit_overhead(steps)
     overhead_ms = extra.overhead_ms
 
@@ -321,7 +328,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                  "median_abs_error": comm.median_abs_error, "max_abs_error": comm.max_abs_error,
                  "default_median_abs_error": comm.default_median_abs_error,
                  "samples": [{"kind": s.kind, "bytes": s.nbytes, "time_ms": s.time_ms} for s in comm_samples]},
-        "update": {"passes": update_passes,
+        "update": {"scale": update_scale, "passes": setup.update_passes,
                    "samples": [{"bytes": b, "time_ms": t} for b, t in update_samples]},
         "compute": {"median_abs_error": compute.median_abs_error,
                     "default_median_abs_error": compute.default_median_abs_error,
@@ -334,7 +341,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
                              bandwidth_efficiency=profile.bandwidth_efficiency, launch_us=profile.launch_us,
                              overhead_us=overhead_ms * 1e3, compute_scale=extra.compute_scale,
-                             comm_overhead=extra.comm, update_passes=update_passes, costdb=costdb_ref,
+                             comm_overhead=extra.comm, update_scale=update_scale, costdb=costdb_ref,
                              report={"fit": report})
     write_profile(output, profile)
     stage("done")
@@ -347,7 +354,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         "memory_bandwidth_gbps": dev.memory_bandwidth_gbps,
         "efficiency": dict(efficiency), "bandwidth_efficiency": bw_eff, "launch_us": compute.launch_us,
         "overhead_us": overhead_ms * 1e3, "compute_scale": extra.compute_scale,
-        "comm_overhead": extra.comm.to_dict(), "update_passes": update_passes,
+        "comm_overhead": extra.comm.to_dict(), "update_scale": update_scale, "setup": setup.to_dict(),
         "latency_us": topology.links[0].latency_us,
         "bandwidth_gbps": topology.links[0].bandwidth_gbps,
         **{k: v for k, v in report.items() if k not in ("nproc", "backend")},
@@ -365,9 +372,10 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
                  f"GB/s x {report['bandwidth_efficiency']:.2f}, launch {report['launch_us']:.1f} us, "
                  f"runtime overhead {report['overhead_us']:.1f} us per op pass, parts {report['compute_scale']:.2f}x "
                  "slower in a training step than alone")
-    if report.get("update_passes") is not None:
-        lines.append(f"optimizer step: {report['update_passes']:.2f} passes over the parameter bytes at that "
-                     "memory bandwidth")
+    if report.get("update_scale") is not None:
+        setup = TrainSetup.from_dict(report["setup"])
+        lines.append(f"optimizer step ({setup.optimizer}): {report['update_scale']:.2f}x the time of its "
+                     f"{setup.update_passes} passes over the parameter bytes at that memory bandwidth")
     eff = report["efficiency"]
     lines.append("efficiency (fraction of peak) by op kind: "
                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(eff.items(), key=lambda kv: -kv[1])))

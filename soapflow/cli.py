@@ -2,17 +2,23 @@
 
 Every command takes `--json` (one JSON object on stdout instead of tables) and exits non-zero with a
 one-line `soapflow: error: ...` on bad input, never a traceback. Warnings print as one line each on stderr.
+Every command that simulates, searches, runs, validates or calibrates takes the training setup flags
+(`--optimizer`, `--lr`, `--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`, defaults those of
+`soap.setup.TrainSetup`), built once into one `TrainSetup` (`train_setup`) and passed down.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from soap.setup import OPTIMIZERS, PRECISIONS, TrainSetup
 
 EXIT_USAGE = 2
 
@@ -49,6 +55,13 @@ def _fmt(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     return str(value)
+
+
+def collectives_table(per_rank: Sequence[Mapping[str, Mapping[str, int]]]) -> str:
+    """One row per (rank, collective kind): how many one step issues and their bytes."""
+    rows = [[rank, kind, slot["count"], slot["bytes"]]
+            for rank, kinds in enumerate(per_rank) for kind, slot in sorted(kinds.items())]
+    return table(rows, ["rank", "collective", "count", "bytes"]) if rows else "no collectives"
 
 
 def _human_bytes(n: float) -> str:
@@ -116,16 +129,18 @@ def cmd_topology(args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
-    from simulator.engine import simulate
+    from simulator.engine import Simulator
     from soapflow.api import capture_model, resolve_strategy
     from soapflow.optimize import topology_and_cost_model
 
+    setup = train_setup(args)
     topo, cost_model = topology_and_cost_model(args.topology, args.costdb)
     spec, graph = capture_model(args.model, batch_size=args.batch)
-    strategy = resolve_strategy(args.strategy, graph=graph, topology=topo)
-    timeline = simulate(graph, strategy, topo, cost_model)
+    strategy = resolve_strategy(args.strategy, graph=graph, topology=topo, setup=setup)
+    sim = Simulator(graph, topo, cost_model, setup=setup)
+    timeline = sim.full(strategy)
     out = {"model": spec.name, "batch_size": graph.batch_size, "topology": topo.name, "strategy": args.strategy,
-           **timeline.summary()}
+           "setup": setup.to_dict(), **timeline.summary(), "collectives": sim.collectives()}
     if args.trace:
         timeline.write_chrome_trace(args.trace)
         out["trace"] = args.trace
@@ -186,7 +201,8 @@ class Progress:
 
 
 def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
-    from soapflow.optimize import optimize, optimize_text
+    from soapflow.optimize import optimize
+    from soapflow.report import optimize_text
 
     if args.budget is not None and not args.budget > 0:
         raise CommandError(f"--budget must be > 0 seconds, got {args.budget}")
@@ -196,12 +212,13 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
         raise CommandError(f"--measure-rounds must be >= 0, got {args.measure_rounds}")
     if args.confirm_runs < 0:
         raise CommandError(f"--confirm-runs must be >= 0, got {args.confirm_runs}")
+    setup = train_setup(args)
     bar = Progress("searching", total_s=args.budget, enabled=None if not args.json else False)
     try:
         out = optimize(args.model, args.topology, batch=args.batch, budget_s=args.budget, seed=args.seed,
                        jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
                        plot=args.plot, cost_model=args.costdb, measure_rounds=args.measure_rounds,
-                       confirm_runs=args.confirm_runs)
+                       confirm_runs=args.confirm_runs, setup=setup)
     finally:
         bar.close()
     text = optimize_text(out)
@@ -211,12 +228,14 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
-    from soapflow.optimize import compare, compare_text
+    from soapflow.optimize import compare
+    from soapflow.report import compare_text
 
     if args.repeats < 1:
         raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
+    setup = train_setup(args)
     out = compare(args.model, args.topology, strategies=args.strategy, batch=args.batch, measure=args.measure,
-                  steps=args.steps, repeats=args.repeats, plot=args.plot, cost_model=args.costdb)
+                  steps=args.steps, repeats=args.repeats, plot=args.plot, cost_model=args.costdb, setup=setup)
     text = compare_text(out)
     if args.plot:
         text += f"\nbar chart written to {args.plot}"
@@ -228,6 +247,7 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
 
     if args.steps < 1:
         raise CommandError(f"--steps must be at least 1, got {args.steps}")
+    setup = train_setup(args)
     extra: dict[str, Any] = {}
     if args.checkpoint_dir is not None:
         extra.update(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
@@ -238,13 +258,13 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
             raise CommandError("--resume needs --checkpoint-dir")
         extra["resume"] = True
     out = run(args.model, args.strategy, nproc=args.nproc, steps=args.steps, backend=args.backend,
-              verify=args.verify, batch=args.batch, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-              **extra)
+              verify=args.verify, batch=args.batch, setup=setup, seed=args.seed, **extra)
     lines = [f"{out['model']} (batch {out['batch_size']}) with {out['strategy']} on {out['nproc']} "
              f"process(es), {out['backend']}: {out['steps']} steps"]
     rows = [[i, f"{loss:.6f}"] for i, loss in enumerate(out["losses"], start=out.get("first_step", 0))]
     lines.append(table(rows, ["step", "loss"]))
     lines.append("median step time per rank (ms): " + " ".join(f"{t:.2f}" for t in out["step_time_ms"]))
+    lines += ["collectives of the last step:", collectives_table(out["collectives"])]
     v = out.get("verify")
     if v:
         lines.append(f"verify against single-process training: largest loss difference "
@@ -256,10 +276,11 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
 def cmd_calibrate(args: argparse.Namespace) -> tuple[dict, str]:
     from soapflow.calibrate import calibrate, calibrate_text
 
+    setup = train_setup(args)
     bar = Progress("calibrating", enabled=None if not args.json else False)
     try:
         out = calibrate(nproc=args.nproc, backend=args.backend, output=args.output, costdb=args.costdb,
-                        progress=bar)
+                        progress=bar, setup=setup)
     finally:
         bar.close()
     return out, calibrate_text(out)
@@ -268,10 +289,11 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict, str]:
 def cmd_validate(args: argparse.Namespace) -> tuple[dict, str]:
     from soapflow.validate import validate, validate_text
 
+    setup = train_setup(args)
     bar = Progress("validating", enabled=None if not args.json else False)
     try:
         out = validate(args.model, args.topology, strategies=args.strategies, seed=args.seed, steps=args.steps,
-                       batch=args.batch, plot=args.plot, progress=bar, costdb=args.costdb)
+                       batch=args.batch, plot=args.plot, progress=bar, costdb=args.costdb, setup=setup)
     finally:
         bar.close()
     text = validate_text(out)
@@ -316,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="strategy file or baseline: dp, mp, tp, expert")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace JSON of the simulated iteration")
     _costdb_arg(p)
+    _setup_args(p)
 
     p = add("optimize", "search the fastest strategy that fits in memory (MCMC over per-op configs)")
     _model_args(p)
@@ -336,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with -t cpu-N or a machine profile of this machine: train the best and every baseline N "
                         "times each (interleaved) and write the one that measured fastest")
     _costdb_arg(p)
+    _setup_args(p)
 
     p = add("compare", "simulate the baselines and given strategies side by side (and measure them)")
     _model_args(p)
@@ -349,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured runs per strategy, interleaved; the median is shown (default: 1)")
     p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart of the strategies")
     _costdb_arg(p)
+    _setup_args(p)
 
     p = add("run", "train a model under a strategy on real processes (torch.distributed)")
     _model_args(p)
@@ -360,12 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="default: gloo")
     p.add_argument("--verify", action="store_true",
                    help="also train the unpartitioned model in one process and report the differences")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="default: sgd")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic batches")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    _setup_args(p)
 
     p = add("calibrate", "measure this machine and write a machine profile (a topology file) for -t")
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="local processes (default: 2)")
@@ -374,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="machine profile to write (default: machine.json)")
     p.add_argument("--costdb", metavar="FILE",
                    help="cost database to fill and reuse (default: beside the profile)")
+    _setup_args(p)
 
     p = add("validate", "predict and measure strategies here; report the simulator's error")
     p.add_argument("model", nargs="+", metavar="MODEL", help="zoo names or path/to/file.py:function")
@@ -384,7 +409,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random strategies")
     p.add_argument("--plot", metavar="FILE.png", help="scatter plot of predicted against measured")
     _costdb_arg(p)
+    _setup_args(p)
     return parser
+
+
+# The help of each `TrainSetup` field's flag; the defaults are read from the dataclass.
+_SETUP_HELP = {
+    "optimizer": f"optimizer: {' or '.join(OPTIMIZERS)}",
+    "lr": "learning rate",
+    "momentum": "SGD momentum (0: plain SGD, no optimizer state)",
+    "weight_decay": "weight decay",
+    "precision": f"compute precision: {', '.join(PRECISIONS)}",
+    "bucket_mb": "gradient all-reduce bucket size in MiB",
+}
+
+
+def _setup_args(p: argparse.ArgumentParser) -> None:
+    """The training setup flags, one per `TrainSetup` field (`--weight-decay` for `weight_decay`).
+
+    Values are checked by `TrainSetup` itself (`train_setup`), so that a bad one is the command's one-line
+    error rather than argparse's usage message."""
+    group = p.add_argument_group("training setup (one value for simulation, search and runtime)")
+    for f in dataclasses.fields(TrainSetup):
+        kind = str if isinstance(f.default, str) else float
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default,
+                           metavar="NAME" if kind is str else "X",
+                           help=f"{_SETUP_HELP[f.name]} (default: {f.default})")
+
+
+def train_setup(args: argparse.Namespace) -> TrainSetup:
+    """The `TrainSetup` of the command's flags (`ValueError`, one line, naming a bad value)."""
+    return TrainSetup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSetup)})
 
 
 def _costdb_arg(p: argparse.ArgumentParser) -> None:

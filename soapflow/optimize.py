@@ -13,6 +13,9 @@ measured is the strategy written: the simulator's error on this machine (about 1
 is larger than the gap between close candidates, and a user asked to train with a strategy should get the
 one that measured fastest. The report's `confirmed` says what each measured and which was chosen.
 
+Both take the training setup (`soap.setup.TrainSetup`) of the command: every simulation, the search's
+evaluators, the strategy file written (which records it) and every measured run use that one value.
+
 `compare` simulates a list of strategies (baselines or strategy files) and, on a ``cpu-N`` topology (or a
 machine profile of this machine) with `measure`, runs each with the runtime (`soapflow.runner.run`) to set
 measured times beside the simulated ones.
@@ -20,9 +23,8 @@ measured times beside the simulated ones.
 Both return plain JSON-able dicts whose keys DESIGN.md section 8 fixes (`optimize`: best
 {iteration_time_ms, strategy_file}, baselines, speedup_vs_dp, num_proposals, proposals_per_s, elapsed_s,
 history; `compare`: rows of {strategy, simulated_ms, measured_ms, error, speedup_vs_dp}).
-`optimize_text` and `compare_text` turn them into the text the command prints. `plot` writes a PNG
-(`soapflow.plot`): the convergence of the best for `optimize`, simulated and measured times side by side
-for `compare`.
+`soapflow.report` turns them into the text the command prints and, with `plot`, into a PNG: the
+convergence of the best for `optimize`, simulated and measured times side by side for `compare`.
 """
 
 from __future__ import annotations
@@ -43,13 +45,12 @@ from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, check_budgets, search
 from simulator.calibration import MachineProfile, read_profile
 from simulator.engine import simulate
 from soap import costdb
-from soap.config import ParallelConfig
-from soap.graph import Operator, OperatorGraph
-from soap.opdef import DimKind
-from soap.registry import dims_of, op_def
-from soap.strategy import Strategy, save_strategy
+from soap.graph import OperatorGraph
+from soap.setup import TrainSetup
+from soap.strategy import save_strategy
 from soap.topology import DeviceTopology, load_topology
 from soapflow.api import capture_model, resolve_strategy
+from soapflow.report import strategy_summary, write_compare_plot, write_convergence_plot
 
 DEFAULT_BUDGET_S = 60.0
 
@@ -60,8 +61,10 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
              progress: Callable[[Mapping[str, Any]], None] | None = None,
              plot: str | os.PathLike | None = None, cost_model: Any = None, delta: bool = True,
              beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
-             measure_rounds: int = 0, confirm_runs: int = 0, confirm_steps: int = 10) -> dict[str, Any]:
-    """Search a strategy for `model_ref` on `topology_ref` and write it to `out_path`.
+             measure_rounds: int = 0, confirm_runs: int = 0, confirm_steps: int = 10,
+             setup: TrainSetup | None = None) -> dict[str, Any]:
+    """Search a strategy for `model_ref` on `topology_ref` for the training `setup` (None: `TrainSetup()`)
+    and write it to `out_path`.
 
     `out_path` defaults to ``strategy-<model>-<topology>.json`` in the current folder. `budget_s` (wall
     clock, seconds) and `max_proposals` bound the search (either may be None, not both); only a proposal
@@ -80,6 +83,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     module docstring) runs each candidate `confirm_runs` times for `confirm_steps` steps.
     """
     check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
+    setup = setup if setup is not None else TrainSetup()
     if confirm_runs < 0 or confirm_steps < 1:
         raise ValueError(f"--confirm-runs must be >= 0 and its steps >= 1, got {confirm_runs}, {confirm_steps}")
     profile = _profile_to_measure(topology_ref, cost_model) if measure_rounds > 0 else None
@@ -90,7 +94,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     spec, graph = capture_model(model_ref, batch_size=batch)
 
     def run_search(model: Any) -> SearchResult:
-        return search(graph, topology, evaluators=SimulatorEvaluators(cost_model=model, delta=delta),
+        return search(graph, topology, evaluators=SimulatorEvaluators(cost_model=model, delta=delta, setup=setup),
                       budget_s=budget_s, max_proposals=max_proposals, seed=seed, jobs=jobs,
                       beta_scale=beta_scale, random_chains=random_chains, progress=progress)
 
@@ -114,20 +118,21 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
             if db.lookup(costdb.part_key(job.operator(), job.box, kind, job.needs_grad)) is None)
     path = Path(out_path) if out_path is not None else Path(f"strategy-{_slug(spec.name)}-{_slug(topology.name)}.json")
     save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
-                  model=spec.name, predicted_ms=result.best_cost.time_ms)
+                  setup=setup, model=spec.name, predicted_ms=result.best_cost.time_ms)
     confirmed = None
     if confirm_runs > 0:
         result, confirmed = _confirm(result, model_ref=model_ref, topology_ref=topology_ref, graph=graph,
                                      topology=topology, path=path, batch=batch, rounds=confirm_runs,
-                                     steps=confirm_steps, cost_model=cost_model)
+                                     steps=confirm_steps, cost_model=cost_model, setup=setup)
         if confirmed["chosen"] != "search":
             save_strategy(path, result.best, graph, topology=topology.name, num_devices=topology.num_devices,
-                          model=spec.name, predicted_ms=result.best_cost.time_ms)
+                          setup=setup, model=spec.name, predicted_ms=result.best_cost.time_ms)
     out = search_report(result, graph=graph, topology=topology, strategy_file=os.fspath(path),
-                        cost_model=cost_model)
+                        cost_model=cost_model, setup=setup)
     out = {"model": spec.name, "topology": topology.name, "num_devices": topology.num_devices,
-           "batch_size": graph.batch_size, "seed": seed, "budget_s": budget_s, "max_proposals": max_proposals,
-           "jobs": jobs, "delta": delta, "measured": measured, "confirmed": confirmed, **out}
+           "batch_size": graph.batch_size, "setup": setup.to_dict(), "seed": seed, "budget_s": budget_s,
+           "max_proposals": max_proposals, "jobs": jobs, "delta": delta, "measured": measured,
+           "confirmed": confirmed, **out}
     if plot is not None:
         write_convergence_plot(plot, out, title=f"{spec.name} on {topology.name}")
         out["plot"] = os.fspath(plot)
@@ -136,7 +141,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
 
 def _confirm(result: SearchResult, *, model_ref: str, topology_ref: str | os.PathLike, graph: OperatorGraph,
              topology: DeviceTopology, path: Path, batch: int | None, rounds: int, steps: int,
-             cost_model: Any) -> tuple[SearchResult, dict[str, Any]]:
+             cost_model: Any, setup: TrainSetup) -> tuple[SearchResult, dict[str, Any]]:
     """Train the search's best (written at `path`) and every feasible baseline that differs from it,
     `rounds` interleaved runs each; the result with the fastest measured as its best, and the report."""
     names = []
@@ -144,7 +149,7 @@ def _confirm(result: SearchResult, *, model_ref: str, topology_ref: str | os.Pat
         if cost is not None and cost.feasible and BASELINES[name](graph, topology) != result.best:
             names.append(name)
     table = compare(model_ref, os.fspath(topology_ref), strategies=[os.fspath(path), *names], batch=batch,
-                    measure=True, steps=steps, repeats=rounds, cost_model=cost_model, baselines=False)
+                    measure=True, steps=steps, repeats=rounds, cost_model=cost_model, baselines=False, setup=setup)
     label = {os.fspath(path): "search", **{n: n for n in names}}
     measured = [r for r in table["rows"] if r["measured_ms"] is not None]
     runs = {label[r["strategy"]]: r["measured_runs_ms"] for r in measured}
@@ -172,7 +177,7 @@ def _profile_to_measure(topology_ref: str | os.PathLike, cost_model: Any) -> Mac
 
 
 def search_report(result: SearchResult, *, graph: OperatorGraph, topology: DeviceTopology,
-                  strategy_file: str | None, cost_model: Any = None) -> dict[str, Any]:
+                  strategy_file: str | None, setup: TrainSetup, cost_model: Any = None) -> dict[str, Any]:
     """The JSON-able report of a search (the keys of `optimize` without the run's settings).
 
     `table` has one row per strategy (the best first, then every baseline): `strategy`,
@@ -189,7 +194,7 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
     best_ms = result.best_cost.time_ms
     dp_ms = baselines.get("dp")
     feasible = [ms for ms in baselines.values() if ms is not None]
-    summary = strategy_summary(graph, result.best, topology, cost_model=cost_model)
+    summary = strategy_summary(graph, result.best, topology, cost_model=cost_model, setup=setup)
     best_peak = max(summary["peak_memory_bytes"], default=0)
     table = [{"strategy": "best", "iteration_time_ms": best_ms, "speedup_vs_dp": dp_ms / best_ms if dp_ms else None,
               "peak_memory_bytes": best_peak, "feasible": True, "note": f"found by {result.best_source}"}]
@@ -237,158 +242,15 @@ def topology_and_cost_model(topology_ref: str | os.PathLike, cost_model: Any = N
     return cost_model_for(topology_ref, db=None if cost_model is None else os.fspath(cost_model))
 
 
-# ------------------------------------------------------------------------------------- strategy summary
-
-
-def strategy_summary(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology, *,
-                     cost_model: Any = None) -> dict[str, Any]:
-    """What the strategy does: `groups` (consecutive ops with one layout, each with `split`, `devices` and
-    `what`, the split in words), `description` (a few sentences over the whole graph), and the simulator's
-    summary of one iteration (`iteration_time_ms`, `peak_memory_bytes` per device, ...)."""
-    groups: list[dict[str, Any]] = []
-    for op in graph:
-        if op_def(op.kind).everywhere:
-            continue  # the batch and buffers: on every device whatever their config says
-        cfg = strategy[op.name]
-        split, devices = split_text(op, cfg), devices_text(cfg.devices)
-        if groups and groups[-1]["split"] == split and groups[-1]["devices"] == devices:
-            groups[-1]["last"] = op.name
-            groups[-1]["num_ops"] += 1
-        else:
-            groups.append({"first": op.name, "last": op.name, "num_ops": 1, "kind": op.kind,
-                           "split": split, "devices": devices, "what": split_words(op, cfg)})
-    timeline = simulate(graph, strategy, topology, cost_model).summary()
-    return {"groups": groups, "description": describe(graph, strategy, topology), **timeline}
-
-
-def split_words(op: Operator, cfg: ParallelConfig) -> str:
-    """The split of one op in words: ``data parallel x4``, ``weights sharded x2 (out_features)``, ..."""
-    if cfg.num_parts == 1:
-        return f"whole on device {cfg.devices[0]}"
-    kinds = {d.name: d.kind for d in dims_of(op)}
-    words = []
-    for name, g in cfg.degrees.items():
-        kind = kinds[name]
-        if kind is DimKind.SAMPLE:
-            words.append(f"data parallel x{g}")
-        elif kind is DimKind.PARAMETER:
-            words.append(f"weights sharded x{g} ({name})" if op.params else f"split x{g} on {name}")
-        elif kind is DimKind.REDUCTION:
-            words.append(f"reduction split x{g} ({name}, partial sums reduced)")
-        else:
-            words.append(f"split x{g} on {name}")
-    return ", ".join(words)
-
-
-def describe(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology) -> list[str]:
-    """A few sentences on the strategy: how many ops run data parallel on all devices, which ops with
-    weights are sharded or placed elsewhere, how many devices are used."""
-    n = topology.num_devices
-    ops = [op for op in graph if not op_def(op.kind).everywhere]
-    dp_all, sharded, whole, follow, other = [], [], [], [], []
-    for op in ops:
-        cfg = strategy[op.name]
-        kinds = {d.name: d.kind for d in dims_of(op)}
-        split_kinds = {kinds[k] for k in cfg.degrees}
-        if cfg.num_parts == n and split_kinds == {DimKind.SAMPLE}:
-            dp_all.append(op)
-        elif split_kinds & {DimKind.PARAMETER, DimKind.REDUCTION} and op.params:
-            sharded.append(op)
-        elif cfg.num_parts == 1:
-            whole.append(op)
-        elif not op.params and split_kinds & {DimKind.PARAMETER, DimKind.REDUCTION}:
-            follow.append(op)
-        else:
-            other.append(op)
-    used = sorted({d for op in ops for d in strategy[op.name].devices})
-    lines = [f"{len(dp_all)} of {len(ops)} ops run data parallel over all {n} devices; "
-             f"{len(used)} of {n} devices hold work."]
-    if sharded:
-        names = ", ".join(op.name for op in sharded[:6]) + (", ..." if len(sharded) > 6 else "")
-        lines.append(f"{len(sharded)} op(s) shard their weights (tensor/model parallel): {names}.")
-    if whole:
-        with_params = [op.name for op in whole if op.params]
-        lines.append(f"{len(whole)} op(s) run whole on one device"
-                     + (f", {len(with_params)} of them with weights (model parallel placement)" if with_params
-                        else "") + ".")
-    if follow:
-        lines.append(f"{len(follow)} op(s) without weights split on feature dims (keeping a sharded layout "
-                     f"between ops instead of gathering it).")
-    if other:
-        lines.append(f"{len(other)} op(s) use other splits (fewer devices, or spatial/sequence dims).")
-    return lines
-
-
-def split_text(op: Operator, cfg: ParallelConfig) -> str:
-    """``sample=4 out_features=2`` (in the op's dim order), ``whole`` for an unsplit op."""
-    order = [d.name for d in dims_of(op)]
-    parts = sorted(cfg.degrees.items(), key=lambda kv: order.index(kv[0]))
-    return " ".join(f"{k}={g}" for k, g in parts) or "whole"
-
-
-def devices_text(devices: Sequence[int]) -> str:
-    """Device ids compactly: ``0-15``, ``3``, ``0,4,..,60`` (a stride), or runs ``0-1,4-5,8-9``."""
-    ds = list(devices)
-    if len(ds) > 2:
-        step = ds[1] - ds[0]
-        if step > 1 and all(b - a == step for a, b in zip(ds, ds[1:], strict=False)):
-            return f"{ds[0]},{ds[1]},..,{ds[-1]}"
-    runs: list[list[int]] = []
-    for d in ds:
-        if runs and d == runs[-1][1] + 1:
-            runs[-1][1] = d
-        else:
-            runs.append([d, d])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def optimize_text(out: Mapping[str, Any]) -> str:
-    """The text `soapflow optimize` prints: the table of the best and the baselines (simulated iteration
-    time, speed-up over dp, peak memory), the search's figures, and what the best strategy does."""
-    best = out["best"]
-    lines = [f"best strategy: {best['iteration_time_ms']:.4g} ms per iteration (simulated; found by "
-             f"{best['source']}), written to {best['strategy_file']}", ""]
-    header = f"{'strategy':<10} {'iteration ms':>13} {'vs dp':>7} {'peak memory':>12}"
-    lines += [header, "-" * len(header)]
-    for r in out["table"]:
-        ms, speed, peak = r["iteration_time_ms"], r["speedup_vs_dp"], r["peak_memory_bytes"]
-        note = f"  [{r['note']}]" if r["note"] and r["strategy"] != "best" else ""
-        lines.append(f"{r['strategy']:<10} {'-' if ms is None else f'{ms:.4g}':>13} "
-                     f"{'-' if speed is None else f'{speed:.2f}x':>7} "
-                     f"{'-' if peak is None else f'{peak / 1e9:.3g} GB':>12}{note}")
-    lines.append("")
-    lines.append(f"search: {out['num_proposals']:,} proposals in {out['search_s']:.1f} s "
-                 f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
-    m = out.get("measured") or {}
-    if "best_parts_unmeasured" in m:
-        lines.append(f"measured on this machine: {m['parts_timed']} op part(s) timed, {m['rounds']} search(es) "
-                     f"again; {m['best_parts_unmeasured']} part(s) of the best still priced without a measurement")
-    v = out.get("confirmed")
-    if v:
-        lines.append(f"confirmed on this machine ({v['rounds']} run(s) of {v['steps']} steps each, median): "
-                     + ", ".join(f"{k} {ms:.3g} ms" for k, ms in sorted(v["measured_ms"].items(), key=lambda kv: kv[1]))
-                     + f"; written: {v['chosen'] if v['chosen'] != 'search' else 'the search best'}")
-    lines.append("what the best strategy does:")
-    lines += [f"  {line}" for line in out["strategy"]["description"]]
-    lines.append("layout (consecutive ops with the same layout grouped):")
-    for g in out["strategy"]["groups"]:
-        ops = g["first"] if g["num_ops"] == 1 else f"{g['first']} .. {g['last']} ({g['num_ops']} ops)"
-        lines.append(f"  {ops:<44} {g['split']:<28} on {g['devices']:<10} {g['what']}")
-    peaks = out["strategy"].get("peak_memory_bytes") or []
-    if peaks:
-        lines.append("peak memory per device (GB): " + " ".join(f"{p / 1e9:.3g}" for p in peaks))
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------------------------- compare
 
 
 def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | None = None,
             batch: int | None = None, measure: bool = False, steps: int = 10, repeats: int = 1,
-            plot: str | os.PathLike | None = None, cost_model: Any = None, baselines: bool = True
-            ) -> dict[str, Any]:
+            plot: str | os.PathLike | None = None, cost_model: Any = None, baselines: bool = True,
+            setup: TrainSetup | None = None) -> dict[str, Any]:
     """Simulate the baselines (unless `baselines` is False) and each given strategy (baseline names or
-    strategy files) and, with
+    strategy files) with the training `setup` (None: `TrainSetup()`) and, with
     `measure` on a ``cpu-N`` topology, train with it for `steps` steps in N processes (`soapflow.runner`)
     and put the measured iteration time beside the simulated one.
 
@@ -401,6 +263,7 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
     refs = list(dict.fromkeys([*(BASELINES if baselines else ()), *(strategies or ())]))  # each once
     if not refs:
         raise ValueError("compare needs at least one strategy")
+    setup = setup if setup is not None else TrainSetup()
     topology, cost_model = topology_and_cost_model(topology_ref, cost_model)
     nproc = None
     if measure:
@@ -419,12 +282,12 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
                                "speedup_vs_dp": None, "simulated_speedup_vs_dp": None, "measured_runs_ms": [],
                                "feasible": None, "note": None}
         try:
-            strategy = resolve_strategy(ref, graph=graph, topology=topology)
+            strategy = resolve_strategy(ref, graph=graph, topology=topology, setup=setup)
         except BaselineNotApplicable as exc:
             row["note"] = f"not applicable: {exc}"
             rows.append(row)
             continue
-        sim = simulate(graph, strategy, topology, cost_model).summary()
+        sim = simulate(graph, strategy, topology, cost_model, setup=setup).summary()
         row["simulated_ms"], row["feasible"] = sim["iteration_time_ms"], sim["feasible"]
         rows.append(row)
     if measure:
@@ -436,7 +299,7 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
                     continue
                 # one thread per process: a cpu device of the topology is one core (as calibration measures)
                 measured = run(model_ref, row["strategy"], nproc=nproc, steps=steps, backend="gloo",
-                               batch=spec.batch_size, num_threads=1)
+                               batch=spec.batch_size, setup=setup, num_threads=1)
                 row["measured_runs_ms"].append(
                     float(measured.get("iteration_time_ms") or max(measured["step_time_ms"])))
         for row in rows:
@@ -451,60 +314,13 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
     if not measure:
         for r in rows:
             r["speedup_vs_dp"] = r["simulated_speedup_vs_dp"]
-    out = {"model": spec.name, "topology": topology.name, "batch_size": graph.batch_size, "measured": measure,
+    out = {"model": spec.name, "topology": topology.name, "batch_size": graph.batch_size, "setup": setup.to_dict(),
+           "measured": measure,
            "steps": steps if measure else None, "repeats": repeats if measure else None, "rows": rows}
     if plot is not None:
         write_compare_plot(plot, out)
         out["plot"] = os.fspath(plot)
     return out
-
-
-def compare_text(out: Mapping[str, Any]) -> str:
-    """The text `soapflow compare` prints: one row per strategy, simulated and measured side by side."""
-    def fmt(v: float | None, pattern: str) -> str:
-        return "-" if v is None else pattern.format(v)
-
-    vs = "vs dp (measured)" if out["measured"] else "vs dp"
-    lines = [f"{out['model']} (batch {out['batch_size']}) on {out['topology']}"
-             + (f": measured {out['steps']} steps x {out['repeats']} run(s) each, median" if out["measured"] else
-                ": simulated"),
-             f"{'strategy':<28} {'simulated ms':>13} {'measured ms':>12} {'error':>8} {vs:>16}"]
-    for r in out["rows"]:
-        lines.append(f"{Path(r['strategy']).name[:28]:<28} {fmt(r['simulated_ms'], '{:.4g}'):>13} "
-                     f"{fmt(r['measured_ms'], '{:.4g}'):>12} {fmt(r['error'], '{:+.1%}'):>8} "
-                     f"{fmt(r['speedup_vs_dp'], '{:.2f}x'):>16}"
-                     + (f"  [{r['note']}]" if r["note"] else "")
-                     + ("  [out of memory]" if r["feasible"] is False else ""))
-    return "\n".join(lines)
-
-
-# -------------------------------------------------------------------------------------------------- plots
-
-
-def write_convergence_plot(path: str | os.PathLike, report: Mapping[str, Any], *, title: str) -> None:
-    """The best simulated iteration time against elapsed seconds, with dp's time as a flat line."""
-    from soapflow.plot import line_chart
-
-    history = report["history"]
-    if not history:
-        raise ValueError("nothing to plot: the search recorded no history")
-    end = max(report["elapsed_s"], history[-1][1])
-    series = [("best found", [h[1] for h in history], [h[2] for h in history])]
-    dp_ms = report["baselines"].get("dp")
-    if dp_ms is not None:
-        series.append(("dp", [0.0, end], [dp_ms, dp_ms]))
-    line_chart(path, series, title=title, x_label="elapsed s", y_label="iteration ms (simulated)")
-
-
-def write_compare_plot(path: str | os.PathLike, report: Mapping[str, Any]) -> None:
-    from soapflow.plot import bar_chart
-
-    rows = report["rows"]
-    groups = [("simulated", [r["simulated_ms"] for r in rows])]
-    if report["measured"]:
-        groups.append(("measured", [r["measured_ms"] for r in rows]))
-    bar_chart(path, [Path(r["strategy"]).stem[:12] for r in rows], groups,
-              title=f"{report['model']} on {report['topology']}", y_label="iteration ms")
 
 
 def _slug(name: str) -> str:
@@ -515,5 +331,4 @@ def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-__all__ = ["compare", "compare_text", "optimize", "optimize_text", "search_report", "strategy_summary",
-           "write_compare_plot", "write_convergence_plot"]
+__all__ = ["compare", "optimize", "search_report", "topology_and_cost_model"]

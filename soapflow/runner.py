@@ -1,8 +1,9 @@
 """`run`: train a model under a strategy in N processes and measure it; what `soapflow run` calls.
 
 A thin composition: capture the model once here, resolve the strategy (a baseline or a strategy file)
-against the `cpu-N` topology, then start one process per device (`runtime.launch`) that trains with the
-SPMD interpreter (`runtime.train.train_rank`). Under torchrun (the env:// variables set) this process is
+against the `cpu-N` topology and the caller's training setup (`soap.setup.TrainSetup`), then start one
+process per device (`runtime.launch`) that trains with that setup and the SPMD interpreter
+(`runtime.train.train_rank`). Under torchrun (the env:// variables set) this process is
 one rank of the job instead and trains in place. A failing rank surfaces as `runtime.launch.LaunchError`
 (one line naming the rank and, when known, the op); docs/runtime.md describes checkpoints and failures.
 """
@@ -30,6 +31,7 @@ from runtime.launch import (
     torchrun_env,
 )
 from runtime.train import TrainOptions, Workload, train_rank
+from soap.setup import TrainSetup
 from soap.strategy import read_strategy_doc
 from soap.topology import load_topology
 from soapflow.api import capture_model, resolve_strategy
@@ -73,19 +75,20 @@ def _fault_hook() -> tuple[str, int, int] | None:
 
 
 def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: int = 10,
-        backend: str = "gloo", verify: bool = False, batch: int | None = None, lr: float = 0.01,
-        optimizer: str = "sgd", seed: int = 0, momentum: float = 0.0, dtype: str = "float32",
-        timeout_s: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None,
-        checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-        resume: bool = False, bucket_mb: float = 4.0) -> dict[str, Any]:
-    """Train `model_ref` under `strategy_ref` for `steps` steps in `nproc` processes (one per device).
+        backend: str = "gloo", verify: bool = False, batch: int | None = None, setup: TrainSetup | None = None,
+        seed: int = 0, dtype: str = "float32", timeout_s: float = DEFAULT_TIMEOUT_S,
+        num_threads: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 0, resume: bool = False) -> dict[str, Any]:
+    """Train `model_ref` under `strategy_ref` for `steps` steps in `nproc` processes (one per device), with
+    the training `setup` (optimizer, learning rate, buckets; None: `TrainSetup()`).
 
     Returns `losses` (per step run), `first_step` (0, or the step a resumed run started at),
     `step_time_ms` (the median step time of each rank, in rank order), `step_times_ms` (every rank's
-    list), `iteration_time_ms` (median over steps of the slowest rank's time), `verify`
-    (`max_loss_rel_diff`, `max_param_rel_diff` against single-process training; None unless `verify`),
-    `checkpoint` (the newest checkpoint file written or None), and the resolved `nproc`, `batch_size`,
-    `steps`, `strategy`. `nproc` defaults to the strategy file's device count, else 2.
+    list), `iteration_time_ms` (median over steps of the slowest rank's time), `collectives` (per rank,
+    per kind, the count and bytes of the collectives its last step issued: `StepPlan.collectives`'
+    shape), `verify` (`max_loss_rel_diff`, `max_param_rel_diff` against single-process training; None
+    unless `verify`), `checkpoint` (the newest checkpoint file written or None), and the resolved `nproc`,
+    `batch_size`, `steps`, `strategy`, `setup`. `nproc` defaults to the strategy file's device count, else 2.
 
     `checkpoint_dir` receives a full (unsharded) checkpoint every `checkpoint_every` steps and after the
     last; `resume` continues from its newest complete checkpoint (any strategy, any process count). Every
@@ -98,6 +101,7 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         raise ValueError("backend nccl is not supported: the runtime computes on CPU tensors (use gloo)")
     if checkpoint_dir is None and (checkpoint_every or resume):
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
+    setup = setup if setup is not None else TrainSetup()
     resume_from = None
     if resume:
         found = latest_checkpoint(checkpoint_dir)
@@ -108,8 +112,7 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
                              f"past the {steps} steps asked for")
         else:
             resume_from = str(found)
-    options = TrainOptions(steps=steps, lr=lr, optimizer=optimizer, momentum=momentum, seed=seed,
-                           dtype=dtype, verify=verify, timeout_s=timeout_s, bucket_mb=bucket_mb,
+    options = TrainOptions(steps=steps, setup=setup, seed=seed, dtype=dtype, verify=verify, timeout_s=timeout_s,
                            checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
                            checkpoint_every=checkpoint_every, resume_from=resume_from, fault=_fault_hook())
     env = torchrun_env()
@@ -118,7 +121,7 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         raise ValueError(f"--nproc {nproc} disagrees with torchrun's WORLD_SIZE {world}")
     spec, graph = capture_model(model_ref, batch_size=batch)
     topology = load_topology(f"cpu-{world}")
-    strategy = resolve_strategy(strategy_ref, graph=graph, topology=topology)
+    strategy = resolve_strategy(strategy_ref, graph=graph, topology=topology, setup=setup)
     kwargs = {"build": functools.partial(build_workload, model_ref, spec.batch_size),
               "graph": graph.to_dict(),
               "strategy": {name: cfg.to_dict() for name, cfg in strategy.items()},
@@ -139,10 +142,12 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         "backend": backend,
         "batch_size": spec.batch_size,
         "steps": steps,
+        "setup": setup.to_dict(),
         "first_step": first["first_step"],
         "losses": first["losses"],
         "step_time_ms": first["median_step_time_ms_per_rank"],
         "step_times_ms": per_rank,
+        "collectives": first["collectives"],
         "verify": (None if "verify" not in first
                    else {k: v for k, v in first["verify"].items()}),
         "rank": env[0] if env is not None else None,

@@ -8,7 +8,8 @@ over the strategies, the median iteration time), and compare. With a machine pro
 calibrate`) the prediction uses its calibrated model: op parts are timed on this machine first
 (`runtime.measure`, once per distinct part, cached in the profile's cost database) and priced from
 those measurements plus the fitted runtime overhead; the analytical model with the fitted constants
-prices the rest. Validation never feeds back into the fit.
+prices the rest. Validation never feeds back into the fit. The training setup (`soap.setup.TrainSetup`)
+is the caller's: the predictions, the search and the measured runs all use it.
 
 The report: `rows` ({model, strategy, predicted_ms, measured_ms, error}, error = (predicted - measured)
 / measured), `median_abs_error`, `max_abs_error`, `spearman` (rank correlation of predicted and measured
@@ -31,7 +32,7 @@ from typing import Any
 
 from runtime.launch import launch
 from runtime.measure import measure_parts, part_jobs
-from runtime.train import time_strategies
+from runtime.train import TrainOptions, time_strategies
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.evaluate import SimulatorEvaluators
 from search.mcmc import search
@@ -39,6 +40,7 @@ from search.space import ConfigSpace
 from simulator.calibration import cost_model_for, read_profile
 from simulator.engine import simulate
 from soap.graph import OperatorGraph
+from soap.setup import TrainSetup
 from soap.strategy import Strategy, validate_strategy
 from soap.topology import DeviceTopology
 from soapflow.api import capture_model
@@ -92,18 +94,19 @@ def metrics(predicted: Sequence[float], measured: Sequence[float]) -> dict[str, 
 # --------------------------------------------------------------------------------------------- strategies
 
 
-def pick_strategies(graph: OperatorGraph, topology: DeviceTopology, *, count: int, seed: int = 0,
-                    cost_model: Any = None, search_budget_s: float | None = DEFAULT_SEARCH_BUDGET_S
-                    ) -> list[tuple[str, Strategy]]:
-    """`count` distinct strategies that fit in memory: the baselines that apply, the search's best (when
-    `search_budget_s`), then random ones (seeded): dp or mp with a random share of the ops re-drawn."""
+def pick_strategies(graph: OperatorGraph, topology: DeviceTopology, *, count: int, setup: TrainSetup,
+                    seed: int = 0, cost_model: Any = None,
+                    search_budget_s: float | None = DEFAULT_SEARCH_BUDGET_S) -> list[tuple[str, Strategy]]:
+    """`count` distinct strategies that fit in memory with `setup`: the baselines that apply, the search's
+    best (when `search_budget_s`), then random ones (seeded): dp or mp with a random share of the ops
+    re-drawn."""
     picked: list[tuple[str, Strategy]] = []
 
     def add(name: str, strategy: Strategy) -> None:
         if len(picked) >= count or any(strategy == s for _, s in picked):
             return
         validate_strategy(graph, strategy, topology.num_devices)
-        if simulate(graph, strategy, topology, cost_model).summary().get("feasible", True):
+        if simulate(graph, strategy, topology, cost_model, setup=setup).summary().get("feasible", True):
             picked.append((name, strategy))
 
     bases: list[Strategy] = []
@@ -115,7 +118,7 @@ def pick_strategies(graph: OperatorGraph, topology: DeviceTopology, *, count: in
         bases.append(strategy)
         add(name, strategy)
     if search_budget_s and len(picked) < count:
-        result = search(graph, topology, evaluators=SimulatorEvaluators(cost_model=cost_model),
+        result = search(graph, topology, evaluators=SimulatorEvaluators(cost_model=cost_model, setup=setup),
                         budget_s=search_budget_s, seed=seed)
         add("search", result.best)
     space = ConfigSpace(graph, topology)
@@ -138,16 +141,17 @@ def pick_strategies(graph: OperatorGraph, topology: DeviceTopology, *, count: in
 
 
 def measure_steps(model_ref: str, graph: OperatorGraph, strategies: Mapping[str, Strategy], *, nproc: int,
-                  steps: int, rounds: int, timeout_s: float = 300.0) -> dict[str, float]:
-    """The runtime's iteration time (ms) of each strategy: one job of `nproc` processes (one thread
-    each) trains the model under all of them, interleaved (`runtime.train.time_strategies`: `rounds`
-    rounds of 1 + `steps` steps per strategy, the first step of each dropped); per strategy the median
-    over the rounds of each round's median step (slowest rank). What a long training run sees: the
-    allocator's and the caches' warm-up of a fresh process is behind it after the first round. Every
-    strategy keeps its own replica in the job, so it needs the memory of all of them at once."""
+                  steps: int, rounds: int, setup: TrainSetup, timeout_s: float = 300.0) -> dict[str, float]:
+    """The runtime's iteration time (ms) of each strategy, training with `setup`: one job of `nproc`
+    processes (one thread each) trains the model under all of them, interleaved
+    (`runtime.train.time_strategies`: `rounds` rounds of 1 + `steps` steps per strategy, the first step of
+    each dropped); per strategy the median over the rounds of each round's median step (slowest rank).
+    What a long training run sees: the allocator's and the caches' warm-up of a fresh process is behind it
+    after the first round. Every strategy keeps its own replica in the job, so it needs the memory of all
+    of them at once."""
     kwargs = {"build": functools.partial(build_workload, model_ref, graph.batch_size), "graph": graph.to_dict(),
               "strategies": {name: {n: cfg.to_dict() for n, cfg in st.items()} for name, st in strategies.items()},
-              "steps": steps, "rounds": rounds}
+              "steps": steps, "rounds": rounds, "options": TrainOptions(setup=setup)}
     per_round = launch(time_strategies, nproc, kwargs=kwargs, timeout_s=timeout_s, wall_timeout_s=timeout_s,
                        num_threads=1)[0]
     return {name: statistics.median(per_round[name]) for name in strategies}
@@ -160,9 +164,10 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
              steps: int = DEFAULT_STEPS, batch: int | None = None, plot: str | os.PathLike | None = None,
              progress: Callable[[Mapping[str, Any]], None] | None = None, costdb: str | None = None,
              search_budget_s: float | None = DEFAULT_SEARCH_BUDGET_S, extra: Mapping[str, str] | None = None,
-             rounds: int = 3, timeout_s: float = 300.0) -> dict[str, Any]:
+             rounds: int = 3, timeout_s: float = 300.0, setup: TrainSetup | None = None) -> dict[str, Any]:
     """Predict and measure `strategies` strategies per model on `topology_ref` (a ``cpu-N`` preset or a
-    machine profile of this machine; see the module docstring). The strategies train in one job per model,
+    machine profile of this machine; see the module docstring), training with `setup` (None:
+    `TrainSetup()`). The strategies train in one job per model,
     interleaved: `rounds` rounds of 1 + `steps` steps each (`measure_steps`); the measured time is the
     median over the rounds of each round's median after its first step. `costdb` overrides the profile's
     cost database. Bad input raises `ValueError`."""
@@ -170,6 +175,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
         raise ValueError("validate needs at least one model")
     if strategies < 1 or steps < 1 or rounds < 1:
         raise ValueError(f"--strategies, --steps and rounds must be positive, got {strategies}, {steps}, {rounds}")
+    setup = setup if setup is not None else TrainSetup()
     start = time.monotonic()
     db_path = costdb
     profile = read_profile(topology_ref) if os.path.isfile(topology_ref) else None
@@ -192,7 +198,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
         report("capture", model=model_ref)
         spec, graph = capture_model(model_ref, batch_size=batch)
         _, cost_model = cost_model_for(topology_ref, db=db_path) if db_path else cost_model_for(topology_ref)
-        picked = pick_strategies(graph, topology, count=strategies, seed=seed, cost_model=cost_model,
+        picked = pick_strategies(graph, topology, count=strategies, setup=setup, seed=seed, cost_model=cost_model,
                                  search_budget_s=search_budget_s)
         if db_path is not None or profile is not None:
             report("op parts", model=model_ref)
@@ -203,20 +209,20 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
         # machine's load during the runs then spreads over the strategies instead of favouring some.
         report("run", model=model_ref, strategies=len(picked), rounds=rounds)
         times = measure_steps(model_ref, graph, dict(picked), nproc=nproc, steps=steps, rounds=rounds,
-                              timeout_s=timeout_s)
+                              setup=setup, timeout_s=timeout_s)
         for name, strategy in picked:
-            predicted = simulate(graph, strategy, topology, cost_model).summary()["iteration_time_ms"]
+            predicted = simulate(graph, strategy, topology, cost_model, setup=setup).summary()["iteration_time_ms"]
             measured = times[name]
             row = {"model": spec.name, "strategy": name, "predicted_ms": predicted, "measured_ms": measured,
                    "error": (predicted - measured) / measured}
             for other, (topo, model) in others.items():
-                ms = simulate(graph, strategy, topo, model).summary()["iteration_time_ms"]
+                ms = simulate(graph, strategy, topo, model, setup=setup).summary()["iteration_time_ms"]
                 row[f"{other}_ms"] = ms
                 row[f"{other}_error"] = (ms - measured) / measured
             rows.append(row)
     out: dict[str, Any] = {"topology": topology.name, "topology_ref": os.fspath(topology_ref),
                            "calibrated": profile is not None, "nproc": nproc, "steps": steps, "rounds": rounds,
-                           "seed": seed,
+                           "seed": seed, "setup": setup.to_dict(),
                            "rows": rows, **_summary(rows, "predicted_ms")}
     if extra:
         out["extra"] = {name: _summary(rows, f"{name}_ms") for name in extra}

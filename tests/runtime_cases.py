@@ -30,12 +30,14 @@ from soap.capture import capture
 from soap.config import ParallelConfig, validate
 from soap.graph import Operator, OperatorGraph
 from soap.registry import dims_of, op_def
+from soap.setup import TrainSetup
 from soap.strategy import Strategy
 from soapflow import zoo
 from soapflow.models import default_loss
 
-# Float32 runs agree with one process to about 1e-7; the tests allow 1e-5 (DESIGN section 6).
+# Float32 runs agree with one process to about 1e-7; the tests allow 1e-5 (docs/runtime.md).
 TOL = 1e-5
+DEFAULT_OPTIONS = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True)
 
 
 # ---------------------------------------------------------------------- models
@@ -186,7 +188,7 @@ def ddp_train(rank: int, world_size: int, *, build: Callable[[], Workload], opti
     w = build()
     module = w.module.to(dtype)
     model = nn.parallel.DistributedDataParallel(module)
-    optimizer = make_optimizer(list(model.parameters()), options)
+    optimizer = make_optimizer(list(model.parameters()), options.setup)
     graph = capture_workload(build)
     highs = integer_highs(graph, module)
     n = len(w.inputs)
@@ -213,7 +215,7 @@ def run_cases(rank: int, world_size: int, *, cases: list[dict[str, Any]]) -> lis
                 r = train_rank(rank, world_size, build=case["build"], graph=case["graph"],
                                strategy=case["strategy"], options=case["options"])
                 out.append({"label": case["label"], "verify": r.get("verify"), "losses": r["losses"],
-                            "seconds": time.perf_counter() - start})
+                            "collectives": r["collectives"], "seconds": time.perf_counter() - start})
             else:
                 params = ddp_train(rank, world_size, build=case["build"], options=case["options"])
                 result: dict[str, Any] = {"label": case["label"], "seconds": 0.0}
@@ -234,7 +236,7 @@ def run_cases(rank: int, world_size: int, *, cases: list[dict[str, Any]]) -> lis
 def train_case(label: str, model: str, strategy: Strategy, graph: OperatorGraph, *,
                options: TrainOptions | None = None) -> dict[str, Any]:
     return {"label": label, "kind": "train", "build": MODELS[model], "graph": graph.to_dict(),
-            "strategy": configs(strategy), "options": options or TrainOptions(steps=3, lr=0.05, verify=True)}
+            "strategy": configs(strategy), "options": options or DEFAULT_OPTIONS}
 
 
 def space_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random) -> Strategy:
@@ -267,10 +269,40 @@ def baseline_case(model: str, name: str, num_devices: int, **kwargs: Any) -> dic
     return train_case(f"{model}/{name}", model, strategy, graph, **kwargs)
 
 
-def failures(results: list[dict[str, Any]], tol: float = TOL) -> list[str]:
-    """One line per case of rank 0's `results` that differs from its reference by more than `tol`."""
+def planned_collectives(case: dict[str, Any], num_devices: int) -> list[dict[str, dict[str, int]]]:
+    """What the simulator says a train case's step issues per rank (`Simulator.collectives`, from the
+    step plan), on the `cpu-N` topology the run uses."""
+    from simulator.engine import Simulator
+    from soap.topology import load_topology
+
+    graph = OperatorGraph.from_dict(case["graph"])
+    strategy = Strategy({name: ParallelConfig(degrees=c["degrees"], devices=tuple(c["devices"]))
+                         for name, c in case["strategy"].items()})
+    sim = Simulator(graph, load_topology(f"cpu-{num_devices}"), setup=case["options"].setup)
+    sim.full(strategy)
+    return sim.collectives()
+
+
+def _counts(collectives: list[dict[str, dict[str, int]]]) -> list[dict[str, int]]:
+    return [{kind: v["count"] for kind, v in rank.items()} for rank in collectives]
+
+
+def failures(results: list[dict[str, Any]], tol: float = TOL, cases: list[dict[str, Any]] | None = None,
+             num_devices: int = 2) -> list[str]:
+    """One line per case of rank 0's `results` that differs from its reference by more than `tol`, or
+    (given the `cases`) whose collectives, as the runtime issued them, are not the planned ones."""
     bad = []
-    for r in results:
+    for i, r in enumerate(results):
+        if cases is not None and cases[i]["kind"] == "train":
+            planned = planned_collectives(cases[i], num_devices)
+            issued = r["collectives"]
+            if cases[i]["options"].dtype != "float32":
+                # the plan counts bytes in the graph's dtypes; a float64 run moves twice the floats' bytes
+                planned, issued = _counts(planned), _counts(issued)
+            if issued != planned:
+                bad.append(f"{r['label']}: collectives issued {issued} != planned {planned}")
+        if "verify" in r and r["verify"] is None:
+            continue
         if "verify" in r:
             v = r["verify"]
             worst = max(v["max_loss_rel_diff"], v["max_param_rel_diff"])

@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 from search.baselines import BASELINES, BaselineNotApplicable
+from soap.setup import TrainSetup
 from soap.strategy import load_strategy, save_strategy, validate_strategy
 from soap.topology import load_topology
 from soapflow import zoo
@@ -35,9 +36,9 @@ def test_every_baseline_round_trips_for_every_zoo_model(tmp_path, zoo_graph, top
         validate_strategy(zoo_graph, strategy, topo.num_devices)
         path = tmp_path / f"{name}.json"
         save_strategy(path, strategy, zoo_graph, topology=topo_name, num_devices=topo.num_devices,
-                      model=zoo_graph.name)
+                      setup=TrainSetup(), model=zoo_graph.name)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert load_strategy(path, zoo_graph, topo.num_devices) == strategy, name
+            assert load_strategy(path, zoo_graph, topo.num_devices, setup=TrainSetup()) == strategy, name
         used = strategy.devices_used()
         assert used <= set(range(topo.num_devices)), name

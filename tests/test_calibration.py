@@ -27,6 +27,7 @@ from simulator.calibration import (
 from simulator.comm import CommOverhead
 from simulator.costmodel import AnalyticalCostModel, MeasuredCostModel
 from soap.config import ParallelConfig, parts
+from soap.setup import TrainSetup
 from soap.topology import DeviceTopology, Link, load_topology
 
 
@@ -159,7 +160,7 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
                              compute_scale=1.25, costdb="machine.costdb.jsonl", report={"fit": {"nproc": 2}},
                              comm_overhead=CommOverhead(exchange_us=120.0, sync_us=80.0,
                                                         allreduce_ms_per_gb=300.0, exchange_ms_per_gb=450.0),
-                             update_passes=2.75)
+                             update_scale=1.1)
     path = tmp_path / "machine.json"
     write_profile(path, profile)
     loaded = load_topology(str(path))
@@ -167,7 +168,7 @@ def test_machine_profile_round_trips_through_load_topology(tmp_path: Path) -> No
     assert loaded.name == "machine"
     back = read_profile(path)
     assert back is not None and back.overhead_us == 70.0 and back.report == {"fit": {"nproc": 2}}
-    assert back.comm_overhead == profile.comm_overhead
+    assert back.comm_overhead == profile.comm_overhead and back.update_scale == 1.1
     assert back.cost_model().comm_overhead == profile.comm_overhead  # what the simulator reads
     assert back.costdb == str(tmp_path / "machine.costdb.jsonl")  # relative to the profile
     # the analytical model carries the step's factor: efficiencies divided by it
@@ -278,11 +279,12 @@ def test_time_strategies_runs_every_strategy_in_every_round() -> None:
         time_strategies(0, 1, build=build, graph=graph.to_dict(), strategies={"a": single}, steps=0)
 
 
-def test_update_passes_are_fitted_from_timed_optimizer_steps_and_price_the_update(graphs) -> None:
+def test_update_scale_is_fitted_from_timed_optimizer_steps_and_prices_the_update() -> None:
     """Timed optimizer steps that stream 3 passes over the parameter bytes at the model's bandwidth give
-    3 passes; a profile with them prices an update at 3/5 of the default (SGD with momentum, 5)."""
+    a factor 1 on plain SGD's 3 ideal passes and 3/5 on momentum SGD's 5; a profile with the factor prices
+    the update at it times the default."""
     from runtime.measure import time_update
-    from simulator.calibration import fit_update_passes
+    from simulator.calibration import fit_update_scale
 
     topology = load_topology("cpu-2")
     device = topology.devices[0]
@@ -291,14 +293,18 @@ def test_update_passes_are_fitted_from_timed_optimizer_steps_and_price_the_updat
     model = plain.analytical()
     per_ms = model.bandwidth_bytes_per_ms(device)
     samples = [(n, 3 * n / per_ms) for n in (1 << 25, 1 << 26, 1 << 27)]
-    passes = fit_update_passes(samples, model, device)
-    assert passes == pytest.approx(3.0)
-    assert fit_update_passes([], model, device) is None
-    op = next(op for op in graphs[1] if op.params)
-    fitted = dataclasses.replace(plain, update_passes=passes).analytical()
-    assert fitted.update_ms(op, 1 << 20, device) == pytest.approx(0.6 * model.update_ms(op, 1 << 20, device))
-    with pytest.raises(ValueError, match="update_passes"):
-        dataclasses.replace(plain, update_passes=0.0)
+    sgd, momentum = TrainSetup(momentum=0.0), TrainSetup(momentum=0.9)
+    assert (sgd.update_passes, momentum.update_passes) == (3, 5)
+    assert fit_update_scale(samples, model, device, sgd.update_passes) == pytest.approx(1.0)
+    scale = fit_update_scale(samples, model, device, momentum.update_passes)
+    assert scale == pytest.approx(0.6)
+    assert fit_update_scale([], model, device, momentum.update_passes) is None
+    fitted = dataclasses.replace(plain, update_scale=scale).analytical()
+    passes = momentum.update_passes
+    assert fitted.update_ms(1 << 20, device, passes) == pytest.approx(0.6 * model.update_ms(1 << 20, device, passes))
+    assert fitted.update_ms(1 << 20, device, passes) == pytest.approx(3 * (1 << 20) / per_ms)  # what was timed
+    with pytest.raises(ValueError, match="update_scale"):
+        dataclasses.replace(plain, update_scale=0.0)
     # the runtime's timing of it (one process): one (bytes, ms) per size, the bytes in chunks
-    timed = time_update(0, 1, sizes=(1 << 20, 3 << 20), repeats=2, warmup=1, chunk_bytes=1 << 20)
+    timed = time_update(0, 1, sizes=(1 << 20, 3 << 20), setup=momentum, repeats=2, warmup=1, chunk_bytes=1 << 20)
     assert [b for b, _ in timed] == [1 << 20, 3 << 20] and all(ms > 0 for _, ms in timed)

@@ -1,4 +1,5 @@
-"""The `soapflow` command: --json keys that scripts rely on, and one-line errors on bad input."""
+"""The `soapflow` command: --json keys that scripts rely on, the training setup flags, and one-line errors on
+bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from soapflow.cli import main
+from search.baselines import dp
+from soap.setup import TrainSetup
+from soap.strategy import save_strategy
+from soap.topology import load_topology
+from soapflow.api import capture_model
+from soapflow.cli import build_parser, main, train_setup
+
+SETUP_COMMANDS = (["simulate", "mlp", "-t", "cpu-2", "-s", "dp"], ["optimize", "mlp", "-t", "cpu-2"],
+                  ["compare", "mlp", "-t", "cpu-2"], ["run", "mlp", "-s", "dp"], ["calibrate"],
+                  ["validate", "mlp", "-t", "cpu-2"])
 
 USER_MODEL = str(Path(__file__).parent / "data" / "user_model.py")
 
@@ -68,6 +78,72 @@ def test_simulate_json_keys(capsys, tmp_path):
     assert doc["iteration_time_ms"] > 0 and len(doc["peak_memory_bytes"]) == 2 and doc["feasible"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("ph") == "X" for e in events)
+    assert doc["setup"] == TrainSetup().to_dict()
+    # per device, per kind: tp exchanges activations (all-to-all), and no parameter is replicated
+    assert len(doc["collectives"]) == 2
+    for device in doc["collectives"]:
+        assert set(device) == {"all_to_all"} and device["all_to_all"]["count"] > 0
+        assert set(device["all_to_all"]) == {"count", "bytes"}
+
+
+def test_simulate_collectives_of_data_parallel_are_the_gradient_all_reduces(capsys):
+    """The mlp's two weighted layers hold 16 MiB each: one 25 MiB bucket takes both (a bucket is filled in
+    backward order until it holds the cap), 8 MiB buckets one each."""
+    params = 8_393_728 * 4  # bytes of the mlp's float32 parameters
+    for bucket_mb, count in (("25", 1), ("8", 2)):
+        doc = run_json(capsys, "simulate", "mlp", "-t", "cpu-2", "-s", "dp", "--bucket-mb", bucket_mb)
+        assert doc["collectives"] == [{"all_reduce": {"count": count, "bytes": params}}] * 2
+
+
+@pytest.mark.parametrize("argv", SETUP_COMMANDS)
+def test_every_stage_command_takes_the_setup_flags(argv):
+    args = build_parser().parse_args(argv)
+    assert train_setup(args) == TrainSetup()  # the defaults are TrainSetup's own
+    flags = ["--optimizer", "adamw", "--lr", "0.001", "--momentum", "0", "--weight-decay", "0.01",
+             "--bucket-mb", "4", "--precision", "fp32"]
+    args = build_parser().parse_args([*argv, *flags])
+    assert train_setup(args) == TrainSetup(optimizer="adamw", lr=0.001, momentum=0.0, weight_decay=0.01,
+                                           bucket_mb=4.0, precision="fp32")
+
+
+@pytest.mark.parametrize("argv", SETUP_COMMANDS)
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lr", "-1"], "lr must be positive, got -1.0"),
+    (["--optimizer", "adam"], "unknown optimizer 'adam'"),
+    (["--precision", "bf16"], "precision 'bf16' is not supported"),
+    (["--momentum", "1.5"], "momentum must be in [0, 1), got 1.5"),
+    (["--bucket-mb", "0"], "bucket_mb must be positive"),
+])
+def test_a_bad_setup_value_is_one_line(capsys, argv, flags, message):
+    code, out, err = run_cli(capsys, *argv, *flags)
+    lines = err.strip().splitlines()
+    assert code != 0 and out == ""
+    assert len(lines) == 1 and lines[0].startswith("soapflow: error:") and message in lines[0], err
+
+
+def test_the_setup_reaches_the_simulation(capsys):
+    """AdamW keeps two state tensors per parameter where momentum SGD keeps one: more memory, a slower update."""
+    sgd = run_json(capsys, "simulate", "mlp", "-t", "p100-1x4", "-s", "dp")
+    adamw = run_json(capsys, "simulate", "mlp", "-t", "p100-1x4", "-s", "dp", "--optimizer", "adamw")
+    assert adamw["setup"]["optimizer"] == "adamw"
+    params = 8_393_728 * 4
+    assert [a - b for a, b in zip(adamw["peak_memory_bytes"], sgd["peak_memory_bytes"], strict=True)] == [params] * 4
+    assert adamw["iteration_time_ms"] > sgd["iteration_time_ms"]
+
+
+def test_a_strategy_file_found_for_another_setup_warns_in_one_line(capsys, tmp_path):
+    _, graph = capture_model("mlp")
+    path = tmp_path / "s.json"
+    save_strategy(path, dp(graph, load_topology("cpu-2")), graph, topology="cpu-2", num_devices=2,
+                  setup=TrainSetup())
+    code, out, err = run_cli(capsys, "simulate", "mlp", "-t", "cpu-2", "-s", str(path), "--json")
+    assert code == 0 and err == ""
+    code, out, err = run_cli(capsys, "simulate", "mlp", "-t", "cpu-2", "-s", str(path), "--optimizer", "adamw",
+                             "--json")
+    lines = err.strip().splitlines()
+    assert code == 0 and json.loads(out)["feasible"]
+    assert len(lines) == 1 and lines[0].startswith("soapflow: warning:"), err
+    assert "different training setup" in lines[0] and "optimizer 'sgd' in the file, 'adamw' here" in lines[0]
 
 
 def _bad_strategy(tmp_path, text: str) -> str:
@@ -162,13 +238,14 @@ def test_strategy_file_with_a_split_the_op_kind_refuses(capsys, tmp_path):
 def test_optimize_json_keys_and_strategy_file(capsys, tmp_path):
     out = tmp_path / "best.json"
     doc = run_json(capsys, "optimize", "mlp", "--batch", "8", "-t", "cpu-2", "--budget", "20",
-                   "--proposals", "200", "-o", str(out))
+                   "--proposals", "200", "-o", str(out), "--lr", "0.05")
     assert {"best", "baselines", "speedup_vs_dp", "num_proposals", "proposals_per_s", "elapsed_s",
             "history"} <= set(doc)
     assert doc["best"]["strategy_file"] == str(out) and set(doc["baselines"]) == {"dp", "mp", "tp", "expert"}
     assert doc["best"]["iteration_time_ms"] <= min(ms for ms in doc["baselines"].values() if ms is not None)
+    assert json.loads(out.read_text())["setup"] == doc["setup"] == TrainSetup(lr=0.05).to_dict()
     # The written file is a strategy that simulates to the reported time.
-    sim = run_json(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", str(out))
+    sim = run_json(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", str(out), "--lr", "0.05")
     assert sim["iteration_time_ms"] == pytest.approx(doc["best"]["iteration_time_ms"], rel=1e-9)
 
 
@@ -186,6 +263,19 @@ def test_run_json_verifies_tensor_parallel_training(capsys):
     doc = run_json(capsys, "run", "mlp", "--batch", "8", "-s", "tp", "--steps", "2", "--verify")
     assert len(doc["losses"]) == 2 and len(doc["step_time_ms"]) == 2
     assert doc["verify"]["max_loss_rel_diff"] < 1e-5 and doc["verify"]["max_param_rel_diff"] < 1e-5
+    # what runs is what the simulator lowered: the same collectives on every rank
+    sim = run_json(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "tp")
+    assert doc["collectives"] == sim["collectives"]
+
+
+def test_run_prints_the_collectives_table(capsys):
+    code, out, err = run_cli(capsys, "run", "mlp", "--batch", "8", "-s", "dp", "--steps", "1", "--optimizer",
+                             "adamw", "--lr", "0.001")
+    assert code == 0, err
+    assert "collectives of the last step:" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["0", "all_reduce"],
+                                                                            ["1", "all_reduce"])]
+    assert len(rows) == 2 and all(int(r[2]) >= 1 for r in rows)
 
 
 @pytest.mark.parametrize(("argv", "message"), [

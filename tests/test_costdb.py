@@ -162,9 +162,10 @@ def test_a_part_whose_input_carries_a_gradient_is_keyed_apart() -> None:
     (whose backward also computes the input gradient): two parts to time, and the simulator looks each
     up with the flags the graph gives it."""
     from runtime.measure import part_jobs
-    from simulator.taskgraph import GraphFacts
     from soap.capture import capture
     from soap.config import ParallelConfig
+    from soap.lowering import GradFlow
+    from soap.setup import TrainSetup
     from soap.strategy import Strategy
     from soapflow.models import default_loss
     from soapflow.zoo.mlp import mlp
@@ -174,7 +175,7 @@ def test_a_part_whose_input_carries_a_gradient_is_keyed_apart() -> None:
     single = Strategy({op.name: ParallelConfig.single(0) for op in graph})
     linears = [j for j in part_jobs(graph, [single]) if j.op["kind"] == "linear"]
     assert sorted(j.needs_grad for j in linears) == [(False,), (True,)]  # three layers, two keys
-    facts = GraphFacts(graph)
+    facts = GradFlow(graph, TrainSetup())
     first, *rest = [op for op in graph if op.kind == "linear"]
     assert facts.grad_inputs[facts.index[first.name]] == (False,)
     assert all(facts.grad_inputs[facts.index[op.name]] == (True,) for op in rest)

@@ -1,4 +1,5 @@
-"""`soapflow.optimize`: the optimize and compare reports, their text, plots, and bad input.
+"""`soapflow.optimize` and `soapflow.report`: the optimize and compare reports, their text, plots, and bad
+input.
 
 Small models on small topologies with proposal budgets, so every test runs in seconds and its result
 depends on the seed alone.
@@ -8,16 +9,19 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from search.baselines import BASELINES
 from search.mcmc import NoFeasibleStrategy
 from simulator.engine import simulate
+from soap.setup import TrainSetup
 from soap.strategy import load_strategy
 from soap.topology import load_topology
 from soapflow.api import capture_model
-from soapflow.optimize import compare, compare_text, optimize, optimize_text
+from soapflow.optimize import compare, optimize
+from soapflow.report import compare_text, optimize_text
 
 PNG = b"\x89PNG\r\n\x1a\n"
 OPTIMIZE_KEYS = {"best", "baselines", "speedup_vs_dp", "num_proposals", "proposals_per_s", "elapsed_s", "history"}
@@ -28,6 +32,27 @@ def _optimize(tmp_path, **kw):
     kw.setdefault("max_proposals", 300)
     kw.setdefault("budget_s", None)
     return optimize(kw.pop("model", "mlp"), kw.pop("topology", "cpu-2"), out_path=tmp_path / "best.json", **kw)
+
+
+def test_optimize_and_compare_simulate_with_the_setup_given(tmp_path):
+    """One setup for the search, the file it writes, the report's summary and compare's simulations."""
+    setup = TrainSetup(optimizer="adamw", lr=1e-3, bucket_mb=4.0)
+    out = _optimize(tmp_path, setup=setup, max_proposals=100)
+    path = out["best"]["strategy_file"]
+    assert out["setup"] == setup.to_dict() and json.loads(Path(path).read_text())["setup"] == setup.to_dict()
+    _, graph = capture_model("mlp", batch_size=8)
+    topology = load_topology("cpu-2")
+    strategy = load_strategy(path, graph, 2, setup=setup)
+    best = out["best"]["iteration_time_ms"]
+    assert simulate(graph, strategy, topology, setup=setup).iteration_time_ms == pytest.approx(best, rel=1e-12)
+    assert out["strategy"]["iteration_time_ms"] == pytest.approx(best, rel=1e-12)
+    rows = {r["strategy"]: r for r in compare("mlp", "cpu-2", strategies=[path], batch=8, setup=setup)["rows"]}
+    dp_ms = simulate(graph, BASELINES["dp"](graph, topology), topology, setup=setup).iteration_time_ms
+    assert rows["dp"]["simulated_ms"] == pytest.approx(dp_ms, rel=1e-12)
+    assert rows[path]["simulated_ms"] == pytest.approx(best, rel=1e-12)
+    assert dp_ms != simulate(graph, BASELINES["dp"](graph, topology), topology).iteration_time_ms
+    with pytest.warns(UserWarning, match="optimizer 'adamw' in the file, 'sgd' here"):
+        compare("mlp", "cpu-2", strategies=[path], batch=8, baselines=False)
 
 
 def test_optimize_report_keys_table_and_strategy_file(tmp_path):
@@ -51,7 +76,8 @@ def test_optimize_report_keys_table_and_strategy_file(tmp_path):
     topology = load_topology("cpu-2")
     strategy = load_strategy(out["best"]["strategy_file"], graph, 2)
     assert simulate(graph, strategy, topology).iteration_time_ms == pytest.approx(best, rel=1e-12)
-    assert json.loads((tmp_path / "best.json").read_text())["format"] == "soapflow.strategy/1"
+    written = json.loads((tmp_path / "best.json").read_text())
+    assert written["format"] == "soapflow.strategy/2" and written["setup"] == out["setup"] == TrainSetup().to_dict()
     # progress: proposals per second and the best so far, the best never rising
     assert seen and all({"proposals", "proposals_per_s", "best_ms", "elapsed_s"} <= set(p) for p in seen)
     assert seen[-1]["best_ms"] >= best

@@ -1,7 +1,10 @@
-"""The runtime against single-process training, in real processes on gloo (DESIGN section 6).
+"""The runtime against single-process training, in real processes on gloo (docs/runtime.md), and against its
+step plan.
 
 Every case trains 3 SGD steps under a strategy and compares the losses and the final parameters with the
-unpartitioned model trained in one process on the same batches: float32 within 1e-5 relative. BatchNorm
+unpartitioned model trained in one process on the same batches: float32 within 1e-5 relative. Every case
+also compares the collectives each rank issued in its last step with the ones the simulator's step plan
+lists (`StepPlan.collectives`), kind by kind, count and bytes. BatchNorm
 under a sample split normalizes each part with its own batch statistics, as DDP does; for it the reference
 normalizes the same sample chunks separately, and a DDP case checks that this reference is DDP's result.
 
@@ -18,6 +21,7 @@ import runtime_cases as rc
 
 from runtime.launch import launch
 from runtime.train import TrainOptions
+from soap.setup import TrainSetup
 
 MODELS = ("mlp", "cnn", "rescnn", "rnnlm", "transformer")
 BASELINES = ("dp", "mp", "tp", "expert")
@@ -28,7 +32,7 @@ def run_and_check(cases: list[dict], nproc: int = 2) -> list[dict]:
                      num_threads=1)
     rank0 = results[0]
     assert [r["label"] for r in rank0] == [c["label"] for c in cases]
-    bad = rc.failures(rank0)
+    bad = rc.failures(rank0, cases=cases, num_devices=nproc)
     assert not bad, "\n".join(bad)
     return rank0
 
@@ -48,17 +52,17 @@ def random_cases(models: tuple[str, ...], count: int, nproc: int, seed: int) -> 
 
 def test_representative_strategies_match_single_process():
     """One launch: a baseline per model, the hand-written mixed strategy, 10 random strategies, tiny gradient
-    buckets (many all-reduces in flight), Adam, and BatchNorm under a sample split against DDP."""
+    buckets (many all-reduces in flight), AdamW, and BatchNorm under a sample split against DDP."""
     cases = [c for c in (rc.baseline_case("mlp", "tp", 2), rc.baseline_case("rescnn", "expert", 2),
                          rc.baseline_case("rnnlm", "dp", 2), rc.baseline_case("transformer", "tp", 2))
              if c is not None]
     cases.append(rc.train_case("cnn/mixed", "cnn", rc.mixed_cnn_strategy(rc.graph_of("cnn")), rc.graph_of("cnn")))
-    cases.append(rc.baseline_case("mlp", "dp", 2, options=TrainOptions(steps=3, lr=0.05, verify=True,
-                                                                       bucket_mb=1e-4)))
+    cases.append(rc.baseline_case("mlp", "dp", 2, options=TrainOptions(
+        steps=3, setup=TrainSetup(lr=0.05, bucket_mb=1e-4), verify=True)))
     cases[-1]["label"] = "mlp/dp-small-buckets"
-    cases.append(rc.baseline_case("cnn", "dp", 2, options=TrainOptions(steps=3, lr=0.01, verify=True,
-                                                                       optimizer="adam")))
-    cases[-1]["label"] = "cnn/dp-adam"
+    cases.append(rc.baseline_case("cnn", "dp", 2, options=TrainOptions(
+        steps=3, setup=TrainSetup(lr=0.01, optimizer="adamw", weight_decay=0.01), verify=True)))
+    cases[-1]["label"] = "cnn/dp-adamw"
     cases += random_cases(MODELS, 10, 2, seed=1)
     bn_graph = rc.graph_of("bncnn")
     bn_dp = rc.baseline_case("bncnn", "dp", 2)
@@ -73,11 +77,11 @@ def test_baselines_and_mixed_match_single_process():
     assert len(cases) >= 16
     graph = rc.graph_of("cnn")
     cases.append(rc.train_case("cnn/mixed", "cnn", rc.mixed_cnn_strategy(graph), graph))
-    float64 = TrainOptions(steps=3, lr=0.05, verify=True, dtype="float64")
+    float64 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True, dtype="float64")
     cases.append(rc.baseline_case("resnet18", "dp", 2, options=float64))
     cases.append(rc.baseline_case("resnet18", "tp", 2, options=float64))
-    momentum = TrainOptions(steps=3, lr=0.05, momentum=0.9, verify=True)
-    cases.append({**rc.baseline_case("transformer", "expert", 2, options=momentum), "label": "transformer/momentum"})
+    plain = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, momentum=0.0), verify=True)
+    cases.append({**rc.baseline_case("transformer", "expert", 2, options=plain), "label": "transformer/plain-sgd"})
     run_and_check(cases)
 
 
@@ -91,8 +95,8 @@ def test_random_strategies_match_single_process():
 def test_batchnorm_under_sample_split_matches_ddp():
     bn = [rc.baseline_case("bncnn", b, 2) for b in ("dp", "expert", "tp")]
     ddp = rc.baseline_case("bncnn", "dp", 2)
-    res = rc.baseline_case("resnet18", "expert", 2, options=TrainOptions(steps=3, lr=0.05, verify=True,
-                                                                          dtype="float64"))
+    res = rc.baseline_case("resnet18", "expert", 2, options=TrainOptions(steps=3, setup=TrainSetup(lr=0.05),
+                                                                          verify=True, dtype="float64"))
     cases = [c for c in bn if c is not None] + [res, {**ddp, "label": "bncnn/ddp", "kind": "ddp"}]
     graph = rc.graph_of("bncnn")
     cases += [rc.train_case(f"bncnn/random{i}", "bncnn", rc.random_strategy(graph, 2, random.Random(i)), graph)
@@ -107,3 +111,34 @@ def test_four_processes_match_single_process():
     cases += [ddp, {**ddp, "label": "bncnn/ddp", "kind": "ddp"}]
     cases += random_cases(MODELS, 12, 4, seed=4)
     run_and_check(cases, nproc=4)
+
+
+COLLECTIVE_MODELS = ("mlp", "cnn", "transformer", "rnnlm")
+
+
+def collective_cases(per_model: int, nproc: int, seed: int) -> list[dict]:
+    """`per_model` random strategies of each model, one step each without verification: the runtime's
+    issued collectives are checked against the plan, not its numbers (the other tests do that)."""
+    one_step = TrainOptions(steps=1, setup=TrainSetup(lr=0.05))
+    rng = random.Random(seed)
+    cases = []
+    for model in COLLECTIVE_MODELS:
+        graph = rc.graph_of(model)
+        for i in range(per_model):
+            draw = rc.space_strategy if i % 2 == 0 else rc.random_strategy
+            cases.append(rc.train_case(f"{model}/collectives{i}", model, draw(graph, nproc, rng), graph,
+                                       options=one_step))
+    return cases
+
+
+def test_collectives_issued_equal_the_plans_two_processes():
+    """The default run's subset: 3 random strategies per model on 2 processes."""
+    run_and_check(collective_cases(3, 2, seed=11))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_collectives_issued_equal_the_plans(nproc):
+    """20 random strategies per model (MLP, small CNN, small Transformer, small LSTM LM) on 2 and on 4
+    processes: every rank issues exactly the collectives of the step plan."""
+    run_and_check(collective_cases(20, nproc, seed=12 + nproc), nproc=nproc)

@@ -25,6 +25,7 @@ from runtime.checkpoint import (
     shard_state,
 )
 from runtime.launch import LaunchError, keep_freed_memory
+from soap.setup import TrainSetup
 from soapflow.runner import FAULT_ENV, run
 
 CASES = Path(__file__).parent / "runtime_cases.py"
@@ -83,7 +84,8 @@ def test_shards_assemble_into_full_tensors_and_slice_back():
 def test_killed_rank_resumes_under_another_strategy(tmp_path, monkeypatch):
     """Train under tp with checkpoints every 2 steps; rank 1 SIGKILLs itself at step 3; the run fails
     naming it; resuming under dp from the step-2 checkpoint ends where uninterrupted training ends."""
-    common = dict(nproc=2, steps=5, lr=0.05, momentum=0.9, checkpoint_dir=tmp_path, num_threads=1, timeout_s=30)
+    common = dict(nproc=2, steps=5, setup=TrainSetup(lr=0.05, momentum=0.9), checkpoint_dir=tmp_path, num_threads=1,
+                  timeout_s=30)
     monkeypatch.setenv(FAULT_ENV, "kill:1:3")
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"^rank 1 was killed by SIGKILL") as info:
@@ -122,12 +124,12 @@ def test_resume_without_a_checkpoint_warns_and_bad_options_are_value_errors(tmp_
 
 @pytest.mark.slow
 def test_adam_checkpoint_moves_between_strategies_and_process_counts(tmp_path):
-    """Adam state (step count and both moments) saved from 2 ranks under expert, resumed on 4 under tp,
+    """AdamW state (step count and both moments) saved from 2 ranks under expert, resumed on 4 under tp,
     then on 1 process under mp. In float64: Adam divides by the root of the squared gradients, which turns
     float32 rounding noise in gradients that are zero in exact arithmetic (an attention key's bias) into
     full-size steps."""
-    common = dict(lr=0.01, optimizer="adam", dtype="float64", checkpoint_dir=tmp_path, num_threads=1,
-                  timeout_s=60)
+    common = dict(setup=TrainSetup(lr=0.01, optimizer="adamw"), dtype="float64", checkpoint_dir=tmp_path,
+                  num_threads=1, timeout_s=60)
     first = run(SMALL_TRANSFORMER, "expert", nproc=2, steps=2, **common)
     assert first["checkpoint"] == str(checkpoint_path(tmp_path, 2))
     second = run(SMALL_TRANSFORMER, "tp", nproc=4, steps=4, resume=True, verify=True, **common)

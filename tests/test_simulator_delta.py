@@ -18,7 +18,8 @@ from test_simulator_support import chain, data_parallel, mlp, random_config, ran
 
 from search.space import ConfigSpace
 from simulator import AnalyticalCostModel, FixedCostModel, Simulator
-from soap.graph import OperatorGraph
+from soap.graph import Operator, OperatorGraph, ParamSpec
+from soap.setup import TrainSetup
 from soap.topology import DeviceTopology, load_topology
 
 CHECK_TIMES_EVERY = 10
@@ -29,12 +30,12 @@ def _state(sim: Simulator) -> tuple:
 
 
 def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int, seed: int, cost_model=None,
-              start: str = "dp", sampler: str = "support") -> int:
+              start: str = "dp", sampler: str = "support", setup: TrainSetup | None = None) -> int:
     """Run `proposals` random proposals; return how many changed the config (not no-ops)."""
     rng = random.Random(seed)
     cost_model = cost_model or AnalyticalCostModel()
-    sim = Simulator(graph, topology, cost_model)
-    ref = Simulator(graph, topology, cost_model)
+    sim = Simulator(graph, topology, cost_model, setup=setup)
+    ref = Simulator(graph, topology, cost_model, setup=setup)
     devices = tuple(range(topology.num_devices))
     current = random_strategy(graph, topology, rng) if start == "random" else data_parallel(graph, devices)
     sim.full(current)
@@ -68,7 +69,7 @@ def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int,
                 ref.full(current)
                 assert _state(sim) == _state(ref), f"after rejecting proposal {k}"
     # the final state, every task, against a fresh simulator
-    fresh = Simulator(graph, topology, cost_model).full(current)
+    fresh = Simulator(graph, topology, cost_model, setup=setup).full(current)
     assert sim.timeline().task_times() == fresh.task_times()
     return changed
 
@@ -101,6 +102,35 @@ def test_delta_equals_full_under_the_fixed_cost_model():
     run_chain(graph, load_topology("p100-4x4"), proposals=60, seed=7,
               cost_model=FixedCostModel(fwd_each_ms=0.01, bwd_each_ms=0.02, update_each_ms=0.005,
                                         reduce_each_ms=0.001))
+
+
+def tied_chain() -> OperatorGraph:
+    """A chain whose layers 1, 3 and 5 share one weight (and layers 2 and 4 another): parameter units of
+    several ops, whose shards overlap when their ops split differently."""
+    graph = chain(batch=64, width=64, depth=6)
+    share = {"fc3": "fc1", "fc5": "fc1", "fc4": "fc2"}
+    ops = [Operator(name=op.name, kind=op.kind, inputs=op.inputs, outputs=op.outputs, attrs=op.attrs,
+                    module=op.module, fwd_flops=op.fwd_flops, bwd_flops=op.bwd_flops, fwd_bytes=op.fwd_bytes,
+                    bwd_bytes=op.bwd_bytes,
+                    params={k: ParamSpec(shape=p.shape, dtype=p.dtype,
+                                         fqn=p.fqn.replace(op.name, share.get(op.name, op.name), 1))
+                            for k, p in op.params.items()})
+           for op in graph]
+    return OperatorGraph(ops, name="tied_chain", batch_size=graph.batch_size)
+
+
+@pytest.mark.parametrize(("topology", "setup", "proposals"), [
+    ("cpu-2", TrainSetup(bucket_mb=0.01), 150),
+    ("p100-4x4", TrainSetup(optimizer="adamw", bucket_mb=0.02), 80),
+])
+def test_delta_equals_full_with_tied_parameters_and_small_buckets(topology, setup, proposals):
+    """Tied weights make one change re-lower its whole parameter unit; small buckets make an op's
+    all-reduces many and shared with other ops."""
+    graph = tied_chain()
+    assert any(len(members) > 1 for members in Simulator(graph, load_topology(topology)).flow.units)
+    changed = run_chain(graph, load_topology(topology), proposals=proposals, seed=proposals, sampler="space",
+                        setup=setup)
+    assert changed >= proposals // 2
 
 
 def test_the_default_run_makes_at_least_1000_proposals():

@@ -1,8 +1,10 @@
 """Golden results: simulated figures for fixed (graph, topology, strategy) triples, to guard refactors.
 
 `tests/golden/simulator.json` holds, per case, the iteration time, its compute / communication /
-synchronization split, the task count, bytes moved and the largest per-device memory peak, under the
-analytical cost model with its default constants (and one fixed-cost case). Times must match to a
+synchronization split, the task count, bytes moved, the largest per-device memory peak and the step
+plan's collectives (count and bytes per kind, summed over the devices), under the analytical cost model
+with its default constants (and one fixed-cost case), with the default training setup and, for a few
+cases, AdamW with 256 KiB buckets (more state per parameter, an all-reduce per layer). Times must match to a
 relative 1e-9, counts exactly.
 
 When a change moves these figures on purpose (the cost model, the task graph or the topology presets
@@ -25,7 +27,8 @@ import pytest
 from test_simulator_support import chain, mlp, random_strategy, small_cnn
 
 from search.baselines import BASELINES, BaselineNotApplicable
-from simulator import AnalyticalCostModel, FixedCostModel, simulate
+from simulator import AnalyticalCostModel, FixedCostModel, Simulator
+from soap.setup import TrainSetup
 from soap.topology import load_topology
 
 GOLDEN = Path(__file__).parent / "golden" / "simulator.json"
@@ -41,18 +44,21 @@ COST_MODELS = {"analytical": AnalyticalCostModel,
                "fixed": lambda: FixedCostModel(fwd_each_ms=0.1, bwd_each_ms=0.2, update_each_ms=0.05,
                                                reduce_each_ms=0.01)}
 FIXED_CASES = (("small_cnn", "p100-4x4", "dp"), ("small_cnn", "p100-4x4", "random0"))
+SETUPS = {"default": TrainSetup(), "adamw": TrainSetup(optimizer="adamw", bucket_mb=0.25)}
 
 
-def cases() -> list[tuple[str, str, str, str]]:
+def cases() -> list[tuple[str, ...]]:
     out = [(g, t, s, "analytical") for g in GRAPHS for t in TOPOLOGIES for s in STRATEGIES]
+    out += [(g, "p100-4x4", s, "analytical", "adamw") for g in GRAPHS for s in ("dp", "tp", "random0")]
     return out + [(g, t, s, "fixed") for g, t, s in FIXED_CASES]
 
 
-def case_id(graph: str, topology: str, strategy: str, cost_model: str) -> str:
-    return f"{graph}/{topology}/{strategy}/{cost_model}"
+def case_id(graph: str, topology: str, strategy: str, cost_model: str, setup: str = "default") -> str:
+    return f"{graph}/{topology}/{strategy}/{cost_model}" + ("" if setup == "default" else f"/{setup}")
 
 
-def figures(graph_name: str, topology_name: str, strategy_name: str, cost_model: str) -> dict | None:
+def figures(graph_name: str, topology_name: str, strategy_name: str, cost_model: str,
+            setup: str = "default") -> dict | None:
     """The golden figures of one case (None when the baseline does not apply to the graph)."""
     graph = GRAPHS[graph_name]()
     topo = load_topology(topology_name)
@@ -63,10 +69,18 @@ def figures(graph_name: str, topology_name: str, strategy_name: str, cost_model:
             strategy = BASELINES[strategy_name](graph, topo)
         except BaselineNotApplicable:
             return None
-    tl = simulate(graph, strategy, topo, COST_MODELS[cost_model]())
+    sim = Simulator(graph, topo, COST_MODELS[cost_model](), setup=SETUPS[setup])
+    tl = sim.full(strategy)
+    collectives: dict[str, list[int]] = {}
+    for device in sim.collectives():
+        for kind, v in device.items():
+            total = collectives.setdefault(kind, [0, 0])
+            total[0] += v["count"]
+            total[1] += v["bytes"]
     return {"iteration_time_ms": tl.iteration_time_ms, "compute_ms": tl.compute_ms, "comm_ms": tl.comm_ms,
             "sync_ms": tl.sync_ms, "num_tasks": tl.num_tasks, "bytes_moved": tl.bytes_moved,
-            "max_peak_memory_bytes": max(tl.peak_memory_bytes), "feasible": tl.feasible}
+            "max_peak_memory_bytes": max(tl.peak_memory_bytes), "feasible": tl.feasible,
+            "collectives": {k: v for k, v in sorted(collectives.items())}}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@
   grows with the device count (weak scaling, p100 and k80 clusters);
 - a transfer over InfiniBand instead of NVLink is slower by the ratio of the routes' narrowest links;
 - a strategy that does not fit in memory is infeasible, naming the device and the bytes;
-- strategies for another graph or with missing ops (the strategy file rules of DESIGN.md section 7);
+- strategies for another graph or with missing ops (the strategy file rules of `soap/strategy.py`);
 - the Chrome trace: valid JSON, one row per device and per link, every event inside the iteration.
 """
 
@@ -23,6 +23,7 @@ from simulator import AnalyticalCostModel, FixedCostModel, OutOfMemory, Simulato
 from simulator.comm import ms_to_ns
 from soap.config import ParallelConfig
 from soap.registry import dims_of
+from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, save_strategy
 from soap.topology import load_topology
 from soapflow.api import resolve_strategy
@@ -72,7 +73,7 @@ def test_data_parallel_on_one_device_is_the_sum_of_the_op_costs(build, cost_mode
         fwd_ms, bwd_ms = cost_model.compute_ms(op, box, device)
         expected += ms_to_ns(fwd_ms) + ms_to_ns(bwd_ms)  # every op here gets a gradient
         if op.params:
-            expected += ms_to_ns(cost_model.update_ms(op, op.param_bytes, device))
+            expected += ms_to_ns(cost_model.update_ms(op.param_bytes, device, TrainSetup().update_passes))
     assert tl.iteration_time_ns == expected
     assert tl.device_busy_ms[0] == pytest.approx(tl.iteration_time_ms, rel=1e-12)
     assert tl.comm_ms == tl.sync_ms == 0 and tl.bytes_moved == 0
@@ -210,9 +211,9 @@ def test_a_strategy_file_for_another_graph_warns_and_applies_by_op_name(tmp_path
     assert old.fingerprint != new.fingerprint
     strategy = data_parallel(old, (0, 1)).with_config("fc1", on(1))
     path = tmp_path / "mlp.json"
-    save_strategy(path, strategy, old, topology="cpu-2", num_devices=2)
+    save_strategy(path, strategy, old, topology="cpu-2", num_devices=2, setup=TrainSetup())
     with pytest.warns(UserWarning, match="fingerprint mismatch"):
-        loaded = resolve_strategy(str(path), graph=new, topology=topo)
+        loaded = resolve_strategy(str(path), graph=new, topology=topo, setup=TrainSetup())
     assert loaded["fc1"] == on(1) and loaded == strategy
     tl = simulate(new, loaded, topo, FixedCostModel())
     assert tl.iteration_time_ms > 0
@@ -222,9 +223,9 @@ def test_ops_missing_from_a_strategy_file_run_data_parallel_with_a_warning(tmp_p
     graph = mlp(batch=64)
     topo = load_topology("cpu-2")
     path = tmp_path / "partial.json"
-    save_strategy(path, Strategy({"fc1": on(1)}), graph, topology="cpu-2", num_devices=2)
+    save_strategy(path, Strategy({"fc1": on(1)}), graph, topology="cpu-2", num_devices=2, setup=TrainSetup())
     with pytest.warns(UserWarning, match="run data parallel"):
-        loaded = resolve_strategy(str(path), graph=graph, topology=topo)
+        loaded = resolve_strategy(str(path), graph=graph, topology=topo, setup=TrainSetup())
     default = dp(graph, topo)
     assert loaded["fc1"] == on(1)
     assert all(loaded[op.name] == default[op.name] for op in graph if op.name != "fc1")
@@ -239,13 +240,13 @@ def test_an_op_the_graph_lacks_or_a_config_that_does_not_fit_is_an_error(tmp_pat
            "ops": {"fc9": {"degrees": {}, "devices": [0]}}}
     path.write_text(json.dumps(doc))
     with pytest.raises(StrategyError, match="'fc9' does not exist"):
-        resolve_strategy(str(path), graph=graph, topology=topo)
+        resolve_strategy(str(path), graph=graph, topology=topo, setup=TrainSetup())
     doc["ops"] = {"fc1": {"degrees": {"out_features": 3}, "devices": [0, 1, 2]}}
     path.write_text(json.dumps(doc))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(StrategyError, match="fc1"):
-            resolve_strategy(str(path), graph=graph, topology=topo)
+            resolve_strategy(str(path), graph=graph, topology=topo, setup=TrainSetup())
 
 
 # -- Chrome trace ----------------------------------------------------------------------------------------

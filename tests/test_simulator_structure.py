@@ -169,8 +169,8 @@ def test_gradient_sync_only_among_devices_that_replicate_a_parameter():
     assert records(simulate(graph, tp, TOPO, COSTS), "allreduce") == []
     # the updates of replicated parts wait for their all-reduce
     start = {r.name: r.start_ms for r in tl.tasks()}
-    assert start["fc2 update[0]"] >= syncs["allreduce bucket 0 devices 0..2"].end_ms
-    assert start["fc2 update[3]"] >= syncs["allreduce bucket 0 devices 1..3"].end_ms
+    assert start["fc2 update[device 0]"] >= syncs["allreduce bucket 0 devices 0..2"].end_ms
+    assert start["fc2 update[device 3]"] >= syncs["allreduce bucket 0 devices 1..3"].end_ms
 
 
 def test_task_counts_per_category():

@@ -54,7 +54,7 @@ def test_one_device_chain():
         "loss fwd[0]": (1 * MS, 2 * MS),
         "loss bwd[0]": (2 * MS, 4 * MS),
         "fc bwd[0]": (4 * MS, 6 * MS),
-        "fc update[0]": (6 * MS, 6_500_000),
+        "fc update[device 0]": (6 * MS, 6_500_000),
     }
     assert tl.iteration_time_ns == 6_500_000
     assert tl.iteration_time_ms == 6.5
@@ -80,7 +80,7 @@ def test_transfer_and_its_gradient_cross_both_links_of_the_route():
         "loss bwd[0]": (t1 + 1 * MS, t1 + 3 * MS),
         "grad loss -> fc": (t1 + 3 * MS, t2),
         "fc bwd[0]": (t2, t2 + 2 * MS),
-        "fc update[0]": (t2 + 2 * MS, t2 + 2_500_000),
+        "fc update[device 0]": (t2 + 2 * MS, t2 + 2_500_000),
     }
     assert tl.iteration_time_ns == 6_500_000 + 2 * T_128
     records = {r.name: r for r in tl.tasks()}
@@ -144,8 +144,8 @@ def test_transfers_sharing_a_link_run_one_at_a_time():
         "grad add -> fa": (b0 + T, b0 + 2 * T),
         "fb bwd[0]": (b0 + T, b0 + T + 2 * MS),
         "fa bwd[0]": (b0 + 2 * T, b0 + 2 * T + 2 * MS),
-        "fb update[0]": (b0 + T + 2 * MS, b0 + T + 2_500_000),
-        "fa update[0]": (b0 + 2 * T + 2 * MS, b0 + 2 * T + 2_500_000),
+        "fb update[device 2]": (b0 + T + 2 * MS, b0 + T + 2_500_000),
+        "fa update[device 0]": (b0 + 2 * T + 2 * MS, b0 + 2 * T + 2_500_000),
     }
     assert tl.iteration_time_ns == b0 + 2 * T + 2_500_000
 
@@ -168,7 +168,7 @@ def test_data_parallel_gradient_sync_is_a_ring_all_reduce_before_the_updates():
         assert got[f"loss fwd[{p}]"] == (1 * MS, 2 * MS)
         assert got[f"loss bwd[{p}]"] == (2 * MS, 4 * MS)
         assert got[f"fc bwd[{p}]"] == (4 * MS, 6 * MS)
-        assert got[f"fc update[{p}]"] == (6 * MS + sync_ns, 6_500_000 + sync_ns)
+        assert got[f"fc update[device {p}]"] == (6 * MS + sync_ns, 6_500_000 + sync_ns)
     (sync,) = [r for r in tl.tasks() if r.category == "allreduce"]
     assert (round(sync.start_ms * MS), round(sync.end_ms * MS)) == (6 * MS, 6 * MS + sync_ns)
     # every link of the ring, a link and its reverse being one resource

@@ -1,4 +1,5 @@
-"""ParallelConfig validation, the strategy file (round trip and every bad-input case), and the baselines."""
+"""ParallelConfig validation, the strategy file (round trip, the recorded training setup, every bad-input
+case), and the baselines."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import pytest
 from search.baselines import BASELINES, BaselineNotApplicable, dp, mp, tp
 from soap.config import ConfigError, ParallelConfig, parts, validate
 from soap.graph import Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
+from soap.setup import TrainSetup
 from soap.strategy import (
     FORMAT,
     Strategy,
     StrategyError,
     load_strategy,
+    recorded_setup,
     save_strategy,
+    setup_differences,
     strategy_to_dict,
     validate_strategy,
 )
@@ -100,13 +104,14 @@ def test_baselines_round_trip_through_file(tmp_path, topo_name, baseline):
     strategy = BASELINES[baseline](graph, topo)
     validate_strategy(graph, strategy, topo.num_devices)
     path = tmp_path / "s.json"
-    save_strategy(path, strategy, graph, topology=topo_name, num_devices=topo.num_devices, predicted_ms=1.5)
+    save_strategy(path, strategy, graph, topology=topo_name, num_devices=topo.num_devices, setup=TrainSetup(),
+                  predicted_ms=1.5)
     doc = json.loads(path.read_text())
     assert doc["format"] == FORMAT and doc["fingerprint"] == graph.fingerprint
     assert doc["predicted_iteration_time_ms"] == 1.5
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert load_strategy(path, graph, topo.num_devices) == strategy
+        assert load_strategy(path, graph, topo.num_devices, setup=TrainSetup()) == strategy
 
 
 def test_baselines_do_what_they_say(graph):
@@ -134,7 +139,8 @@ def _write(tmp_path, doc) -> str:
 
 
 def _doc(graph, **ops) -> dict:
-    base = strategy_to_dict(dp(graph, load_topology("cpu-2")), graph, topology="cpu-2", num_devices=2)
+    base = strategy_to_dict(dp(graph, load_topology("cpu-2")), graph, topology="cpu-2", num_devices=2,
+                            setup=TrainSetup())
     base["ops"].update(ops)
     return base
 
@@ -149,6 +155,9 @@ def _doc(graph, **ops) -> dict:
     (lambda g: _doc(g, loss={"degrees": {"sample": 2, "d1": 2}, "devices": [0, 1]}), "make 4 parts"),
     (lambda g: _doc(g, fc0={"degrees": {"sample": "2"}, "devices": [0, 1]}), "expected {dim: integer}"),
     (lambda g: _doc(g, fc0=[0, 1]), "needs {'degrees'"),
+    (lambda g: {**_doc(g), "setup": {"optimizer": "adam"}}, "setup: unknown optimizer 'adam'"),
+    (lambda g: {**_doc(g), "setup": {"lr": 0.1, "beta": 0.5}}, "setup: unknown training setup key"),
+    (lambda g: {**_doc(g), "setup": "sgd"}, "'setup' must be an object"),
 ])
 def test_bad_strategy_files(tmp_path, graph, make, message):
     with pytest.raises(StrategyError, match=message):
@@ -191,3 +200,40 @@ def test_strategy_file_with_refused_split(tmp_path):
                                      "sm": {"degrees": {"d1": 2}, "devices": [0, 1]}}}
     with pytest.raises(StrategyError, match="op 'sm': softmax cannot be split along 'd1'"):
         load_strategy(_write(tmp_path, doc), graph, 2)
+
+
+def test_strategy_file_records_the_setup_and_round_trips(tmp_path, graph):
+    setup = TrainSetup(optimizer="adamw", lr=3e-4, weight_decay=0.1, bucket_mb=8.0)
+    strategy = tp(graph, load_topology("cpu-2"))
+    path = tmp_path / "s.json"
+    save_strategy(path, strategy, graph, topology="cpu-2", num_devices=2, setup=setup)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "soapflow.strategy/2" and doc["setup"] == setup.to_dict()
+    assert recorded_setup(doc) == setup
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same setup: no warning
+        assert load_strategy(path, graph, 2, setup=setup) == strategy
+        assert load_strategy(path, graph, 2) == strategy  # a reader that does not say its setup: no check
+
+
+def test_version_1_strategy_files_are_still_read(tmp_path, graph):
+    doc = _doc(graph)
+    del doc["setup"]
+    doc["format"] = "soapflow.strategy/1"
+    assert recorded_setup(doc) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no setup recorded: nothing to compare
+        s = load_strategy(_write(tmp_path, doc), graph, 2, setup=TrainSetup(optimizer="adamw"))
+    assert s == dp(graph, load_topology("cpu-2"))
+
+
+def test_a_setup_mismatch_warns_naming_the_fields_and_applies(tmp_path, graph):
+    path = _write(tmp_path, _doc(graph))  # recorded: TrainSetup()
+    with pytest.warns(UserWarning) as caught:
+        s = load_strategy(path, graph, 2, setup=TrainSetup(optimizer="adamw", lr=0.1))
+    assert s == dp(graph, load_topology("cpu-2"))
+    (warning,) = [w for w in caught if "training setup" in str(w.message)]
+    message = str(warning.message)
+    assert "\n" not in message and "optimizer 'sgd' in the file, 'adamw' here" in message
+    assert "lr 0.01 in the file, 0.1 here" in message and "momentum" not in message
+    assert setup_differences(TrainSetup(), TrainSetup(bucket_mb=4.0)) == ["bucket_mb 25.0 in the file, 4.0 here"]

@@ -63,6 +63,7 @@ def test_text_and_plot(tmp_path: Path) -> None:
 
 def test_pick_strategies_distinct_and_valid() -> None:
     from soap.capture import capture
+    from soap.setup import TrainSetup
     from soap.strategy import validate_strategy
     from soap.topology import load_topology
     from soapflow.models import default_loss
@@ -71,13 +72,13 @@ def test_pick_strategies_distinct_and_valid() -> None:
     module, (x, target) = mlp(8, sizes=(16, 32, 8))
     graph = capture(module, x, target, default_loss, name="tiny", batch_size=8)
     topo = load_topology("cpu-2")
-    picked = pick_strategies(graph, topo, count=6, seed=1, search_budget_s=None)
+    picked = pick_strategies(graph, topo, count=6, setup=TrainSetup(), seed=1, search_budget_s=None)
     assert len(picked) == 6
     assert [n for n, _ in picked][:2] == ["dp", "mp"]
     for i, (_, s) in enumerate(picked):
         validate_strategy(graph, s, 2)
         assert all(s != t for _, t in picked[:i])
-    assert picked == pick_strategies(graph, topo, count=6, seed=1, search_budget_s=None)  # seeded
+    assert picked == pick_strategies(graph, topo, count=6, setup=TrainSetup(), seed=1, search_budget_s=None)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""The runtime's execution plan (no processes): transfers per edge, partial sums, gradient-sync groups,
-and the single-process interpreter against plain PyTorch."""
+"""The lowering to a step plan (no processes): pieces and exchanges per edge, partial sums, gradient-sync
+groups and buckets, tied parameters, the collectives a step issues; the gradient all-reduce of the runtime
+on the plan's buckets; and the single-process interpreter against plain PyTorch."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.plan import build_plan
 from runtime.train import TrainOptions, Workload, integer_highs, synthetic_batch, train_rank
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
+from soap.lowering import EdgeStep, StepPlan, lower
+from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
 
@@ -68,21 +70,43 @@ def strategy(graph: OperatorGraph, default: ParallelConfig, **overrides: Paralle
     return Strategy({op.name: overrides.get(op.name, default) for op in graph})
 
 
-def remote(edge) -> list:
-    return [t for t in edge.transfers if t.src != t.dst]
+def lowered(graph: OperatorGraph, s: Strategy, num_devices: int, setup: TrainSetup | None = None) -> StepPlan:
+    return lower(graph, s, setup or TrainSetup(), num_devices)
+
+
+def edge_into(plan: StepPlan, consumer: str, slot: int = 0) -> EdgeStep:
+    eid = plan.flow.slot_edges[plan.flow.index[consumer]][slot]
+    assert eid is not None, f"{consumer} input {slot} is a source"
+    return plan.edges[eid]
+
+
+def remote(plan: StepPlan, step: EdgeStep) -> list[tuple[int, int]]:
+    """(source device, destination device) of each piece of an edge that crosses devices."""
+    e = plan.flow.edges[step.edge]
+    src, dst = plan.ops[e.src].devices, plan.ops[e.dst].devices
+    return [(src[step.pieces[k][0]], dst[step.pieces[k][1]]) for k in step.moving]
+
+
+def entries(plan: StepPlan) -> list:
+    return [e for p in plan.params for e in p.sync]
 
 
 def test_data_parallel_plan_moves_nothing_and_syncs_every_parameter():
     g = mlp_graph()
-    plan = build_plan(g, strategy(g, cfg((0, 1), sample=2)), 2)
-    assert all(not remote(e) for edges in plan.edges.values() for e in edges)
-    assert {(e.fqn, e.group) for e in plan.sync} == {
+    plan = lowered(g, strategy(g, cfg((0, 1), sample=2)), 2)
+    assert all(not step.moving and not step.ranks for step in plan.edges)
+    assert {(e.fqn, e.group) for e in entries(plan)} == {
         (f"fc{i}.{p}", (0, 1)) for i in range(2) for p in ("weight", "bias")}
-    # Gradients finish in reverse order: fc1's parameters are ready before fc0's.
-    assert [e.ready_after for e in plan.sync] == ["fc1", "fc1", "fc0", "fc0"]
-    assert plan.groups == ((0, 1),)
-    loss_edges = plan.edges["loss"]
-    assert not loss_edges[0].reduced and plan.loss_op == "loss"
+    # Both layers fit one 25 MiB bucket: one all-reduce, issued after fc0's backward (the last to finish).
+    (a,) = plan.all_reduces
+    assert a.group == (0, 1) and a.after == g.position("fc0")
+    assert a.nbytes == sum(p.nbytes for op in g for p in op.params.values())
+    assert plan.process_groups() == [(0, 1)]
+    assert plan.collectives() == [{"all_reduce": {"count": 1, "bytes": a.nbytes}}] * 2
+    # Small buckets: one per op, the later layer's first (its gradients finish first).
+    small = lowered(g, strategy(g, cfg((0, 1), sample=2)), 2, TrainSetup(bucket_mb=1e-4))
+    assert [a.after for a in small.all_reduces] == [g.position("fc1"), g.position("fc0")]
+    assert small.collectives()[0]["all_reduce"]["count"] == 2
 
 
 def test_partial_sums_into_a_sample_split_consumer_are_a_reduce_scatter():
@@ -91,44 +115,58 @@ def test_partial_sums_into_a_sample_split_consumer_are_a_reduce_scatter():
     g = mlp_graph()
     s = strategy(g, cfg((0, 1), sample=2), fc0=cfg((0, 1), out_features=2), relu0=cfg((0, 1), d1=2),
                  fc1=cfg((0, 1), in_features=2))
-    plan = build_plan(g, s, 2)
-    edge = plan.edges["loss"][0]
-    assert edge.reduced and edge.needs_grad
-    assert sorted((t.src, t.dst, t.region) for t in edge.transfers) == [
+    plan = lowered(g, s, 2)
+    edge = edge_into(plan, "loss")
+    assert edge.reduced and edge.grad
+    assert sorted((p, c, region) for p, c, _, region in edge.pieces) == [
         (0, 0, ((0, 4), (0, 16))), (0, 1, ((4, 8), (0, 16))),
         (1, 0, ((0, 4), (0, 16))), (1, 1, ((4, 8), (0, 16)))]
+    assert sorted(remote(plan, edge)) == [(0, 1), (1, 0)] and edge.ranks == (0, 1)
+    assert [(c, k) for c, k, _ in edge.sums] == [(0, 2), (1, 2)]
     # Megatron's pair: the column-parallel output feeds the row-parallel input without moving.
-    assert not remote(plan.edges["fc1"][0]) and not remote(plan.edges["relu0"][0])
-    # fc0 needs all rows of the input on both ranks: each rank reads them from the batch it holds.
-    assert plan.edges["fc0"][0].local and not remote(plan.edges["fc0"][0])
+    assert not edge_into(plan, "fc1").moving and not edge_into(plan, "relu0").moving
+    # fc0 reads the batch, which every rank holds: no edge at all.
+    assert plan.flow.slot_edges[g.position("fc0")] == [None]
     # Sharded weights are not synchronized; fc1's bias lives on the first in_features chunk only.
-    assert plan.sync == ()
-    assert plan.shards["fc1.bias"] == {((0, 16),): (0,)}
+    assert entries(plan) == [] and plan.all_reduces == ()
+    fc1 = plan.params[plan.flow.unit[g.position("fc1")]]
+    assert fc1.shards[("fc1.bias", ((0, 16),))] == (0,)
+    # one exchange each way on both ranks, of the 4x16 float32 rows each sends
+    assert plan.collectives() == [{"all_to_all": {"count": 2, "bytes": 2 * 4 * 16 * 4}}] * 2
 
 
 def test_model_parallel_plan_sends_one_activation_and_no_gradient_to_inputs():
     g = mlp_graph()
     s = strategy(g, cfg((0,)), fc1=cfg((1,)), loss=cfg((1,)), target=cfg((1,)))
-    plan = build_plan(g, s, 2)
-    moves = [(e.op, t.src, t.dst) for edges in plan.edges.values() for e in edges for t in remote(e)]
+    plan = lowered(g, s, 2)
+    moves = [(plan.flow.ops[plan.flow.edges[step.edge].dst].name, *pair)
+             for step in plan.edges for pair in remote(plan, step)]
     assert moves == [("fc1", 0, 1)]
-    assert not plan.edges["fc0"][0].needs_grad and plan.edges["fc1"][0].needs_grad
-    assert plan.sync == ()
+    assert plan.flow.grad_inputs[g.position("fc0")] == (False,)
+    assert plan.flow.grad_inputs[g.position("fc1")] == (True,)
+    assert entries(plan) == []
+    # forward and backward of the one moving edge, 8x32 float32 each way
+    assert plan.collectives() == [{"all_to_all": {"count": 2, "bytes": 8 * 32 * 4}}] * 2
 
 
 def test_overlapping_shards_of_one_parameter_sync_as_full_tensors():
-    """The same weight read whole by one part and row-split by another op's parts (tied weights)."""
+    """The same weight read whole by one part and row-split by another op's parts (tied weights): one
+    parameter unit, one full-size all-reduce over the union of the holders."""
     g = mlp_graph(sizes=(16, 16, 16))
     tied = [Operator(name=op.name, kind=op.kind, inputs=op.inputs, outputs=op.outputs, attrs=op.attrs,
                      params={k: ParamSpec(shape=p.shape, fqn=p.fqn.replace("fc1", "fc0"))
                              for k, p in op.params.items()})
             for op in g]
     g = OperatorGraph(tied, name="tied", batch_size=8)
-    s = strategy(g, cfg((0,)), fc1=cfg((0, 1), out_features=2))
-    plan = build_plan(g, s, 2)
-    entries = {e.fqn: e for e in plan.sync}
-    assert entries["fc0.weight"].region is None and entries["fc0.weight"].group == (0, 1)
-    assert entries["fc0.weight"].ready_after == "fc0"
+    plan = lowered(g, strategy(g, cfg((0,)), fc1=cfg((0, 1), out_features=2)), 2)
+    assert plan.flow.unit[g.position("fc0")] == plan.flow.unit[g.position("fc1")]
+    by_fqn = {e.fqn: e for e in entries(plan)}
+    assert by_fqn["fc0.weight"].region is None and by_fqn["fc0.weight"].group == (0, 1)
+    (a,) = plan.all_reduces
+    assert a.after == g.position("fc0") and a.nbytes == (16 * 16 + 16) * 4
+    # Device 0 holds the whole weight and its first half (two shards), device 1 the second half.
+    unit = plan.params[plan.flow.unit[g.position("fc0")]]
+    assert unit.update_bytes == {0: (16 * 16 + 16) * 4 * 3 // 2, 1: (16 * 16 + 16) * 4 // 2}
 
 
 def test_integer_inputs_draw_below_the_smallest_table_they_feed():
@@ -155,15 +193,18 @@ def test_integer_inputs_draw_below_the_smallest_table_they_feed():
     assert not torch.equal(a[0], synthetic_batch(example, step=2, seed=0, highs={0: 50, 1: 8})[0])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_single_process_interpreter_equals_plain_pytorch(optimizer):
+@pytest.mark.parametrize("setup", [TrainSetup(lr=0.05, momentum=0.0), TrainSetup(lr=0.05),
+                                   TrainSetup(lr=0.05, optimizer="adamw", weight_decay=0.1)],
+                         ids=["sgd", "momentum", "adamw"])
+def test_single_process_interpreter_equals_plain_pytorch(setup):
     g = mlp_graph()
     s = {op.name: {"degrees": {}, "devices": [0]} for op in g}
     result = train_rank(0, 1, build=build_hand_mlp, graph=g.to_dict(), strategy=s,
-                        options=TrainOptions(steps=3, lr=0.05, optimizer=optimizer, verify=True))
+                        options=TrainOptions(steps=3, setup=setup, verify=True))
     v = result["verify"]
     assert v["max_loss_rel_diff"] == 0.0 and v["max_param_rel_diff"] == 0.0, v
     assert len(result["losses"]) == 3
+    assert result["collectives"] == [{}]
 
 
 def test_gradient_sync_groups_are_exactly_the_holders():
@@ -172,17 +213,19 @@ def test_gradient_sync_groups_are_exactly_the_holders():
     g = mlp_graph()
     s = strategy(g, cfg((0, 1, 2, 3), sample=4), fc0=cfg((1, 2), sample=2), relu0=cfg((1, 2), sample=2),
                  fc1=cfg((3, 0), sample=2))
-    plan = build_plan(g, s, 4)
-    assert {e.fqn: e.group for e in plan.sync} == {"fc0.weight": (1, 2), "fc0.bias": (1, 2),
-                                                   "fc1.weight": (0, 3), "fc1.bias": (0, 3)}
-    assert plan.groups == ((0, 3), (1, 2))
+    plan = lowered(g, s, 4)
+    assert {e.fqn: e.group for e in entries(plan)} == {"fc0.weight": (1, 2), "fc0.bias": (1, 2),
+                                                      "fc1.weight": (0, 3), "fc1.bias": (0, 3)}
+    assert {a.group for a in plan.all_reduces} == {(0, 3), (1, 2)}
+    assert (0, 3) in plan.process_groups() and (1, 2) in plan.process_groups()
 
 
-def test_grad_sync_launches_buckets_during_backward_and_writes_sums_back(monkeypatch):
-    """A bucket is launched (asynchronously) as soon as it is full, before `finish`; a bucket of one
-    gradient is reduced in place, a larger one through a flat buffer; `finish` writes the sums back."""
+def test_grad_sync_launches_all_reduces_after_their_last_op_and_writes_sums_back(monkeypatch):
+    """An all-reduce is launched (asynchronously) once the backward of its `after` op is done, before
+    `finish`; one of a single gradient is reduced in place, a larger one through a flat buffer; `finish`
+    writes the sums back; every launch is logged with its bytes."""
     from runtime import collectives
-    from runtime.plan import SyncEntry
+    from soap.lowering import AllReduce, SyncEntry
 
     launched = []
 
@@ -198,24 +241,28 @@ def test_grad_sync_launches_buckets_during_backward_and_writes_sums_back(monkeyp
         return Work(t)
 
     monkeypatch.setattr(collectives.dist, "all_reduce", all_reduce)
-    entries = [SyncEntry(fqn=f, region=((0, n),), group=(0, 1), ready_after=op, numel=n, dtype="float32")
-               for f, n, op in [("big", 300, "fc1"), ("a", 10, "fc0"), ("b", 20, "fc0")]]
-    grads = {e.fqn: torch.full((e.numel,), 1.0) for e in entries}
+    big = SyncEntry("big", ((0, 300),), (0, 1), 0, 300, 1200, ((5, 0),))
+    a = SyncEntry("a", ((0, 10),), (0, 1), 1, 10, 40, ((3, 0),))
+    b = SyncEntry("b", ((0, 20),), (0, 1), 1, 20, 80, ((2, 0),))
+    plan = [AllReduce(0, (0, 1), (big,)), AllReduce(1, (0, 1), (a, b))]
+    grads = {e.fqn: torch.full((e.numel,), 1.0) for e in (big, a, b)}
     out = {}
-    sync = collectives.GradSync(entries, rank=0, groups={(0, 1): "G"}, bucket_bytes=1000,
-                                grad_of=lambda e: grads[e.fqn], set_grad=lambda e, v: out.__setitem__(e.fqn, v))
-    sync.ready("fc1")
-    assert launched == [(300, "G")]  # 1200 bytes: launched at once, overlapping the rest of backward
-    sync.ready("fc0")
-    assert launched == [(300, "G")]  # 120 bytes: waits for more
+    log = collectives.CollectiveLog()
+    sync = collectives.GradSync(plan, rank=0, groups={(0, 1): "G"}, grad_of=lambda e: grads[e.fqn],
+                                set_grad=lambda e, v: out.__setitem__(e.fqn, v), log=log)
+    sync.ready(5)
+    assert launched == [(300, "G")]  # launched at once, overlapping the rest of backward
+    sync.ready(3)
+    assert launched == [(300, "G")]  # its bucket ends at op 2
+    sync.ready(2)
     sync.finish()
     assert launched == [(300, "G"), (30, "G")]
     assert out["big"] is grads["big"] and torch.equal(out["big"], torch.full((300,), 2.0))
     assert torch.equal(out["a"], torch.full((10,), 2.0)) and torch.equal(out["b"], torch.full((20,), 2.0))
+    assert log.snapshot() == {"all_reduce": {"count": 2, "bytes": 1320}}
     # A rank outside the group takes no part.
-    other = collectives.GradSync(entries, rank=2, groups={(0, 1): None}, bucket_bytes=1, grad_of=None,
-                                 set_grad=None)
-    other.ready("fc1")
-    other.ready("fc0")
+    other = collectives.GradSync(plan, rank=2, groups={(0, 1): None}, grad_of=None, set_grad=None, log=log)
+    for op in (5, 3, 2):
+        other.ready(op)
     other.finish()
     assert len(launched) == 2

@@ -1,0 +1,623 @@
+"""The lowering: (graph, strategy, setup) -> `StepPlan`, everything one training step does.
+
+Owns `GradFlow` (what a step needs to know about the graph whatever the strategy: which ops run a
+backward, which edges carry a gradient, which ops share parameters, the gradient buckets), the per-piece
+lowerings `OpStep`, `EdgeStep` and `ParamStep`, the step-wide `AllReduce` and `StepPlan`, and the
+functions `lower_op`, `lower_edge`, `lower_params` and `lower`. The simulator times a plan's pieces
+(re-lowering only the pieces one op's change touches, in delta simulation); the runtime executes the
+plan. Neither derives communication on its own, so what is simulated is what runs.
+
+The rules, each stated once:
+
+- **Gradient flow.** An op *requires* a gradient when it has parameters or reads a floating tensor from
+  an op that requires one (sources, `OpDef.everywhere`, never do). It *runs backward* when it requires a
+  gradient and it is the loss (the last op) or a consumer that runs backward reads one of its floating
+  outputs. An edge carries a gradient when its consumer runs backward, its producer requires a gradient
+  and the tensor is floating point. A part's backward computes the gradients of exactly the inputs whose
+  edges carry one (`GradFlow.grad_inputs`).
+- **Exchanges.** For every edge (producer output -> consumer input) each consumer part reads the pieces
+  of its input region from the producer parts that hold them: from every part when the producer holds
+  partial sums (they are added, a gather-then-add: `EdgeStep.sums`), else from one part per piece (a
+  replica on the same device first). Pieces between parts on one device are local. All the pieces of one
+  edge that cross devices in one pass are ONE exchange among the devices that send or receive them (one
+  all-to-all in the runtime, one exchange task in the simulator). Backward sends each piece's gradient
+  back to the part it came from, again one exchange per edge; where a producer part receives overlapping
+  gradients they are added (`EdgeStep.grad_sums`). Edges from sources make nothing: every device holds
+  the batch and the buffers.
+- **Gradient synchronization.** Parameters are identified by their fully qualified name, so ops that share
+  a weight share its shards: a device holds each (parameter, region) once. A shard held on several
+  devices is all-reduced over exactly those devices (when a parameter's shards overlap without being
+  equal, the whole parameter is all-reduced over the union of their devices). Ops that share parameters
+  form one *parameter unit* (`GradFlow.units`), lowered together (`lower_params`).
+- **Buckets.** Parameters enter buckets in backward order (a parameter when its first user in forward
+  order, whose backward finishes its gradient, is reached; an op's parameters all go into the bucket
+  that is open when it is reached), `TrainSetup.bucket_bytes` of full-size parameters per bucket whatever
+  the strategy, so that changing one op's config touches only its own bucket. One all-reduce per
+  (bucket, device group), issued once the backward of its lowest-placed member op is done
+  (`AllReduce.after`).
+- **Optimizer.** Each device updates each shard it holds once, after its all-reduce; it keeps the
+  parameter, its gradient and `TrainSetup.optimizer_state_copies` state tensors of the shard's size.
+
+Memory of a device (an upper bound, no liveness analysis): the outputs of its parts and the batch regions
+they read (activations kept for backward), the input pieces it receives and its partial-sum buffers, and
+the parameters, gradients and optimizer state of its shards.
+
+Regions are in global tensor coordinates, half-open; device `d` is rank `d` of the runtime. Pure Python
+with numpy: must not import torch, the simulator, the search or the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from soap.config import ParallelConfig, parts
+from soap.graph import DTYPE_BYTES, OperatorGraph, TensorRef
+from soap.opdef import Region, intersect, region_numel
+from soap.registry import op_def
+from soap.setup import TrainSetup
+from soap.strategy import Strategy
+
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+# The kinds of collective a step issues, as `StepPlan.collectives` and the runtime report them.
+ALL_TO_ALL = "all_to_all"
+ALL_REDUCE = "all_reduce"
+
+
+class Edge:
+    """One use of output `out` of op `src` by input `slot` of op `dst` (op positions in the graph).
+
+    `use` numbers the uses of `src`'s outputs (the graph's consumer order); `grad` says a gradient flows
+    back along it; `elem` is the tensor's element size in bytes."""
+
+    __slots__ = ("id", "src", "out", "dst", "slot", "use", "grad", "elem", "ref")
+
+    def __init__(self, id: int, src: int, out: int, dst: int, slot: int, use: int, grad: bool, elem: int,
+                 ref: TensorRef):
+        self.id, self.src, self.out, self.dst, self.slot, self.use = id, src, out, dst, slot, use
+        self.grad, self.elem, self.ref = grad, elem, ref
+
+
+class GradFlow:
+    """What a step needs to know about a graph whatever the strategy (the module docstring's rules).
+
+    Per op position i: `everywhere[i]`, `requires_grad[i]`, `needs_bwd[i]`, `grad_inputs[i]` (one flag per
+    input), `in_edges[i]` and `out_edges[i]` (edge ids; edges from sources are not edges),
+    `slot_edges[i]` (per input slot its edge id, None for a source), `unit[i]`
+    (its parameter unit, -1 without parameters). Per unit u: `units[u]` (op positions, ascending),
+    `unit_fqns[u]` (its parameters), `unit_first[u]` (its lowest op position). Per parameter fqn:
+    `param_bucket[fqn]` (None when it gets no gradient) and `first_user[fqn]`. Per bucket b:
+    `bucket_first_op[b]` (the lowest first-user position in it: its backward ends the bucket).
+    """
+
+    def __init__(self, graph: OperatorGraph, setup: TrainSetup):
+        self.graph = graph
+        self.setup = setup
+        ops = self.ops = graph.ops
+        n = self.num_ops = len(ops)
+        self.index = {op.name: i for i, op in enumerate(ops)}
+        self.everywhere = [op_def(op.kind).everywhere for op in ops]
+        tensor_float = [[spec.dtype in FLOAT_DTYPES for spec in op.outputs] for op in ops]
+        requires = [False] * n
+        for i, op in enumerate(ops):
+            if not self.everywhere[i]:
+                requires[i] = bool(op.params) or any(
+                    requires[self.index[r.op]] and tensor_float[self.index[r.op]][r.index] for r in op.inputs)
+        self.requires_grad = requires
+        uses = {op.name: graph.consumers(op.name) for op in ops}
+        needs = [False] * n
+        for i in range(n - 1, -1, -1):
+            if requires[i]:
+                needs[i] = i == n - 1 or any(needs[self.index[c]] and tensor_float[i][o]
+                                             for c, _, o in uses[ops[i].name])
+        self.needs_bwd = needs
+        self.edges: list[Edge] = []
+        self.in_edges: list[list[int]] = [[] for _ in range(n)]
+        self.out_edges: list[list[int]] = [[] for _ in range(n)]
+        grad_inputs = []
+        self.slot_edges: list[list[int | None]] = []
+        for k, op in enumerate(ops):
+            flags = []
+            self.slot_edges.append([])
+            for slot, ref in enumerate(op.inputs):
+                j = self.index[ref.op]
+                grad = needs[k] and requires[j] and tensor_float[j][ref.index]
+                flags.append(grad)
+                if self.everywhere[j]:
+                    self.slot_edges[k].append(None)
+                    continue  # sources exist on every device: no transfer, no dependency
+                use = uses[ref.op].index((op.name, slot, ref.index))
+                e = Edge(len(self.edges), j, ref.index, k, slot, use, grad,
+                         DTYPE_BYTES[ops[j].outputs[ref.index].dtype], ref)
+                self.edges.append(e)
+                self.slot_edges[k].append(e.id)
+                self.in_edges[k].append(e.id)
+                self.out_edges[j].append(e.id)
+            grad_inputs.append(tuple(flags))
+        self.grad_inputs = grad_inputs
+        self._units(ops)
+        self._buckets(setup.bucket_bytes)
+
+    def _units(self, ops) -> None:
+        """Parameter units: connected components of ops that share a parameter (union-find)."""
+        parent = list(range(len(ops)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        owner: dict[str, int] = {}
+        self.param_bytes: dict[str, int] = {}
+        self.first_user: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            for spec in op.params.values():
+                self.param_bytes[spec.fqn] = spec.nbytes
+                self.first_user.setdefault(spec.fqn, i)
+                if spec.fqn in owner:
+                    a, b = find(owner[spec.fqn]), find(i)
+                    parent[max(a, b)] = min(a, b)
+                else:
+                    owner[spec.fqn] = i
+        roots: dict[int, int] = {}
+        self.unit = [-1] * len(ops)
+        self.units: list[tuple[int, ...]] = []
+        for i, op in enumerate(ops):
+            if op.params:
+                r = find(i)
+                if r not in roots:
+                    roots[r] = len(self.units)
+                    self.units.append(())
+                u = self.unit[i] = roots[r]
+                self.units[u] = (*self.units[u], i)
+        self.unit_first = [members[0] for members in self.units]
+        self.unit_fqns = [tuple(dict.fromkeys(p.fqn for i in members for p in ops[i].params.values()))
+                          for members in self.units]
+
+    def _buckets(self, cap: int) -> None:
+        users: dict[str, list[int]] = {}
+        for i, op in enumerate(self.ops):
+            for spec in op.params.values():
+                users.setdefault(spec.fqn, []).append(i)
+        self.param_bucket: dict[str, int | None] = {}
+        first_op: list[int] = []
+        filled = 0
+        for i in range(self.num_ops - 1, -1, -1):
+            mine = [f for f in dict.fromkeys(p.fqn for p in self.ops[i].params.values()) if self.first_user[f] == i]
+            # no gradient reaches a parameter none of whose users runs backward: nothing to synchronize
+            live = [f for f in mine if any(self.needs_bwd[u] for u in users[f])]
+            self.param_bucket.update(dict.fromkeys(mine))
+            if not live:
+                continue
+            # an op's parameters go into one bucket, so each bucket's lowest op is its own
+            b = filled // cap
+            while len(first_op) <= b:
+                first_op.append(i)
+            first_op[b] = i
+            for f in live:
+                self.param_bucket[f] = b
+                filled += self.param_bytes[f]
+        self.bucket_first_op = first_op
+
+
+def _regions(rows: list, num_parts: int, ndim: int) -> np.ndarray:
+    return np.asarray(rows, dtype=np.int64).reshape(num_parts, ndim, 2)
+
+
+def _overlap_matrix(regions: np.ndarray) -> np.ndarray:
+    """(P, P) bool: do the regions of parts p1 != p2 overlap (diagonal False)."""
+    lo = np.maximum(regions[:, None, :, 0], regions[None, :, :, 0])
+    hi = np.minimum(regions[:, None, :, 1], regions[None, :, :, 1])
+    nonempty = (regions[:, :, 1] > regions[:, :, 0]).all(axis=1)
+    out = (hi > lo).all(axis=2) & nonempty[:, None] & nonempty[None, :]
+    np.fill_diagonal(out, False)
+    return out
+
+
+class OpStep:
+    """One op under one config: its parts and what each reads and holds.
+
+    `devices[c]` and `boxes[c]` per part c; `out_regions[o]` and `in_regions[s]` are (parts, axes, 2)
+    arrays of output o's and input slot s's regions (an input a part does not read is an empty region;
+    `reads[s][c]` is its region or None); `reduced`: the parts hold partial sums; `runs_bwd`: the parts
+    run a backward; `activation_bytes[c]`: what part c keeps for backward (its outputs and the batch
+    regions it reads).
+    """
+
+    __slots__ = ("op", "devices", "boxes", "out_regions", "in_regions", "reads", "reduced", "runs_bwd",
+                 "activation_bytes", "_in_overlap", "_out_overlap")
+
+    def __init__(self) -> None:
+        self._in_overlap: dict[int, np.ndarray] = {}
+        self._out_overlap: dict[int, bool] = {}
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.devices)
+
+    def input_overlap(self, slot: int) -> np.ndarray:
+        """(P, P) bool: do parts' regions of input `slot` overlap."""
+        found = self._in_overlap.get(slot)
+        if found is None:
+            found = self._in_overlap[slot] = _overlap_matrix(self.in_regions[slot])
+        return found
+
+    def outputs_overlap(self, index: int) -> bool:
+        """Whether two parts' regions of output `index` overlap (replicas, or partial sums)."""
+        found = self._out_overlap.get(index)
+        if found is None:
+            found = self._out_overlap[index] = bool(_overlap_matrix(self.out_regions[index]).any())
+        return found
+
+    def part_on(self, device: int) -> int | None:
+        """The part that runs on `device`, if any (a config's devices are distinct)."""
+        for c, d in enumerate(self.devices):
+            if d == device:
+                return c
+        return None
+
+
+def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig) -> OpStep:
+    op = flow.ops[i]
+    entry = op_def(op.kind)
+    step = OpStep()
+    step.op = i
+    boxes_devices = parts(op, cfg)
+    boxes = step.boxes = tuple(b for b, _ in boxes_devices)
+    step.devices = cfg.devices
+    n = len(boxes)
+    step.out_regions = [_regions([entry.output_region(op, b, o) for b in boxes], n, spec.ndim)
+                        for o, spec in enumerate(op.outputs)]
+    slots = len(op.inputs)
+    reads: list[list[Region | None]] = [[] for _ in range(slots)]
+    rows: list[list] = [[] for _ in range(slots)]
+    for b in boxes:
+        regions = entry.input_regions(op, b)
+        for s in range(slots):
+            r = regions[s] if s < len(regions) else None
+            r = None if r is None else tuple((int(lo), int(hi)) for lo, hi in r)
+            ndim = len(op.attrs["input_shapes"][s]) if "input_shapes" in op.attrs else len(r or ())
+            reads[s].append(r)
+            rows[s].append(r if r is not None else ((0, 0),) * ndim)
+    step.reads = tuple(tuple(r) for r in reads)
+    step.in_regions = [_regions(rows[s], n, len(rows[s][0]) if rows[s] else 0) for s in range(slots)]
+    flags = [entry.reduced(op, b) for b in boxes]
+    assert all(flags) == any(flags), f"{op.name}: some parts hold partial sums and some do not"
+    step.reduced = flags[0] if flags else False
+    step.runs_bwd = flow.needs_bwd[i]
+    act = [0] * n
+    if not flow.everywhere[i]:
+        for c, b in enumerate(boxes):
+            act[c] = sum(region_numel(entry.output_region(op, b, o)) * DTYPE_BYTES[spec.dtype]
+                         for o, spec in enumerate(op.outputs))
+        for s, ref in enumerate(op.inputs):
+            # The batch moves nothing, but each device's loader holds what it reads.
+            src = flow.ops[flow.index[ref.op]]
+            if src.kind == "input":
+                itemsize = DTYPE_BYTES[src.outputs[ref.index].dtype]
+                for c, r in enumerate(rows[s]):
+                    act[c] += region_numel(r) * itemsize
+    step.activation_bytes = tuple(act)
+    return step
+
+
+class EdgeStep:
+    """One edge under (producer config, consumer config).
+
+    `pieces`: (producer part, consumer part, bytes, region) for every piece a consumer part reads (local
+    and moving alike; region in the tensor's global coordinates). `moving` lists the pieces that cross
+    devices, as indices into `pieces`; `ranks` is the sorted set of devices of the edge's exchange
+    (empty: nothing moves). `sums` lists (consumer part, contributions, bytes of its input region) where a
+    consumer adds two or more partial sums; `grad_sums` (producer part, contributions, bytes of its output
+    region) where a producer part adds overlapping gradients. `recv_bytes` maps a device to the bytes it
+    receives and adds up (memory); `moved_bytes` counts bytes crossing devices, both passes.
+    """
+
+    __slots__ = ("edge", "pieces", "moving", "ranks", "sums", "grad_sums", "recv_bytes", "moved_bytes",
+                 "reduced", "grad")
+
+
+def _piece_pairs(prod: OpStep, cons: OpStep, out: np.ndarray, inp: np.ndarray, same: bool
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (producer part, consumer part) whose regions intersect: part arrays, lo and hi arrays."""
+    if same:
+        k = np.arange(cons.num_parts)
+        nonempty = (inp[:, :, 1] > inp[:, :, 0]).all(axis=1) if inp.shape[1] else np.ones(len(k), bool)
+        k = k[nonempty]
+        return k, k, inp[k, :, 0], inp[k, :, 1]
+    lo = np.maximum(out[:, None, :, 0], inp[None, :, :, 0])
+    hi = np.minimum(out[:, None, :, 1], inp[None, :, :, 1])
+    hit = (hi > lo).all(axis=2)
+    if inp.shape[1]:
+        hit &= (inp[None, :, :, 1] > inp[None, :, :, 0]).all(axis=2)
+    ps, cs = np.nonzero(hit)
+    return ps, cs, lo[ps, cs], hi[ps, cs]
+
+
+def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep) -> EdgeStep:
+    edge = flow.edges[eid]
+    out = prod.out_regions[edge.out]
+    inp = cons.in_regions[edge.slot]
+    step = EdgeStep()
+    step.edge = eid
+    step.reduced = prod.reduced
+    step.grad = edge.grad
+    pdev, cdev = prod.devices, cons.devices
+    same = pdev == cdev and out.shape == inp.shape and np.array_equal(out, inp)
+    ps, cs, lo, hi = _piece_pairs(prod, cons, out, inp, same)
+    numel = (hi - lo).prod(axis=1) if lo.shape[1] else np.ones(len(ps), np.int64)
+    ps_l, cs_l, numel_l = ps.tolist(), cs.tolist(), numel.tolist()
+    regions = [tuple(zip(a, b, strict=True)) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]
+    keep = range(len(ps_l))
+    if not prod.reduced and not same and prod.outputs_overlap(edge.out):
+        # Identical pieces of a value several parts hold (replicas, not partial sums): read one, a local
+        # replica first. Its gradient goes back to that replica only; the replicas' other contributions
+        # meet in the parameter all-reduce and the input gradients.
+        chosen: dict[tuple[int, Region], int] = {}
+        for k in keep:
+            key = (cs_l[k], regions[k])
+            j = chosen.get(key)
+            if j is None or (pdev[ps_l[k]] == cdev[cs_l[k]] and pdev[ps_l[j]] != cdev[cs_l[j]]):
+                chosen[key] = k
+        keep = sorted(chosen.values())
+    elem = edge.elem
+    step.pieces = tuple((ps_l[k], cs_l[k], numel_l[k] * elem, regions[k]) for k in keep)
+    if not prod.reduced:
+        covered = [0] * cons.num_parts
+        for _, c, nbytes, _ in step.pieces:
+            covered[c] += nbytes
+        want = np.clip(inp[:, :, 1] - inp[:, :, 0], 0, None).prod(axis=1) * elem if inp.shape[1] else None
+        assert want is None or covered == want.tolist(), (
+            f"{flow.ops[edge.dst].name} input {edge.slot}: producer parts cover {covered} bytes of {want.tolist()}")
+    step.moving = tuple(k for k, (p, c, _, _) in enumerate(step.pieces) if pdev[p] != cdev[c])
+    recv: dict[int, int] = {}
+    ranks: set[int] = set()
+    moved = 0
+    for k in step.moving:
+        p, c, nbytes, _ = step.pieces[k]
+        ranks.add(pdev[p])
+        ranks.add(cdev[c])
+        recv[cdev[c]] = recv.get(cdev[c], 0) + nbytes
+        moved += nbytes
+    step.ranks = tuple(sorted(ranks))
+    sums = []
+    if prod.reduced:
+        counts: dict[int, int] = {}
+        for _, c, _, _ in step.pieces:
+            counts[c] = counts.get(c, 0) + 1
+        inp_bytes = (np.clip(inp[:, :, 1] - inp[:, :, 0], 0, None).prod(axis=1) * elem).tolist()
+        for c in sorted(counts):
+            if counts[c] >= 2:
+                sums.append((c, counts[c], inp_bytes[c]))
+                recv[cdev[c]] = recv.get(cdev[c], 0) + inp_bytes[c]
+    step.sums = tuple(sums)
+    grad_sums = []
+    if edge.grad:
+        moved *= 2
+        senders: dict[int, list[int]] = {}
+        for p, c, _, _ in step.pieces:
+            senders.setdefault(p, []).append(c)
+        multi = [p for p in sorted(senders) if len(senders[p]) >= 2]
+        if multi:
+            overlap = cons.input_overlap(edge.slot)
+            out_bytes = (np.clip(out[:, :, 1] - out[:, :, 0], 0, None).prod(axis=1) * elem).tolist()
+            for p in multi:
+                cs_p = senders[p]
+                if overlap[np.ix_(cs_p, cs_p)].any():
+                    grad_sums.append((p, len(cs_p), out_bytes[p]))
+    step.grad_sums = tuple(grad_sums)
+    step.recv_bytes = recv
+    step.moved_bytes = moved
+    return step
+
+
+class SyncEntry:
+    """A parameter gradient to all-reduce: shard `region` of `fqn` (None: the whole parameter, its shards
+    overlapping without being equal) over the sorted devices `group`, in bucket `bucket`. `holders` are
+    the (op position, part) pairs whose backward contributes to it."""
+
+    __slots__ = ("fqn", "region", "group", "bucket", "numel", "nbytes", "holders")
+
+    def __init__(self, fqn: str, region: Region | None, group: tuple[int, ...], bucket: int, numel: int,
+                 nbytes: int, holders: tuple[tuple[int, int], ...]):
+        self.fqn, self.region, self.group, self.bucket = fqn, region, group, bucket
+        self.numel, self.nbytes, self.holders = numel, nbytes, holders
+
+
+class ParamStep:
+    """The parameters of one unit under its ops' configs.
+
+    `shards[(fqn, region)]`: the sorted devices holding it; `sync`: the `SyncEntry`s (groups of two or
+    more devices, or an overlap to add up); `update_bytes[d]`: bytes of shards device d updates (shards
+    that get a gradient); `memory_bytes[d]`: parameters, gradients and optimizer state it keeps.
+    """
+
+    __slots__ = ("unit", "shards", "sync", "update_bytes", "memory_bytes")
+
+
+def _pairwise_equal_or_disjoint(regions: Sequence[Region]) -> bool:
+    return all(a == b or intersect(a, b) is None for i, a in enumerate(regions) for b in regions[i + 1:])
+
+
+def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> ParamStep:
+    """Lower unit `unit`'s parameters from its ops' `OpStep`s (`steps[i]` for every op i of the unit)."""
+    out = ParamStep()
+    out.unit = unit
+    holders: dict[tuple[str, Region], list[tuple[int, int]]] = {}
+    devices: dict[tuple[str, Region], set[int]] = {}
+    specs = {}
+    for i in flow.units[unit]:
+        op = flow.ops[i]
+        entry = op_def(op.kind)
+        step = steps[i]
+        for c, (b, d) in enumerate(zip(step.boxes, step.devices, strict=True)):
+            for name, region in entry.param_regions(op, b).items():
+                spec = op.params[name]
+                specs[spec.fqn] = spec
+                key = (spec.fqn, tuple((int(lo), int(hi)) for lo, hi in region))
+                holders.setdefault(key, []).append((i, c))
+                devices.setdefault(key, set()).add(d)
+    out.shards = {k: tuple(sorted(v)) for k, v in sorted(devices.items())}
+    copies = flow.setup.optimizer_state_copies
+    update: dict[int, int] = {}
+    memory: dict[int, int] = {}
+    sync: list[SyncEntry] = []
+    for fqn in flow.unit_fqns[unit]:
+        spec = specs[fqn]
+        keys = [k for k in out.shards if k[0] == fqn]
+        bucket = flow.param_bucket[fqn]
+        itemsize = DTYPE_BYTES[spec.dtype]
+        for key in keys:
+            nbytes = region_numel(key[1]) * itemsize
+            for d in out.shards[key]:
+                memory[d] = memory.get(d, 0) + nbytes * (1 + (0 if bucket is None else 1 + copies))
+                if bucket is not None:
+                    update[d] = update.get(d, 0) + nbytes
+        if bucket is None:
+            continue
+        regions = [k[1] for k in keys]
+        if _pairwise_equal_or_disjoint(regions):
+            for key in keys:
+                group = out.shards[key]
+                if len(group) > 1:
+                    numel = region_numel(key[1])
+                    sync.append(SyncEntry(fqn, key[1], group, bucket, numel, numel * itemsize,
+                                          tuple(sorted(holders[key]))))
+        else:
+            # Overlapping shards (a tied weight read whole by one op and split by another): every holder
+            # contributes a full-size gradient, even two shards on one device must see each other's.
+            group = tuple(sorted(set().union(*(set(out.shards[k]) for k in keys))))
+            numel = spec.numel
+            sync.append(SyncEntry(fqn, None, group, bucket, numel, numel * itemsize,
+                                  tuple(sorted({h for k in keys for h in holders[k]}))))
+    out.sync = tuple(sync)
+    out.update_bytes = update
+    out.memory_bytes = memory
+    return out
+
+
+class AllReduce:
+    """One all-reduce of a step: the `entries` of bucket `bucket` over devices `group`, `nbytes` in all,
+    issued once the backward of op position `after` (the lowest-placed op holding any of them) is done."""
+
+    __slots__ = ("bucket", "group", "entries", "nbytes", "after")
+
+    def __init__(self, bucket: int, group: tuple[int, ...], entries: tuple[SyncEntry, ...]):
+        self.bucket, self.group, self.entries = bucket, group, entries
+        self.nbytes = sum(e.nbytes for e in entries)
+        self.after = min(i for e in entries for i, _ in e.holders)
+
+
+def all_reduces(entries: Sequence[SyncEntry]) -> list[AllReduce]:
+    """The step's all-reduces from its sync entries, in the order every member issues them: by the
+    backward walk (descending `after`), then bucket, then group. An entry over one device (an overlap on
+    one device) is an all-reduce over one device: no collective, its sum is local."""
+    grouped: dict[tuple[int, tuple[int, ...]], list[SyncEntry]] = {}
+    for e in entries:
+        grouped.setdefault((e.bucket, e.group), []).append(e)
+    out = [AllReduce(b, g, tuple(es)) for (b, g), es in grouped.items()]
+    out.sort(key=lambda a: (-a.after, a.bucket, a.group))
+    return out
+
+
+class StepPlan:
+    """Everything one training step does, for every device (see the module docstring).
+
+    `ops[i]`, `edges[e]`, `params[u]` are the lowerings of op position i, edge id e and parameter unit u;
+    `all_reduces` the step's gradient all-reduces in issue order.
+    """
+
+    def __init__(self, flow: GradFlow, strategy: Strategy, num_devices: int, ops: Sequence[OpStep],
+                 edges: Sequence[EdgeStep], params: Sequence[ParamStep]):
+        self.flow = flow
+        self.graph = flow.graph
+        self.setup = flow.setup
+        self.strategy = strategy
+        self.num_devices = num_devices
+        self.ops = tuple(ops)
+        self.edges = tuple(edges)
+        self.params = tuple(params)
+        self.all_reduces = tuple(all_reduces([e for p in self.params for e in p.sync]))
+        self.loss_op = self.graph.ops[-1].name
+
+    def op(self, name: str) -> OpStep:
+        return self.ops[self.flow.index[name]]
+
+    def exchange_groups(self) -> set[tuple[int, ...]]:
+        """The device sets of every exchange (forward, and backward where the edge carries a gradient)."""
+        return {step.ranks for step in self.edges if step.ranks}
+
+    def process_groups(self) -> list[tuple[int, ...]]:
+        """Every device set a collective runs within, sorted: the runtime creates one group each."""
+        groups = self.exchange_groups() | {a.group for a in self.all_reduces if len(a.group) > 1}
+        return sorted(groups)
+
+    def collectives(self) -> list[dict[str, dict[str, int]]]:
+        """Per device, per kind, the count and bytes of the collectives one step issues.
+
+        ``all_to_all``: one per exchange a device takes part in, bytes it sends to other devices;
+        ``all_reduce``: one per all-reduce over two or more devices, bytes of the buffer reduced."""
+        out: list[dict[str, dict[str, int]]] = [{} for _ in range(self.num_devices)]
+
+        def add(device: int, kind: str, nbytes: int) -> None:
+            slot = out[device].setdefault(kind, {"count": 0, "bytes": 0})
+            slot["count"] += 1
+            slot["bytes"] += nbytes
+
+        for step in self.edges:
+            if not step.ranks:
+                continue
+            prod = self.ops[self.flow.edges[step.edge].src]
+            cons = self.ops[self.flow.edges[step.edge].dst]
+            # (devices of the sending parts, which end of a piece sends) per pass
+            passes = [(prod.devices, 0)] + ([(cons.devices, 1)] if step.grad else [])
+            for src_dev, si in passes:
+                sent = dict.fromkeys(step.ranks, 0)
+                for k in step.moving:
+                    piece = step.pieces[k]
+                    sent[src_dev[piece[si]]] += piece[2]
+                for d in step.ranks:
+                    add(d, ALL_TO_ALL, sent[d])
+        for a in self.all_reduces:
+            if len(a.group) > 1:
+                for d in a.group:
+                    add(d, ALL_REDUCE, a.nbytes)
+        return out
+
+    def memory_bytes(self) -> list[int]:
+        """Per device, the step's memory (module docstring: an upper bound)."""
+        mem = [0] * self.num_devices
+        for step in self.ops:
+            for d, nbytes in zip(step.devices, step.activation_bytes, strict=True):
+                mem[d] += nbytes
+        for step in self.edges:
+            for d, nbytes in step.recv_bytes.items():
+                mem[d] += nbytes
+        for step in self.params:
+            for d, nbytes in step.memory_bytes.items():
+                mem[d] += nbytes
+        return mem
+
+
+def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devices: int, *,
+          flow: GradFlow | None = None) -> StepPlan:
+    """The `StepPlan` of one step of `graph` under `strategy` (already validated) on `num_devices`.
+
+    `flow` may pass a `GradFlow` of the same graph and setup already built."""
+    if flow is None:
+        flow = GradFlow(graph, setup)
+    assert flow.graph is graph and flow.setup == setup
+    loss = graph.ops[-1]
+    assert loss.outputs[0].numel == 1, f"the last op {loss.name!r} must be the scalar loss"
+    ops = [lower_op(flow, i, strategy[op.name]) for i, op in enumerate(graph.ops)]
+    edges = [lower_edge(flow, e.id, ops[e.src], ops[e.dst]) for e in flow.edges]
+    params = [lower_params(flow, u, {i: ops[i] for i in members}) for u, members in enumerate(flow.units)]
+    return StepPlan(flow, strategy, num_devices, ops, edges, params)
+
+
+__all__ = ["ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow", "OpStep",
+           "ParamStep", "StepPlan", "SyncEntry", "all_reduces", "lower", "lower_edge", "lower_op",
+           "lower_params"]

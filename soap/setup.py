@@ -1,0 +1,89 @@
+"""`TrainSetup`: the training options one step depends on, as one frozen value.
+
+The lowering (`soap.lowering`), the simulator and the runtime all read the same `TrainSetup`; none of
+them keeps a default of its own for these options. The command line builds it (`--optimizer`, `--lr`,
+`--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`), and a strategy file records the setup it was
+found for.
+
+- `optimizer`: ``sgd`` (torch.optim.SGD with `momentum`; one state tensor per parameter when momentum is
+  non-zero, none otherwise) or ``adamw`` (torch.optim.AdamW: two state tensors per parameter, the first
+  and second moments).
+- `precision`: the compute dtype. Only ``fp32`` executes today; the field is here so that mixed
+  precision (bf16/fp16 compute with fp32 master weights and fp32 gradient reduction) can be added to the
+  lowering without another option path.
+- `bucket_mb`: gradient all-reduce bucket size in MiB, counted over full-size parameters in backward
+  order (the lowering's bucket rule, `soap.lowering.GradFlow`): DDP's 25 MiB by default.
+
+Pure Python: must not import torch, the simulator, the search or the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32",)
+# What one optimizer step streams, in passes over the parameter bytes (reads plus writes of parameter,
+# gradient and state), per optimizer: SGD reads parameter and gradient and writes the parameter (3), with
+# momentum it also reads and writes the momentum buffer (5); AdamW reads parameter, gradient and both
+# moments and writes parameter and moments (7).
+_UPDATE_PASSES = {("sgd", False): 3, ("sgd", True): 5, ("adamw", False): 7, ("adamw", True): 7}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSetup:
+    """How every step trains (see the module docstring). Validated on construction."""
+
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    precision: str = "fp32"
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not supported; supported: {', '.join(PRECISIONS)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be non-negative, got {self.weight_decay}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    @property
+    def optimizer_state_copies(self) -> int:
+        """Optimizer state tensors per parameter, each the parameter's size."""
+        if self.optimizer == "adamw":
+            return 2
+        return 1 if self.momentum else 0
+
+    @property
+    def update_passes(self) -> int:
+        """Passes over the parameter bytes one optimizer step streams (module constants)."""
+        return _UPDATE_PASSES[(self.optimizer, bool(self.momentum))]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> TrainSetup:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"unknown training setup key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**dict(doc))
+
+
+__all__ = ["OPTIMIZERS", "PRECISIONS", "TrainSetup"]
