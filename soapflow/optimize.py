@@ -20,7 +20,7 @@ evaluators, the strategy file written (which records it) and every measured run 
 machine profile of this machine) with `measure`, runs each with the runtime (`soapflow.runner.run`) to set
 measured times beside the simulated ones.
 
-Both return plain JSON-able dicts whose keys DESIGN.md section 8 fixes (`optimize`: best
+Both return plain JSON-able dicts whose keys the README lists as stable (`optimize`: best
 {iteration_time_ms, strategy_file}, baselines, speedup_vs_dp, num_proposals, proposals_per_s, elapsed_s,
 history; `compare`: rows of {strategy, simulated_ms, measured_ms, error, speedup_vs_dp}).
 `soapflow.report` turns them into the text the command prints and, with `plot`, into a PNG: the

@@ -1,4 +1,4 @@
-"""Checkpoints and failures of `soapflow.runner.run` (DESIGN section 6).
+"""Checkpoints and failures of `soapflow.runner.run` (docs/runtime.md).
 
 Checkpoints hold full tensors, so a run saved under one strategy resumes under another; they are written
 atomically, and a broken one is skipped with a warning. A rank that raises or dies ends the run within the
