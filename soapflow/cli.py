@@ -160,8 +160,9 @@ def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
             ["tasks", out["num_tasks"]],
         ], ["", "value"]),
     ]
-    for device, need, capacity in out.get("oom") or []:
-        lines.append(f"device {device} needs {_human_bytes(need)} but holds {_human_bytes(capacity)}")
+    for o in out.get("oom") or []:
+        lines.append(f"device {o['device']} needs {_human_bytes(o['need_bytes'])} but holds "
+                     f"{_human_bytes(o['capacity_bytes'])}")
     if args.trace:
         lines.append(f"trace written to {args.trace} (open it in Perfetto or chrome://tracing)")
     return out, "\n".join(lines)

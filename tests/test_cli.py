@@ -86,6 +86,16 @@ def test_simulate_json_keys(capsys, tmp_path):
         assert set(device["all_to_all"]) == {"count", "bytes"}
 
 
+def test_simulating_a_strategy_that_does_not_fit_says_which_device_needs_what(capsys):
+    """resnet101 at batch 4096 placed layer-wise on k80-16x4 needs more than a K80 die holds."""
+    code, out, err = run_cli(capsys, "simulate", "resnet101", "--batch", "4096", "-t", "k80-16x4", "-s", "mp")
+    assert code == 0, err
+    assert "INFEASIBLE: out of memory" in out
+    lines = [line for line in out.splitlines() if line.startswith("device ")]
+    capacity = load_topology("k80-16x4").devices[0].memory_bytes / 2**30
+    assert lines and all(" needs " in line and f" but holds {capacity:.1f} GiB" in line for line in lines), out
+
+
 def test_simulate_collectives_of_data_parallel_are_the_gradient_all_reduces(capsys):
     """The mlp's two weighted layers hold 16 MiB each: one 25 MiB bucket takes both (a bucket is filled in
     backward order until it holds the cap), 8 MiB buckets one each."""
