@@ -291,8 +291,8 @@ def _executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[st
 
 
 def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload], graph: Mapping[str, Any],
-                    strategies: Mapping[str, Mapping[str, Mapping[str, Any]]], steps: int = 4, rounds: int = 3,
-                    options: TrainOptions | None = None) -> dict[str, list[float]]:
+                    strategies: Mapping[str, Mapping[str, Mapping[str, Any]]], options: TrainOptions,
+                    steps: int = 4, rounds: int = 3) -> dict[str, list[float]]:
     """Train one model under several strategies in one job, interleaved: `rounds` times, each strategy
     in turn for 1 + `steps` steps (its own model replica, executor and optimizer, built once). Returns,
     per strategy, each round's median over its steps after the first (the first runs on caches the
@@ -300,7 +300,6 @@ def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload]
     machine's load over all strategies instead of pinning it on the one that ran at the time."""
     if steps < 1 or rounds < 1:
         raise ValueError(f"steps and rounds must be positive, got {steps} and {rounds}")
-    options = options if options is not None else TrainOptions()
     g = OperatorGraph.from_dict(graph)
     torch.manual_seed(options.seed)
     runs = {}

@@ -262,7 +262,7 @@ def test_time_strategies_runs_every_strategy_in_every_round() -> None:
     """One process (world size 1): two strategies, three rounds of 1 + 2 steps each; a median per round."""
     import functools
 
-    from runtime.train import time_strategies
+    from runtime.train import TrainOptions, time_strategies
     from soapflow.api import capture_model
     from soapflow.calibrate import TINY_WORKLOADS
     from soapflow.runner import build_workload
@@ -271,12 +271,14 @@ def test_time_strategies_runs_every_strategy_in_every_round() -> None:
     _, graph = capture_model(ref)
     single = {op.name: ParallelConfig.single(0).to_dict() for op in graph}
     build = functools.partial(build_workload, ref, graph.batch_size)
+    options = TrainOptions(setup=TrainSetup())
     out = time_strategies(0, 1, build=build, graph=graph.to_dict(), strategies={"a": single, "b": single},
-                          steps=2, rounds=3)
+                          options=options, steps=2, rounds=3)
     assert list(out) == ["a", "b"]
     assert all(len(times) == 3 and all(t > 0 for t in times) for times in out.values())
     with pytest.raises(ValueError, match="positive"):
-        time_strategies(0, 1, build=build, graph=graph.to_dict(), strategies={"a": single}, steps=0)
+        time_strategies(0, 1, build=build, graph=graph.to_dict(), strategies={"a": single}, options=options,
+                        steps=0)
 
 
 def test_update_scale_is_fitted_from_timed_optimizer_steps_and_prices_the_update() -> None:
