@@ -268,9 +268,14 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
     lines += ["collectives of the last step:", collectives_table(out["collectives"])]
     v = out.get("verify")
     if v:
-        lines.append(f"verify against single-process training: largest loss difference "
-                     f"{v['max_loss_rel_diff']:.3g} (relative), largest parameter difference "
-                     f"{v['max_param_rel_diff']:.3g} (relative)")
+        tol = v["tolerance"]
+        lines.append(f"verify against single-process training: {'passed' if v['passed'] else 'FAILED'}; "
+                     f"largest loss difference {v['max_loss_rel_diff']:.3g} (relative; allowed "
+                     f"{tol['loss_rtol']:.0e}), largest parameter difference {v['max_param_rel_diff']:.3g} of its "
+                     f"update (allowed {tol['rtol']:.0e}, floor {tol['atol']:.0e} absolute; worst "
+                     f"{v['worst_param']}, {v['max_param_abs_diff']:.3g} absolute)")
+        if v["nan_params"] or v["params_not_held"]:
+            lines.append(f"  NaN parameters: {v['nan_params']}; parameters no rank holds: {v['params_not_held']}")
     return out, "\n".join(lines)
 
 

@@ -86,7 +86,8 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     `step_time_ms` (the median step time of each rank, in rank order), `step_times_ms` (every rank's
     list), `iteration_time_ms` (median over steps of the slowest rank's time), `collectives` (per rank,
     per kind, the count and bytes of the collectives its last step issued: `StepPlan.collectives`'
-    shape), `verify` (`max_loss_rel_diff`, `max_param_rel_diff` against single-process training; None
+    shape), `verify` (against single-process training, `runtime.train.compare`: `passed`,
+    `max_loss_rel_diff`, `max_param_rel_diff` (of each parameter's update), `max_param_abs_diff`, ...; None
     unless `verify`), `checkpoint` (the newest checkpoint file written or None), and the resolved `nproc`,
     `batch_size`, `steps`, `strategy`, `setup`. `nproc` defaults to the strategy file's device count, else 2.
 

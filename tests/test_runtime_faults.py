@@ -31,7 +31,6 @@ from soapflow.runner import FAULT_ENV, run
 CASES = Path(__file__).parent / "runtime_cases.py"
 SMALL_MLP = f"{CASES}:small_mlp"
 SMALL_TRANSFORMER = f"{CASES}:small_transformer"
-TOL = 1e-5
 
 
 def ckpt(step: int, value: float = 1.0) -> Checkpoint:
@@ -97,7 +96,7 @@ def test_killed_rank_resumes_under_another_strategy(tmp_path, monkeypatch):
     assert out["first_step"] == 2 and len(out["losses"]) == 3
     v = out["verify"]
     # verify compares with one process trained for all 5 steps without interruption.
-    assert v["max_param_rel_diff"] < TOL and v["max_loss_rel_diff"] < TOL and not v["params_not_held"], v
+    assert v["passed"] and not v["params_not_held"], v
     assert out["checkpoint"] == str(checkpoint_path(tmp_path, 5))
 
 

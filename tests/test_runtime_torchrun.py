@@ -29,7 +29,7 @@ def check(stdout: str) -> None:
     out = json.loads(lines[0])
     assert out["nproc"] == 2 and out["rank"] == 0 and len(out["losses"]) == 2
     assert len(out["step_time_ms"]) == 2 and out["iteration_time_ms"] > 0
-    assert out["verify"]["max_loss_rel_diff"] < 1e-5 and out["verify"]["max_param_rel_diff"] < 1e-5
+    assert out["verify"]["passed"], out["verify"]
 
 
 @pytest.mark.slow
