@@ -16,9 +16,15 @@ Times are CPU seconds of this process (`time.process_time`: the machine may be s
 single-threaded) with wall-clock medians alongside. Targets: full inception_v3 on 16 devices < 100 ms;
 delta >= 5x full on 64 devices.
 
+`--compare-with CHECKOUT` also runs this benchmark of another checkout of the project (an older commit,
+say) in a subprocess, alternating with this one for `--rounds` rounds, and reports per case the ratios
+this / that of the full and delta medians (the median over the rounds): a side-by-side comparison on one
+machine at one time, which absolute times from different days are not.
+
 Writes a table to stdout and to benchmarks/results/<name>.md, the raw figures to <name>.json::
 
     python benchmarks/simulator_speed.py                       # the reported run
+    python benchmarks/simulator_speed.py --compare-with ../older-checkout --rounds 3
     python benchmarks/simulator_speed.py --proposals 100 --name simulator_speed_quick
 """
 
@@ -29,7 +35,9 @@ import json
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,6 +116,36 @@ def run_case(model: str, topology_name: str, *, repeats: int, proposals: int, fu
     }
 
 
+def other_checkout(path: Path, args: argparse.Namespace) -> list[dict]:
+    """The rows of this benchmark run in the checkout at `path` (its own code), in a subprocess."""
+    with tempfile.TemporaryDirectory() as tmp:
+        name = f"speed_compare_{Path(tmp).name}"
+        cmd = [sys.executable, str(path / "benchmarks" / "simulator_speed.py"), "--repeats", str(args.repeats),
+               "--proposals", str(args.proposals), "--full-every", str(args.full_every), "--seed", str(args.seed),
+               "--cases", args.cases, "--name", name]
+        subprocess.run(cmd, cwd=path, check=True, stdout=subprocess.DEVNULL)
+        out = path / "benchmarks" / "results"
+        try:
+            return json.loads((out / f"{name}.json").read_text())["rows"]
+        finally:
+            for suffix in (".json", ".md"):
+                (out / f"{name}{suffix}").unlink(missing_ok=True)
+
+
+def compare_rows(mine: list[list[dict]], theirs: list[list[dict]]) -> list[dict]:
+    """Per case, the median over rounds of this / that for the full and delta medians."""
+    out = []
+    for k, row in enumerate(mine[0]):
+        full = [m[k]["full_ms"] / t[k]["full_ms"] for m, t in zip(mine, theirs, strict=True)]
+        delta = [m[k]["delta_ms"] / t[k]["delta_ms"] for m, t in zip(mine, theirs, strict=True)]
+        out.append({"topology": row["topology"], "full_ratio": statistics.median(full),
+                    "delta_ratio": statistics.median(delta), "full_ratios": full, "delta_ratios": delta,
+                    "their_full_ms": statistics.median(t[k]["full_ms"] for t in theirs),
+                    "their_delta_ms": statistics.median(t[k]["delta_ms"] for t in theirs),
+                    "their_tasks": theirs[0][k]["num_tasks"]})
+    return out
+
+
 def render(rows: list[dict], meta: dict) -> str:
     lines = [
         "# Simulator speed",
@@ -138,6 +176,17 @@ def render(rows: list[dict], meta: dict) -> str:
         lines.append(f"- delta >= {TARGET_DELTA_SPEEDUP_64:.0f}x full on 64 devices: "
                      f"{by[64]['delta_speedup']:.2f}x, {'met' if ok else 'NOT met'}")
     lines += ["", "Every delta result equalled the full simulation's iteration time (checked in the run).", ""]
+    if meta.get("compare"):
+        c = meta["compare"]
+        lines += [f"## Against {c['label']}", "",
+                  f"The same benchmark of that checkout, alternating with this one for {c['rounds']} round(s) "
+                  "(medians of this / that over the rounds; below 1 is faster here).", "",
+                  "| topology | tasks there | full ms there | full ratio | delta ms there | delta ratio |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in c["rows"]:
+            lines.append(f"| {r['topology']} | {r['their_tasks']} | {r['their_full_ms']:.1f} | {r['full_ratio']:.2f}"
+                         f" | {r['their_delta_ms']:.2f} | {r['delta_ratio']:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -151,16 +200,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(f"{m}:{t}" for m, t in CASES),
                     help="comma-separated MODEL:TOPOLOGY")
     ap.add_argument("--name", default="simulator_speed", help="results file stem")
+    ap.add_argument("--compare-with", type=Path, default=None, metavar="CHECKOUT",
+                    help="also run this benchmark of another checkout, alternating, and report the ratios")
+    ap.add_argument("--label", default=None, help="how the table names the other checkout (default: its path)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds with --compare-with")
     args = ap.parse_args(argv)
-    rows = []
-    for case in args.cases.split(","):
-        model, topo = case.split(":")
-        row = run_case(model, topo, repeats=args.repeats, proposals=args.proposals, full_every=args.full_every,
-                       seed=args.seed)
-        print(f"  {model} {topo}: full {row['full_ms']:.1f} ms, delta {row['delta_ms']:.2f} ms, "
-              f"speed-up {row['delta_speedup']:.2f}x", file=sys.stderr, flush=True)
-        rows.append(row)
+    mine: list[list[dict]] = []
+    theirs: list[list[dict]] = []
+    for _ in range(args.rounds if args.compare_with else 1):
+        rows = []
+        for case in args.cases.split(","):
+            model, topo = case.split(":")
+            row = run_case(model, topo, repeats=args.repeats, proposals=args.proposals,
+                           full_every=args.full_every, seed=args.seed)
+            print(f"  {model} {topo}: full {row['full_ms']:.1f} ms, delta {row['delta_ms']:.2f} ms, "
+                  f"speed-up {row['delta_speedup']:.2f}x", file=sys.stderr, flush=True)
+            rows.append(row)
+        mine.append(rows)
+        if args.compare_with:
+            theirs.append(other_checkout(args.compare_with.resolve(), args))
     meta = {"python": platform.python_version(), "machine": platform.machine(), "argv": sys.argv[1:]}
+    if args.compare_with:
+        meta["compare"] = {"label": args.label or str(args.compare_with), "rounds": args.rounds,
+                           "rows": compare_rows(mine, theirs)}
+    rows = mine[-1]
     text = render(rows, meta)
     print(text)
     out = ROOT / "benchmarks" / "results"
