@@ -346,7 +346,9 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep) -> EdgeStep
     step.reduced = prod.reduced
     step.grad = edge.grad
     pdev, cdev = prod.devices, cons.devices
-    same = pdev == cdev and out.shape == inp.shape and np.array_equal(out, inp)
+    # part k reads exactly what part k holds, on its own device; not for partial sums, which every
+    # consumer part reads from every producer part
+    same = not prod.reduced and pdev == cdev and out.shape == inp.shape and np.array_equal(out, inp)
     ps, cs, lo, hi = _piece_pairs(prod, cons, out, inp, same)
     numel = (hi - lo).prod(axis=1) if lo.shape[1] else np.ones(len(ps), np.int64)
     ps_l, cs_l, numel_l = ps.tolist(), cs.tolist(), numel.tolist()

@@ -135,6 +135,33 @@ def test_partial_sums_into_a_sample_split_consumer_are_a_reduce_scatter():
     assert plan.collectives() == [{"all_to_all": {"count": 2, "bytes": 2 * 4 * 16 * 4}}] * 2
 
 
+def test_partial_sums_into_a_consumer_of_the_same_layout_come_from_every_part():
+    """fc0 split on in_features over (0, 1) holds partial sums of its whole output on both devices; fc1
+    split on out_features over (0, 1) reads the whole input in both parts. Part k of fc0 covers exactly
+    what part k of fc1 reads, on the same device, yet each fc1 part must add both partial sums."""
+    shapes = {"input0": (8, 16), "fc0": (8, 32), "fc1": (8, 16)}
+    ops = [Operator(name="input0", kind="input", outputs=(TensorSpec(shape=shapes["input0"]),),
+                    attrs={"position": 0, "role": "input"})]
+    for name, src, (a, b) in (("fc0", "input0", (16, 32)), ("fc1", "fc0", (32, 16))):
+        ops.append(Operator(name=name, kind="linear", inputs=(TensorRef(op=src),),
+                            outputs=(TensorSpec(shape=shapes[name]),),
+                            params={"weight": ParamSpec(shape=(b, a), fqn=f"{name}.weight")}))
+    ops.append(Operator(name="target", kind="input", outputs=(TensorSpec(shape=(8, 16)),),
+                        attrs={"position": 1, "role": "target"}))
+    ops.append(Operator(name="loss", kind="loss", inputs=(TensorRef(op="fc1"), TensorRef(op="target")),
+                        outputs=(TensorSpec(shape=()),), attrs={"fn": "mse", "reduction": "mean"}))
+    g = OperatorGraph(ops, name="chain", batch_size=8)
+    plan = lowered(g, strategy(g, cfg((0, 1), sample=2), fc0=cfg((0, 1), in_features=2),
+                               fc1=cfg((0, 1), out_features=2)), 2)
+    edge = edge_into(plan, "fc1")
+    assert edge.reduced and edge.grad
+    assert sorted((p, c) for p, c, _, _ in edge.pieces) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(c, k) for c, k, _ in edge.sums] == [(0, 2), (1, 2)]
+    assert sorted(remote(plan, edge)) == [(0, 1), (1, 0)]
+    # each fc0 part gets the gradients of both fc1 parts back, and adds them
+    assert [(p, k) for p, k, _ in edge.grad_sums] == [(0, 2), (1, 2)]
+
+
 def test_model_parallel_plan_sends_one_activation_and_no_gradient_to_inputs():
     g = mlp_graph()
     s = strategy(g, cfg((0,)), fc1=cfg((1,)), loss=cfg((1,)), target=cfg((1,)))
