@@ -20,6 +20,7 @@ import torch
 from soap.capture import capture
 from soapflow import zoo
 from soapflow.models import default_loss, load_model
+from soapflow.tables import frame, markdown_table
 
 RESULTS = Path(__file__).parent / "results"
 TARGET_S = 10.0
@@ -39,20 +40,24 @@ def time_capture(name: str, batch: int, repeats: int) -> dict:
             "repeats": repeats}
 
 
+def table(rows: list[dict]) -> str:
+    columns = {"model": "model", "batch": "batch", "ops": "ops", "params": "params",
+               "params_match": "params match module", "median_s": "capture s (median)"}
+    df = frame(rows, list(columns)).rename(columns=columns)
+    return markdown_table(df, {"params": "{:,}".format, "capture s (median)": "{:.2f}".format},
+                          right=("batch", "ops", "params", "capture s (median)"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [time_capture(name, 64, args.repeats) for name in zoo.ZOO]
-    header = ("| model | batch | ops | params | params match module | capture s (median) |\n"
-              "|---|---:|---:|---:|---|---:|")
-    lines = [f"| {r['model']} | {r['batch']} | {r['ops']} | {r['params']:,} | {r['params_match']} | "
-             f"{r['median_s']:.2f} |" for r in rows]
     r50 = next(r for r in rows if r["model"] == "resnet50")
     verdict = (f"resnet50 at batch 64: {r50['median_s']:.2f} s (target < {TARGET_S:.0f} s: "
                f"{'met' if r50['median_s'] < TARGET_S else 'MISSED'}), one thread, median of {args.repeats}")
-    text = "\n".join(["# Capture speed", "", header, *lines, "", verdict, ""])
+    text = "\n".join(["# Capture speed", "", table(rows), "", verdict, ""])
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "capture_speed.md").write_text(text)

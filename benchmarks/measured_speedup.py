@@ -47,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ from soap.strategy import load_strategy  # noqa: E402
 from soap.topology import load_topology  # noqa: E402
 from soapflow.api import capture_model  # noqa: E402
 from soapflow.optimize import compare, optimize  # noqa: E402
+from soapflow.tables import frame, markdown_table  # noqa: E402
 
 MLP_TARGET_VS_DP = 1.5
 SIGNIFICANCE = 0.05
@@ -208,20 +210,22 @@ def _fmt(v, pattern="{:.3g}") -> str:
 
 def table(results: list[dict]) -> str:
     calibrated = any(r["simulated_calibrated_ms"] is not None for res in results for r in res["rows"])
-    head = ("| model | strategy | simulated ms | error | "
-            + ("simulated ms (calibrated) | error (calibrated) | " if calibrated else "")
-            + "measured ms (median) | measured ms (min) | spread of runs | measured vs dp |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    columns = {"simulated_ms": "simulated ms", "error": "error",
+               **({"simulated_calibrated_ms": "simulated ms (calibrated)", "error_calibrated": "error (calibrated)"}
+                  if calibrated else {}),
+               "measured_ms": "measured ms (median)", "measured_min_ms": "measured ms (min)",
+               "spread": "spread of runs", "speedup_vs_dp": "measured vs dp"}
+    rows = []
     for res in results:
         for r in res["rows"]:
             same = res["found"].get(r["strategy"], {}).get("same_as")
-            label = r["strategy"] + (f" (= {same})" if same else "")
-            lines.append(f"| {res['model']} | {label} | {_fmt(r['simulated_ms'])} | {_fmt(r['error'], '{:+.0%}')} | "
-                         + (f"{_fmt(r['simulated_calibrated_ms'])} | {_fmt(r['error_calibrated'], '{:+.0%}')} | "
-                            if calibrated else "")
-                         + f"{_fmt(r['measured_ms'])} | {_fmt(r['measured_min_ms'])} | {_fmt(r['spread'], '{:.0%}')} | "
-                         f"{_fmt(r['speedup_vs_dp'], '{:.2f}x')} |")
-    lines.append("")
+            rows.append({"model": res["model"], "strategy": r["strategy"] + (f" (= {same})" if same else ""),
+                         **{name: r[key] for key, name in columns.items()}})
+    error = partial(_fmt, pattern="{:+.0%}")
+    lines = [markdown_table(frame(rows, ["model", "strategy", *columns.values()]), {
+        "simulated ms": _fmt, "error": error, "simulated ms (calibrated)": _fmt, "error (calibrated)": error,
+        "measured ms (median)": _fmt, "measured ms (min)": _fmt, "spread of runs": partial(_fmt, pattern="{:.0%}"),
+        "measured vs dp": partial(_fmt, pattern="{:.2f}x")}), ""]
     for res in results:
         lines.append(f"- {res['model']}: 1-minute load average {res['load_average_1min'][0]:.1f} before the "
                      f"measurements, {res['load_average_1min'][1]:.1f} after (2 cores).")

@@ -39,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,7 @@ from simulator.engine import simulate  # noqa: E402
 from soap.graph import OperatorGraph  # noqa: E402
 from soap.topology import DeviceTopology, load_topology  # noqa: E402
 from soapflow.api import capture_model  # noqa: E402
+from soapflow.tables import frame, markdown_table  # noqa: E402
 
 MODELS = ("alexnet", "inception_v3", "resnet101", "rnntc", "rnnlm", "nmt")
 TOPOLOGIES = ("p100-4x4", "k80-16x4")
@@ -174,29 +176,33 @@ def _fmt(v, pattern="{:.3g}") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | topology | batch | dp ms | expert ms | best baseline | found ms | vs dp | vs expert | "
-            "≤ best baseline | proposals (main run) | main run s | repeats: min / median / max ms | spread | "
-            "proposals per repeat (median) | proposals/s delta | proposals/s full | delta speed-up |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    cells = []
     for r in rows:
         b = r["baselines_ms"]
         if "no_feasible" in r:
-            cells = ["-"] * (head.count("|") - 4)
-            cells[3] = "no strategy fits in memory (see below)"
-            lines.append(f"| {r['model']} | {r['topology']} | {r['batch']} | " + " | ".join(cells) + " |")
+            cells.append({"model": r["model"], "topology": r["topology"], "batch": r["batch"],
+                          "found ms": "no strategy fits in memory (see below)"})
             continue
         rep = r["repeat_ms"]
-        lines.append(
-            f"| {r['model']} | {r['topology']} | {r['batch']} | {_fmt(b.get('dp'))} | {_fmt(b.get('expert'))} | "
-            f"{r['best_baseline']} {_fmt(r['best_baseline_ms'])} | {_fmt(r['found_ms'])} | "
-            f"{_fmt(r['speedup_vs_dp'], '{:.2f}x')} | {_fmt(r['speedup_vs_expert'], '{:.2f}x')} | "
-            f"{'yes' if r['never_worse_than_best_baseline'] else 'NO'} | {r['main']['num_proposals']} | "
-            f"{r['main']['elapsed_s']:.0f} | "
-            f"{_fmt(rep['min'])} / {_fmt(rep['median'])} / {_fmt(rep['max'])} | {_fmt(r['spread'], '{:.1%}')} | "
-            f"{statistics.median(x['num_proposals'] for x in r['repeats']):.0f} | "
-            f"{_fmt(r['proposals_per_s_delta'], '{:.1f}')} | {_fmt(r['proposals_per_s_full'], '{:.1f}')} | "
-            f"{_fmt(r['delta_speedup'], '{:.1f}x')} |")
-    return "\n".join(lines)
+        cells.append({
+            "model": r["model"], "topology": r["topology"], "batch": r["batch"], "dp ms": b.get("dp"),
+            "expert ms": b.get("expert"), "best baseline": f"{r['best_baseline']} {_fmt(r['best_baseline_ms'])}",
+            "found ms": r["found_ms"], "vs dp": r["speedup_vs_dp"], "vs expert": r["speedup_vs_expert"],
+            "≤ best baseline": "yes" if r["never_worse_than_best_baseline"] else "NO",
+            "proposals (main run)": r["main"]["num_proposals"], "main run s": f"{r['main']['elapsed_s']:.0f}",
+            "repeats: min / median / max ms": f"{_fmt(rep['min'])} / {_fmt(rep['median'])} / {_fmt(rep['max'])}",
+            "spread": r["spread"],
+            "proposals per repeat (median)": f"{statistics.median(x['num_proposals'] for x in r['repeats']):.0f}",
+            "proposals/s delta": r["proposals_per_s_delta"], "proposals/s full": r["proposals_per_s_full"],
+            "delta speed-up": r["delta_speedup"]})
+    columns = ["model", "topology", "batch", "dp ms", "expert ms", "best baseline", "found ms", "vs dp", "vs expert",
+               "≤ best baseline", "proposals (main run)", "main run s", "repeats: min / median / max ms", "spread",
+               "proposals per repeat (median)", "proposals/s delta", "proposals/s full", "delta speed-up"]
+    return markdown_table(frame(cells, columns), {
+        "dp ms": _fmt, "expert ms": _fmt, "found ms": lambda v: v if isinstance(v, str) else _fmt(v),
+        "vs dp": partial(_fmt, pattern="{:.2f}x"), "vs expert": partial(_fmt, pattern="{:.2f}x"),
+        "spread": partial(_fmt, pattern="{:.1%}"), "proposals/s delta": partial(_fmt, pattern="{:.1f}"),
+        "proposals/s full": partial(_fmt, pattern="{:.1f}"), "delta speed-up": partial(_fmt, pattern="{:.1f}x")})
 
 
 def _settings(args: argparse.Namespace) -> str:

@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from soapflow.plot import require_matplotlib
+from soapflow.tables import frame, markdown_table
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = {"median_abs_error": 0.10, "max_abs_error": 0.25, "spearman": 0.9}
@@ -79,27 +82,25 @@ def model_refs() -> dict[str, str]:
 
 
 def table(report: dict) -> str:
-    lines = ["| model | strategy | measured ms | calibrated ms | error | refit only ms | error | uncalibrated ms "
-             "| error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in report["rows"]:
-        lines.append(f"| {r['model']} | {r['strategy']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{r['error']:+.1%} | {r['refit_only_ms']:.1f} | {r['refit_only_error']:+.1%} | "
-                     f"{r['uncalibrated_ms']:.1f} | {r['uncalibrated_error']:+.1%} |")
-    lines += ["", "Median / max absolute error and Spearman per model:", "",
-              "| model | calibrated (measured parts + refit) | refit analytical only | uncalibrated (cpu-2 preset, "
-              "defaults) | targets met (calibrated) |", "|---|---|---|---|---|"]
+    headers = {"model": "model", "strategy": "strategy", "measured_ms": "measured ms",
+               "predicted_ms": "calibrated ms", "error": "error", "refit_only_ms": "refit only ms",
+               "refit_only_error": "error", "uncalibrated_ms": "uncalibrated ms", "uncalibrated_error": "error"}
+    numbers = {key: ("{:+.1%}" if key.endswith("error") else "{:.1f}").format for key in list(headers)[2:]}
+    lines = [markdown_table(frame(report["rows"], list(headers)), numbers, right=list(numbers),
+                            headers=list(headers.values()))]
 
     def fmt(m: dict) -> str:
         rho = m["spearman"]
         return f"{m['median_abs_error']:.1%} / {m['max_abs_error']:.1%}, {'-' if rho is None else f'{rho:.2f}'}"
 
-    for model, m in report["per_model"].items():
-        u = report["extra"]["uncalibrated"]["per_model"][model]
-        a = report["extra"]["refit_only"]["per_model"][model]
-        lines.append(f"| {model} | {fmt(m)} | {fmt(a)} | {fmt(u)} | {', '.join(met(m)) or 'none'} |")
     extra = report["extra"]
-    lines.append(f"| overall | {fmt(report)} | {fmt(extra['refit_only'])} | {fmt(extra['uncalibrated'])} "
-                 f"| {', '.join(met(report)) or 'none'} |")
+    per_model = [(model, m, extra["refit_only"]["per_model"][model], extra["uncalibrated"]["per_model"][model])
+                 for model, m in report["per_model"].items()]
+    per_model.append(("overall", report, extra["refit_only"], extra["uncalibrated"]))
+    summary = frame([{"model": model, "calibrated (measured parts + refit)": fmt(m), "refit analytical only": fmt(a),
+                      "uncalibrated (cpu-2 preset, defaults)": fmt(u),
+                      "targets met (calibrated)": ", ".join(met(m)) or "none"} for model, m, a, u in per_model])
+    lines += ["", "Median / max absolute error and Spearman per model:", "", markdown_table(summary)]
     return "\n".join(lines)
 
 
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                         "op parts, transfers and steps are all timed under the machine's current load)")
     p.add_argument("--search-budget", type=float, default=5.0)
     args = p.parse_args(argv)
+    require_matplotlib()  # for the scatter plot, before the minutes of measuring
     torch.set_num_threads(1)
     RESULTS.mkdir(parents=True, exist_ok=True)
     profile = RESULTS / "simulator_accuracy.machine.json"

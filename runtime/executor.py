@@ -11,7 +11,8 @@ what moves where:
   (`EdgeMover`: local slices and one exchange per edge, partial sums added), then compute the part with
   `runtime.kernels.compute_part` on detached leaf copies of the inputs and on this rank's parameter
   shards. Sources move nothing (`OpDef.everywhere`): an op reads its region of an `input` from the
-  global synthetic batch every rank holds, and of a `constant` from this rank's own buffer.
+  global synthetic batch every rank holds, and of a `constant` from this rank's own buffer (or the value
+  its recipe computes from the buffers, once, at setup).
 - backward, op by op in reverse graph order: backpropagate the part from the gradients its consumers
   sent back (leaf gradients give the input gradients), send every input piece's gradient back to the
   rank it came from (added there), then tell `GradSync` the op is done: it launches the plan's
@@ -89,7 +90,7 @@ class Executor:
         for i, op in enumerate(graph):
             entry = op_def(op.kind)
             if op.kind == "constant":
-                self.sources[op.name] = self._cast(tensors[op.attrs["fqn"]]).detach()
+                self.sources[op.name] = self._cast(kernels.constant_value(op, tensors, cast=self._cast)).detach()
             box = self.boxes[i]
             if box is None:
                 continue

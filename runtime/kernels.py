@@ -2,7 +2,8 @@
 
 Owns `KERNELS`, the part kernels by the name each registry kind gives in `OpDef.kernel` (every kind but
 `input`, `constant` and `opaque`, whose `OpDef.run_specially` says how the runtime runs them), with
-`compute_part` to call them, and `run_opaque` (the whole-op call of an `opaque` op). A part receives
+`compute_part` to call them, `run_opaque` (the whole-op call of an `opaque` op) and `constant_value` (a
+`constant` op's value: a buffer, or what its recipe computes). A part receives
 exactly the tensors of the regions its registry entry names (`input_regions`, `param_regions`,
 `buffer_regions`) and returns its outputs shaped as `output_region`; halos, padding, masks and partial
 sums are derived from the same entry, so the simulator's regions and the runtime's computation cannot
@@ -89,31 +90,58 @@ def run_opaque(op: Operator, module: torch.nn.Module | None, inputs: Sequence[Te
         fn = module
     else:
         fn = _resolve(str(target))
-    device = inputs[0].device if inputs else None
-
-    def unrepresentable(text: str) -> Any:
-        raise ValueError(f"opaque op {op.name!r} has an argument capture could not encode: {text}")
-
-    bound: dict[str, Callable[[Any], Any]] = {
-        "input": lambda i: inputs[int(i)], "param": lambda name: (params or {})[str(name)],
-        "dtype": lambda name: getattr(torch, str(name)), "device": lambda _: device,
-        "torch": lambda name: getattr(torch, str(name)), "repr": unrepresentable,
-    }
-
-    def fill(template: Any) -> Any:
-        if isinstance(template, Mapping) and len(template) == 1 and next(iter(template)) in bound:
-            key, value = next(iter(template.items()))
-            return bound[key](value)
-        if isinstance(template, (list, tuple)):
-            return [fill(t) for t in template]
-        return template
-
-    args = fill(op.attrs["args"]) if "args" in op.attrs else list(inputs)
-    kwargs = {k: fill(v) for k, v in op.attrs.get("kwargs", {}).items()}
+    bound = _bindings(op, inputs[0].device if inputs else None)
+    bound["input"] = lambda i: inputs[int(i)]
+    bound["param"] = lambda name: (params or {})[str(name)]
+    args = _fill(op.attrs["args"], bound) if "args" in op.attrs else list(inputs)
+    kwargs = {k: _fill(v, bound) for k, v in op.attrs.get("kwargs", {}).items()}
     result = fn(*args, **kwargs)
     if isinstance(result, Tensor):
         return (result,)
     return tuple(r for r in _flatten(result) if isinstance(r, Tensor))
+
+
+def constant_value(op: Operator, tensors: Mapping[str, Tensor], *,
+                   cast: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+    """The value of a `constant` op: the buffer its `fqn` names in `tensors` (every parameter and buffer
+    of the model by fully qualified name), or what its `recipe` computes (soap/capture/builder.py: calls
+    whose tensor arguments are earlier steps, buffers or literals). `cast` applies to the buffers a recipe
+    reads, as to the model's own (a float64 run computes from float64 buffers)."""
+    if "recipe" not in op.attrs:
+        return tensors[op.attrs["fqn"]]
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    values: list[Any] = []
+    bound = _bindings(op, device)
+    bound["step"] = lambda i: values[int(i)]
+    bound["buffer"] = lambda fqn: cast(tensors[str(fqn)])
+    bound["literal"] = lambda lit: torch.tensor(list(lit["values"]), dtype=getattr(torch, str(lit["dtype"])),
+                                                device=device).reshape([int(s) for s in lit["shape"]])
+    for step in op.attrs["recipe"]:
+        fn = _resolve(str(step["target"]))
+        values.append(fn(*_fill(step["args"], bound), **{k: _fill(v, bound) for k, v in step["kwargs"].items()}))
+    value = values[-1]
+    assert isinstance(value, Tensor) and tuple(value.shape) == op.outputs[0].shape, (op.name, op.outputs[0])
+    return value
+
+
+def _bindings(op: Operator, device: torch.device | None) -> dict[str, Callable[[Any], Any]]:
+    """How `_fill` decodes the encoded arguments every call template may hold (docs/op_kinds.md)."""
+
+    def unrepresentable(text: str) -> Any:
+        raise ValueError(f"op {op.name!r} has an argument capture could not encode: {text}")
+
+    return {"dtype": lambda name: getattr(torch, str(name)), "device": lambda _: device,
+            "torch": lambda name: getattr(torch, str(name)), "repr": unrepresentable}
+
+
+def _fill(template: Any, bound: Mapping[str, Callable[[Any], Any]]) -> Any:
+    """A call argument decoded: a one-key dict whose key `bound` knows is replaced by its value."""
+    if isinstance(template, Mapping) and len(template) == 1 and next(iter(template)) in bound:
+        key, value = next(iter(template.items()))
+        return bound[key](value)
+    if isinstance(template, (list, tuple)):
+        return [_fill(t, bound) for t in template]
+    return template
 
 
 def _flatten(value: Any) -> list[Any]:
@@ -187,11 +215,27 @@ def _conv2d(op, box, inputs, params, ctx):
 
 
 def _linear(op, box, inputs, params, ctx):
-    return (F.linear(inputs[0], params["weight"], params.get("bias")),)
+    weight = params["weight"]
+    if op.attrs.get("transposed", False):
+        weight = weight.t()  # stored [in, out] (Conv1D)
+    return (F.linear(inputs[0], weight, params.get("bias")),)
 
 
 def _matmul(op, box, inputs, params, ctx):
-    return (torch.matmul(inputs[0], inputs[1]),)
+    a, b = inputs[0], inputs[1]
+    if op.attrs.get("transpose_a", False):
+        a = a.transpose(-2, -1)
+    if op.attrs.get("transpose_b", False):
+        b = b.transpose(-2, -1)
+    y = torch.matmul(a, b)
+    alpha = op.attrs.get("alpha", 1.0)
+    if alpha != 1.0:
+        y = y * alpha
+    if len(inputs) > 2 and inputs[2] is not None:
+        # the parts with the first k chunk add c (the others read no region of it)
+        beta = op.attrs.get("beta", 1.0)
+        y = y + (inputs[2] if beta == 1.0 else beta * inputs[2])
+    return (y,)
 
 
 def _batchnorm(op, box, inputs, params, ctx):
@@ -208,6 +252,18 @@ def _layernorm(op, box, inputs, params, ctx):
     shape = [int(s) for s in op.attrs["normalized_shape"]]
     return (F.layer_norm(inputs[0], shape, params.get("weight"), params.get("bias"),
                          eps=float(op.attrs.get("eps", 1e-5))),)
+
+
+def _rmsnorm(op, box, inputs, params, ctx):
+    # written out as Hugging Face's LlamaRMSNorm computes it, so that a fused hand-written norm gives the
+    # model's own rounding
+    x = inputs[0]
+    axes = tuple(range(x.ndim - len(op.attrs["normalized_shape"]), x.ndim))
+    eps = op.attrs.get("eps")
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    y = x * torch.rsqrt(x.pow(2).mean(axes, keepdim=True) + eps)
+    weight = params.get("weight")
+    return (y if weight is None else weight * y,)
 
 
 def _embedding(op, box, inputs, params, ctx):
@@ -240,14 +296,16 @@ def _lstm(op, box, inputs, params, ctx):
 
 
 def _attention(op, box, inputs, params, ctx):
-    q, k, v = inputs
-    mask = None
+    q, k, v = inputs[:3]
+    mask = inputs[3] if len(inputs) > 3 else None
     if op.attrs.get("is_causal", False):
         # the part's query rows are global rows [lo, hi); causal is top-left aligned, as in torch
         lo, hi = box[2]
         rows = torch.arange(lo, hi, device=q.device)
         mask = rows[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
-    return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=op.attrs.get("scale")),)
+    # the part's query heads are whole groups of its kv heads, or lie inside one (Attention.check)
+    return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=op.attrs.get("scale"),
+                                           enable_gqa=k.shape[1] != q.shape[1]),)
 
 
 # ---------------------------------------------------------------- pooling
@@ -303,6 +361,7 @@ _UNARY: dict[str, Callable[[Tensor, Mapping[str, Any]], Tensor]] = {
     "silu": lambda x, a: F.silu(x),
     "neg": lambda x, a: -x,
     "exp": lambda x, a: torch.exp(x),
+    "rsqrt": lambda x, a: torch.rsqrt(x),
     "identity": lambda x, a: x,
     "scale": lambda x, a: x * a["scalar"],
     "add_scalar": lambda x, a: x + a["scalar"],
@@ -350,6 +409,21 @@ def _reduce(op, box, inputs, params, ctx):
 
 def _concat(op, box, inputs, params, ctx):
     return (torch.cat(list(inputs), dim=op_def(op.kind).axis(op)),)
+
+
+def _stack(op, box, inputs, params, ctx):
+    return (torch.stack(list(inputs), dim=op_def(op.kind).axis(op)),)
+
+
+def _expand(op, box, inputs, params, ctx):
+    return (inputs[0].expand(_shape(tuple(box))),)
+
+
+def _repeat(op, box, inputs, params, ctx):
+    axis, repeats = int(op.attrs["axis"]), int(op.attrs["repeats"])
+    lo, hi = box[axis]
+    # the region starts at the row repeated into global row lo
+    return (inputs[0].repeat_interleave(repeats, dim=axis).narrow(axis, lo - (lo // repeats) * repeats, hi - lo),)
 
 
 def _split(op, box, inputs, params, ctx):
@@ -437,8 +511,9 @@ def _loss(op, box, inputs, params, ctx):
 # names match the registry both ways).
 KERNELS: dict[str, Kernel] = {
     "conv2d": _conv2d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
-    "layernorm": _layernorm, "embedding": _embedding, "lstm": _lstm, "attention": _attention,
-    "pool2d": _pool2d, "adaptive_pool2d": _adaptive_pool2d, "elementwise": _elementwise, "binary": _binary,
-    "reduce": _reduce, "concat": _concat, "split": _split, "slice": _slice, "reshape": _reshape,
+    "layernorm": _layernorm, "rmsnorm": _rmsnorm, "embedding": _embedding, "lstm": _lstm,
+    "attention": _attention, "pool2d": _pool2d, "adaptive_pool2d": _adaptive_pool2d,
+    "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
+    "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
     "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss,
 }

@@ -5,9 +5,10 @@ process group, always with a timeout), `torchrun_env` (detect a torchrun/elastic
 `keep_freed_memory` (the allocator setting every rank runs with) and `LaunchError`. Imports torch and
 the standard library only (no simulator, no search, no soapflow).
 
-Failure handling: a worker that raises prints its rank and the error (the executor's message names the
-op it was executing) to stderr and exits non-zero; the launcher then kills the other workers, which would
-otherwise wait in a receive until their timeout, and raises `LaunchError` with the failing rank's message.
+Failure handling: a worker that raises writes its rank, the error (the executor's message names the op
+it was executing) and the traceback to a file of the launcher's and exits non-zero, printing nothing; the
+launcher then kills the other workers, which would otherwise wait in a receive until their timeout, and
+raises `LaunchError` with the failing rank's message (one line; the traceback is its `detail`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -36,7 +36,16 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "runtime.train")
 
 
 class LaunchError(RuntimeError):
-    """A worker failed (or timed out); the message (one line) names the rank and what it was doing."""
+    """A worker failed (or timed out); the message (one line) names the rank and what it was doing.
+
+    `rank` is the rank blamed (None: none, as when the whole run timed out), `signal` the name of the
+    signal that killed it without a word (``"SIGKILL"``: the kernel's out-of-memory killer, most often;
+    None when it raised or exited) and `detail` the traceback of a rank that raised ('' otherwise)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, signal: str | None = None,
+                 detail: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.signal, self.detail = rank, signal, detail
 
 
 def one_line(message: str, limit: int = 400) -> str:
@@ -45,14 +54,19 @@ def one_line(message: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _signal_name(exitcode: int | None) -> str | None:
+    """The name of the signal that ended a process with `exitcode` (None when it exited)."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
 def _exit_reason(rank: int, exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"rank {rank} was killed by {name}"
-    return f"rank {rank} exited with code {exitcode}"
+    name = _signal_name(exitcode)
+    return f"rank {rank} exited with code {exitcode}" if name is None else f"rank {rank} was killed by {name}"
 
 
 def torchrun_env() -> tuple[int, int] | None:
@@ -98,11 +112,14 @@ def keep_freed_memory() -> bool:
 
 
 def _worker(rank: int, world_size: int, fn: Callable[..., Any], kwargs: dict[str, Any], *, backend: str,
-            init_method: str, timeout_s: float, num_threads: int | None, result_dir: str) -> None:
+            init_method: str, timeout_s: float, num_threads: int | None, result_dir: str,
+            reports: multiprocessing.connection.Connection | None = None) -> None:
     keep_freed_memory()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     out = Path(result_dir) / f"rank{rank}"
+    if reports is not None:
+        kwargs = {**kwargs, "report": reports.send}
     try:
         init_distributed(rank=rank, world_size=world_size, backend=backend, init_method=init_method,
                          timeout_s=timeout_s)
@@ -111,9 +128,10 @@ def _worker(rank: int, world_size: int, fn: Callable[..., Any], kwargs: dict[str
             pickle.dump(result, f)
         os.replace(f"{out}.tmp", f"{out}.pkl")
     except BaseException as exc:
-        message = f"rank {rank}: {type(exc).__name__}: {exc}"
-        print(f"[soapflow] {message}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        Path(f"{out}.err").write_text(message)
+        # The message's first line is the error, the rest its traceback (`LaunchError.detail`); nothing
+        # goes to the terminal, where the command's one-line error is the whole report.
+        message = one_line(f"rank {rank}: {type(exc).__name__}: {exc}")
+        Path(f"{out}.err").write_text(f"{message}\n{traceback.format_exc()}")
         os._exit(1)
     finally:
         if dist.is_initialized():
@@ -121,8 +139,8 @@ def _worker(rank: int, world_size: int, fn: Callable[..., Any], kwargs: dict[str
 
 
 def _root_cause(failed: list[int], procs: list[Any], pending: dict[Any, tuple[int, Any]], result_dir: Path,
-                grace_s: float = 1.0) -> str:
-    """The message of the rank that failed first. A rank that dies makes its peers fail moments later
+                grace_s: float = 1.0) -> LaunchError:
+    """The error of the rank that failed first. A rank that dies makes its peers fail moments later
     (their receives see the closed connection), so wait up to `grace_s` for those, then blame a rank that
     died without a word (a signal) or else the rank that wrote its error first."""
     end = time.monotonic() + grace_s
@@ -136,20 +154,26 @@ def _root_cause(failed: list[int], procs: list[Any], pending: dict[Any, tuple[in
     silent = [rank for rank in failed if not errors[rank].exists()]
     if silent:
         rank = min(silent)
-        return f"{_exit_reason(rank, procs[rank].exitcode)} (no error message; the other ranks were stopped)"
+        exitcode = procs[rank].exitcode
+        return LaunchError(one_line(f"{_exit_reason(rank, exitcode)} (no error message; the other ranks were "
+                                    "stopped)"), rank=rank, signal=_signal_name(exitcode))
     rank = min(failed, key=lambda r: (errors[r].stat().st_mtime_ns, r))
-    return errors[rank].read_text()
+    message, _, detail = errors[rank].read_text().partition("\n")
+    return LaunchError(message, rank=rank, detail=detail)
 
 
 def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None = None, backend: str = "gloo",
            timeout_s: float = DEFAULT_TIMEOUT_S, wall_timeout_s: float | None = None,
-           num_threads: int | None = None, start_method: str = "forkserver") -> list[Any]:
+           num_threads: int | None = None, start_method: str = "forkserver",
+           progress: Callable[[Any], None] | None = None) -> list[Any]:
     """Run `fn(rank, world_size, **kwargs)` in `nproc` local processes with torch.distributed initialized
     (loopback TCP rendezvous); returns the results in rank order.
 
     `fn` and `kwargs` must pickle (a module-level function; `functools.partial` of one). `timeout_s`
     bounds every collective and receive; `wall_timeout_s` (None: no bound) the whole run. When a worker
-    fails the others are killed and `LaunchError` names the failing rank.
+    fails the others are killed and `LaunchError` names the failing rank. With `progress`, `fn` also gets
+    the keyword argument `report`: what a rank passes to it (a picklable value) reaches `progress` here, in
+    the calling process, as it arrives.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be positive, got {nproc}")
@@ -159,24 +183,35 @@ def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None 
         # torch.optim imports torch._dynamo on first use, which takes seconds per process otherwise.
         ctx.set_forkserver_preload(list(PRELOAD))
     init_method = f"tcp://127.0.0.1:{free_port()}"
+    reader, writer = ctx.Pipe(duplex=False) if progress is not None else (None, None)
     with tempfile.TemporaryDirectory(prefix="soapflow-run-") as result_dir:
         procs = [ctx.Process(target=_worker, args=(rank, nproc, fn, dict(kwargs or {})),
                              kwargs={"backend": backend, "init_method": init_method, "timeout_s": timeout_s,
-                                     "num_threads": num_threads, "result_dir": result_dir},
+                                     "num_threads": num_threads, "result_dir": result_dir, "reports": writer},
                              daemon=False)
                  for rank in range(nproc)]
         for p in procs:
             p.start()
+        if writer is not None:
+            writer.close()  # the workers hold the only writing ends: the reader sees the end when they exit
         deadline = None if wall_timeout_s is None else time.monotonic() + wall_timeout_s
-        failure: str | None = None
+        failure: LaunchError | None = None
         pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
         try:
             while pending and failure is None:
                 wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready = multiprocessing.connection.wait(list(pending), timeout=wait_s)
+                ready = multiprocessing.connection.wait(list(pending) + ([reader] if reader is not None else []),
+                                                        timeout=wait_s)
                 if not ready:
-                    failure = f"the run exceeded {wall_timeout_s} s"
+                    failure = LaunchError(f"the run exceeded {wall_timeout_s} s")
                     break
+                if reader is not None and reader in ready:
+                    ready.remove(reader)
+                    try:
+                        progress(reader.recv())
+                    except EOFError:  # every worker has exited
+                        reader.close()
+                        reader = None
                 failed = []
                 for sentinel in ready:
                     rank, p = pending.pop(sentinel)
@@ -191,8 +226,10 @@ def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None 
                     p.kill()
             for p in procs:
                 p.join()
+            if reader is not None:
+                reader.close()
         if failure is not None:
-            raise LaunchError(one_line(failure))
+            raise failure
         results = []
         for rank in range(nproc):
             with open(Path(result_dir) / f"rank{rank}.pkl", "rb") as f:

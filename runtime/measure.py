@@ -222,7 +222,8 @@ def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: 
     processes (one thread each), whose median is stored as the part's time and the lone time as its solo
     time (`soap.costdb`); with 1 the lone time is the part's time.
     Returns the database with the new measurements and how many were timed. `db_path` None keeps the
-    measurements in memory only.
+    measurements in memory only. `timeout_s` is the concurrent job's process-group timeout; the job as a
+    whole has no limit (each part's repeats stop after `max_s`), so many parts take as long as they take.
     """
     if nproc > 1 and torch.device(device).type != "cpu":
         raise ValueError(f"concurrent timing (nproc {nproc}) runs on CPU; time {device} parts with nproc 1")
@@ -251,7 +252,7 @@ def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: 
 
         per_rank = launch(_rank_time_jobs, nproc, kwargs={"jobs": list(todo), "warmup": warmup,
                                                           "repeats": repeats, "max_s": max_s},
-                          timeout_s=timeout_s, wall_timeout_s=timeout_s, num_threads=1)
+                          timeout_s=timeout_s, num_threads=1)
         new = [measurement(job, statistics.median(r[i][0] for r in per_rank),
                            statistics.median(r[i][1] for r in per_rank), device_kind=device_kind,
                            repeats=min(r[i][2] for r in per_rank), source=source, solo=solo[i][:2])

@@ -290,14 +290,25 @@ def _executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[st
     return plan, executor, optimizer
 
 
+class StrategyFailed(RuntimeError):
+    """A strategy of `time_strategies` failed or took too long; the message names it and the step."""
+
+
 def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload], graph: Mapping[str, Any],
                     strategies: Mapping[str, Mapping[str, Mapping[str, Any]]], options: TrainOptions,
-                    steps: int = 4, rounds: int = 3) -> dict[str, list[float]]:
+                    steps: int = 4, rounds: int = 3,
+                    report: Callable[[Mapping[str, Any]], None] | None = None) -> dict[str, list[float]]:
     """Train one model under several strategies in one job, interleaved: `rounds` times, each strategy
     in turn for 1 + `steps` steps (its own model replica, executor and optimizer, built once). Returns,
     per strategy, each round's median over its steps after the first (the first runs on caches the
     other strategies left) of the slowest rank's step time (ms). Interleaving spreads a drift of the
-    machine's load over all strategies instead of pinning it on the one that ran at the time."""
+    machine's load over all strategies instead of pinning it on the one that ran at the time.
+
+    There is no limit on the whole job, only on each step: a step over `options.timeout_s` seconds (also
+    every process group's timeout, so a rank that waits for a slow peer gives up as late) raises
+    `StrategyFailed` naming the strategy, as does any error of a strategy's step. Rank 0 passes
+    `{"strategy", "round", "rounds", "step_ms"}` to `report` (`runtime.launch.launch`'s `progress`) after
+    each strategy's turn."""
     if steps < 1 or rounds < 1:
         raise ValueError(f"steps and rounds must be positive, got {steps} and {rounds}")
     g = OperatorGraph.from_dict(graph)
@@ -310,26 +321,49 @@ def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload]
     highs = integer_highs(g, next(iter(runs.values()))[0].module) if runs else {}
     mine: dict[str, list[list[float]]] = {name: [] for name in runs}
     step = 0
-    for _ in range(rounds):
+    for k in range(rounds):
         for name, (workload, executor, optimizer) in runs.items():
             times_ms = []
             for _ in range(steps + 1):
                 batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs,
                                         dtype=TORCH_DTYPES[options.dtype])
-                if world_size > 1:
-                    dist.barrier()
-                start = time.perf_counter()
-                local = train_step(executor, optimizer, batch, step=step)
-                times_ms.append((time.perf_counter() - start) * 1e3)
-                executor.all_reduce_loss(local)
+                try:
+                    if world_size > 1:
+                        dist.barrier()
+                    start = time.perf_counter()
+                    local = train_step(executor, optimizer, batch, step=step)
+                    times_ms.append((time.perf_counter() - start) * 1e3)
+                    executor.all_reduce_loss(local)
+                except Exception as exc:  # named by strategy: the runs of all of them interleave in one job
+                    raise StrategyFailed(f"strategy {name!r}, step {step}: {type(exc).__name__}: {exc}") from exc
+                if times_ms[-1] > options.timeout_s * 1e3:
+                    raise StrategyFailed(f"strategy {name!r}, step {step}: the step took {times_ms[-1] / 1e3:.3g} s, "
+                                         f"more than the per-step timeout of {options.timeout_s:g} s")
                 step += 1
             mine[name].append(times_ms[1:])
+            if report is not None and rank == 0:
+                report({"strategy": name, "round": k + 1, "rounds": rounds,
+                        "step_ms": statistics.median(times_ms[1:])})
     per_rank = [mine]
     if world_size > 1:
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, mine)
     return {name: [statistics.median(max(ts) for ts in zip(*(r[name][k] for r in per_rank), strict=True))
                    for k in range(rounds)] for name in runs}
+
+
+def _with_ties(params: Mapping[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """`params` with every tied parameter also under the names of its ties: capture names a weight two
+    modules share by one of its names (GPT-2's token embedding and LM head), the reference by all."""
+    ties: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(p), []).append(name)
+    out = dict(params)
+    for names in ties.values():
+        held = next((n for n in names if n in params), None)
+        if held is not None:
+            out.update({n: params[held] for n in names})
+    return out
 
 
 def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], graph: Mapping[str, Any],
@@ -392,6 +426,7 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         gathered = _gather_params(executor, plan, rank)
         if gathered is not None:
             params, replica_diff = gathered
+            params = _with_ties(params, module)
             ref_losses, ref_params, initial = reference_train(build, g, strategy, options)
             result["verify"] = compare(losses, params, ref_losses[first_step:], ref_params, initial,
                                        dtype=options.dtype) | {"max_replica_abs_diff": replica_diff}
@@ -436,16 +471,17 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
                 _chunked_batchnorm(module.get_submodule(_batchnorm_module(graph, op.name)), degree)
     params = [p for p in module.parameters() if p.requires_grad]
     initial = {name: p.detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
-    optimizer = make_optimizer(params, options.setup)
+    optimizer = make_optimizer(params, options.setup) if params else None  # None: nothing to train, as a rank
     highs = integer_highs(graph, module)
     n_inputs = len(workload.inputs)
     losses = []
     for step in range(options.steps):
         batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
-        optimizer.zero_grad(set_to_none=True)
         loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs])
-        loss.backward()
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
         losses.append(float(loss.detach()))
     final = {name: p.detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
     return losses, final, initial

@@ -457,8 +457,10 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
     topology = read_topology(path)
     doc = json.loads(Path(path).read_text())
     cal = doc.get("calibration")
-    if not isinstance(cal, dict):
+    if cal is None:
         return None
+    if not isinstance(cal, dict):
+        raise ValueError(f"{os.fspath(path)!r}: calibration must be an object, got {cal!r}")
     if cal.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{os.fspath(path)!r}: unknown calibration format {cal.get('format')!r}; "
                          f"this soapflow reads {PROFILE_FORMAT!r}")
@@ -474,11 +476,18 @@ def read_profile(path: str | os.PathLike) -> MachineProfile | None:
             raise ValueError(f"{os.fspath(path)!r}: calibration.{what} must be a number, got {value!r}")
         return float(value)
 
+    def numbers(value: Any, what: str, *, depth: int = 1) -> dict[str, Any]:
+        """An object of numbers (`depth` 2: an object of objects of numbers)."""
+        if not isinstance(value, dict):
+            raise ValueError(f"{os.fspath(path)!r}: calibration.{what} must be an object, got {value!r}")
+        return {k: numbers(v, f"{what}.{k}", depth=depth - 1) if depth > 1 else number(v, f"{what}.{k}")
+                for k, v in value.items()}
+
     if not isinstance(comm, dict):
         raise ValueError(f"{os.fspath(path)!r}: calibration.comm_overhead must be an object, got {comm!r}")
-    return MachineProfile(topology=topology, efficiency=cal.get("efficiency", {}),
-                          bandwidth_efficiency=cal.get("bandwidth_efficiency", {}),
-                          launch_us=cal.get("launch_us", {}),
+    return MachineProfile(topology=topology, efficiency=numbers(cal.get("efficiency", {}), "efficiency", depth=2),
+                          bandwidth_efficiency=numbers(cal.get("bandwidth_efficiency", {}), "bandwidth_efficiency"),
+                          launch_us=numbers(cal.get("launch_us", {}), "launch_us"),
                           overhead_us=number(cal.get("overhead_us", 0.0), "overhead_us"),
                           compute_scale=number(cal.get("compute_scale", 1.0), "compute_scale"),
                           comm_overhead=CommOverhead(**{k: number(comm.get(k, 0.0), f"comm_overhead.{k}")

@@ -8,11 +8,11 @@ its output specs).
 
 FLOPs formulas (forward; `OpDef.backward_flops` is twice that for ops with parameters, once for the
 others): LSTM ``8 N T H (I + H)`` per layer (4 gates, an input and a hidden matmul per step, 2 FLOPs per
-multiply-add), attention ``4 N heads Tq Tk head_dim`` (the two matmuls; backward twice that);
-elementwise, binary and dropout 1 per output element, batch norm, layer norm and softmax 5, cross
-entropy 5 and mse 3 per logit, reduce and adaptive pooling 1 per input element, pooling one per window
-element, data movement 0. Convolution, linear, matmul, attention and opaque ops are `flops_counted`:
-capture counts them with torch.
+multiply-add), attention ``2 N heads Tq Tk (head_dim + value_dim)`` (the two matmuls; backward twice
+that); elementwise, binary and dropout 1 per output element, batch norm, layer norm and softmax 5, RMS
+norm 4, cross entropy 5 and mse 3 per logit, reduce and adaptive pooling 1 per input element, pooling one
+per window element, data movement (concat, stack, expand, repeat, ...) 0. Convolution, linear, matmul,
+attention and opaque ops are `flops_counted`: capture counts them with torch.
 
 Pure Python: must not import torch, the simulator, the search or the runtime.
 """
@@ -145,14 +145,17 @@ class Input(OpDef):
 
 
 class Constant(OpDef):
-    """A buffer of the model (attr `fqn`); every process holds it, so it exists on every device for free.
+    """A buffer of the model (attr `fqn`), or a value computed from buffers, literals and factories alone
+    (attr `recipe`: the calls that compute it, soap/capture/builder.py); every process holds or computes
+    it, so it exists on every device for free.
 
     dims: `d0`, `d1`.. (attribute), none splittable.
     """
 
     kind = "constant"
     captured_specially = ("one op per buffer an op reads, just before its first use (a batch norm's "
-                          "running statistics go to its attrs instead)")
+                          "running statistics go to its attrs instead), and one per value folded from "
+                          "shape-only computations (aranges, masks, position ids) that an op reads")
     run_specially = "fed: every rank holds the model's buffers whole"
     everywhere = True
 
@@ -246,17 +249,21 @@ class Conv2d(OpDef):
 
 
 class Linear(OpDef):
-    """y[N.., out] = x[N.., in] @ W[out, in]^T + b[out].
+    """y[N.., out] = x[N.., in] @ W[out, in]^T + b[out]; with attr `transposed` W is stored [in, out]
+    (y = b + x @ W: ``addmm`` of Hugging Face's ``Conv1D``, GPT-2).
 
-    dims: `sample` (axis 0), `d1`.. (middle axes, attribute), `out_features` (parameter: shards W rows
-    and b), `in_features` (reduction: shards x columns and W columns; parts hold partial sums, and only
-    the part with the first `in_features` chunk adds the bias).
+    dims: `sample` (axis 0), `d1`.. (middle axes, attribute), `out_features` (parameter: shards W's out
+    axis and b), `in_features` (reduction: shards x columns and W's in axis; parts hold partial sums, and
+    only the part with the first `in_features` chunk adds the bias).
     """
 
     kind = "linear"
-    captured_from = ("linear",)
+    captured_from = ("linear", "addmm")
     kernel = "linear"
     flops_counted = True
+
+    def in_features(self, op: Operator) -> int:
+        return op.params["weight"].shape[0 if op.attrs.get("transposed", False) else 1]
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = op.outputs[0].shape
@@ -265,7 +272,7 @@ class Linear(OpDef):
                 for a in range(1, len(shape) - 1)]
         out.append(DimSpec(name="out_features", kind=DimKind.PARAMETER, size=shape[-1],
                            out_axis=len(shape) - 1))
-        out.append(DimSpec(name="in_features", kind=DimKind.REDUCTION, size=op.params["weight"].shape[1],
+        out.append(DimSpec(name="in_features", kind=DimKind.REDUCTION, size=self.in_features(op),
                            out_axis=None))
         return tuple(out)
 
@@ -274,7 +281,7 @@ class Linear(OpDef):
 
     def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
         out_rng, in_rng = box[-2], box[-1]
-        regions = {"weight": (out_rng, in_rng)}
+        regions = {"weight": (in_rng, out_rng) if op.attrs.get("transposed", False) else (out_rng, in_rng)}
         if "bias" in op.params and in_rng[0] == 0:
             regions["bias"] = (out_rng,)
         return regions
@@ -284,14 +291,18 @@ class Linear(OpDef):
 
 
 class Matmul(OpDef):
-    """c[.., M, N] = a[.., M, K] @ b[.., K, N] (torch.matmul; leading axes broadcast, b may be 2-D).
+    """y[.., M, N] = `alpha` (a[.., M, K] @ b[.., K, N]) + `beta` c (torch.matmul, bmm, einsum products,
+    baddbmm, addmm of activations; leading axes broadcast, b may be 2-D).
 
-    dims: leading axes `sample`, `d1`..; `m`, `n` (attribute); `k` (reduction: parts hold partial sums).
-    Without leading axes `m` is of kind sample (the rows of a 2-D product are its batch).
+    attrs (each only where it applies): `transpose_a` (a is stored [.., K, M]), `transpose_b` (b is
+    stored [.., N, K]), `alpha` (default 1), `beta` with a third input c broadcasting to y.
+    dims: leading axes `sample`, `d1`..; `m`, `n` (attribute); `k` (reduction: parts hold partial sums,
+    and only the parts with the first `k` chunk read and add c). Without leading axes `m` is of kind
+    sample (the rows of a 2-D product are its batch).
     """
 
     kind = "matmul"
-    captured_from = ("matmul", "bmm", "mm")
+    captured_from = ("matmul", "bmm", "mm", "baddbmm", "einsum", "addmm")
     kernel = "matmul"
     flops_counted = True
 
@@ -302,14 +313,20 @@ class Matmul(OpDef):
         out.append(DimSpec(name="m", kind=DimKind.SAMPLE if nd == 2 else DimKind.ATTRIBUTE,
                            size=shape[-2], out_axis=nd - 2))
         out.append(DimSpec(name="n", kind=DimKind.ATTRIBUTE, size=shape[-1], out_axis=nd - 1))
-        out.append(DimSpec(name="k", kind=DimKind.REDUCTION, size=input_shape(op, 0)[-1], out_axis=None))
+        k = input_shape(op, 0)[-2 if op.attrs.get("transpose_a", False) else -1]
+        out.append(DimSpec(name="k", kind=DimKind.REDUCTION, size=k, out_axis=None))
         return tuple(out)
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         lead, m, n, k = tuple(box[:-3]), box[-3], box[-2], box[-1]
         a_shape, b_shape = input_shape(op, 0), input_shape(op, 1)
-        return (broadcast_region(a_shape[:-2], lead) + (m, k),
-                broadcast_region(b_shape[:-2], lead) + (k, n))
+        a = (k, m) if op.attrs.get("transpose_a", False) else (m, k)
+        b = (n, k) if op.attrs.get("transpose_b", False) else (k, n)
+        regions: tuple[Region | None, ...] = (broadcast_region(a_shape[:-2], lead) + a,
+                                              broadcast_region(b_shape[:-2], lead) + b)
+        if len(op.inputs) > 2:
+            regions += (broadcast_region(input_shape(op, 2), lead + (m, n)) if k[0] == 0 else None,)
+        return regions
 
     def flops(self, op: Operator) -> float | None:
         return None  # no formula: the counter's figures stand
@@ -364,6 +381,27 @@ class LayerNorm(_AxisOp):
 
     def flops(self, op: Operator) -> float:
         return 5.0 * output_numel(op)
+
+
+class RMSNorm(_AxisOp):
+    """y = x / sqrt(mean(x^2 over the normalized axes) + `eps`) * weight (F.rms_norm, and the hand-written
+    Llama pattern capture fuses); attrs `normalized_shape`, `eps` (None: the dtype's machine epsilon, as
+    torch); weight optional.
+
+    dims: leading axes `sample`, `d1`.. splittable; the normalized (trailing) axes not splittable.
+    """
+
+    kind = "rmsnorm"
+    # mul: the last op of the hand-written pattern, which capture fuses (soap/capture/builder.py)
+    captured_from = ("rms_norm", "mul")
+    kernel = "rmsnorm"
+
+    def fixed_axes(self, op: Operator) -> tuple[int, ...]:
+        nd = len(op.outputs[0].shape)
+        return tuple(range(nd - len(op.attrs["normalized_shape"]), nd))
+
+    def flops(self, op: Operator) -> float:
+        return 4.0 * output_numel(op)  # square, sum, scale by the root, weight
 
 
 class Embedding(OpDef):
@@ -433,11 +471,18 @@ class LSTM(OpDef):
 
 
 class Attention(OpDef):
-    """o[N, heads, T, hd] = softmax(q k^T * scale (+ causal mask)) v, with q, k, v [N, heads, T, hd].
+    """o[N, Hq, Tq, dv] = softmax(q k^T * scale + mask) v, fused (F.scaled_dot_product_attention), with
+    q [N, Hq, Tq, d], k [N, Hkv, Tk, d], v [N, Hkv, Tk, dv].
 
-    attrs: `is_causal` (top-left aligned, as torch), `scale` (None = 1/sqrt(hd)).
-    dims: `sample`, `heads` (attribute), `seq` (attribute: the part reads its rows of q and all of k and v),
-    `head_dim` (not splittable).
+    inputs: q, k, v, and optionally the mask: boolean (True keeps a key) or float (added to the scores), of
+    a shape that broadcasts to the scores [N, Hq, Tq, Tk]. attrs: `is_causal` (top-left aligned, as torch;
+    never with a mask), `scale` (None = 1/sqrt(d)). Grouped-query (and multi-query) attention: k and v
+    may have fewer heads Hkv, dividing Hq; query head h reads kv head h // (Hq / Hkv).
+    dims: `sample`; `heads` (attribute: a part reads its query heads, the kv heads of their groups and its
+    heads of the mask, so q, k and v split on heads need no communication); `seq` (attribute, the query
+    rows: a part reads its rows of q and of the mask and all of k and v; its causal mask starts at its
+    first row); `head_dim` (the output's dv) not splittable. The kernel is fused: it keeps no Tq x Tk
+    scores, so a part's activations are its output alone.
     """
 
     kind = "attention"
@@ -452,16 +497,39 @@ class Attention(OpDef):
                 DimSpec(name="seq", kind=DimKind.ATTRIBUTE, size=t, out_axis=2),
                 DimSpec(name="head_dim", kind=DimKind.ATTRIBUTE, size=hd, out_axis=3, splittable=False))
 
+    def group(self, op: Operator) -> int:
+        """Query heads per kv head (1 without grouped-query attention)."""
+        return input_shape(op, 0)[1] // input_shape(op, 1)[1]
+
+    def check(self, op: Operator, degrees: Mapping[str, int]) -> str | None:
+        """With grouped-query attention a heads split must keep each group of query heads with its kv
+        head: every part holds whole groups, or lies inside one group."""
+        reason = super().check(op, degrees)
+        degree, group = degrees.get("heads", 1), self.group(op)
+        if reason is None and degree > 1 and group > 1:
+            heads = op.outputs[0].shape[1]
+            chunk = heads // degree
+            if chunk % group and group % chunk:
+                reason = (f"attention with {heads} query heads in groups of {group} per kv head cannot split "
+                          f"'heads' {degree} ways: chunks of {chunk} heads straddle groups")
+        return reason
+
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         q, k, v = (input_shape(op, i) for i in range(3))
         n, h, s = box[0], box[1], box[2]
-        return ((n, h, s, (0, q[3])), (n, h, (0, k[2]), (0, k[3])), (n, h, (0, v[2]), (0, v[3])))
+        group = self.group(op)
+        kv = (h[0] // group, (h[1] - 1) // group + 1)
+        regions: tuple[Region | None, ...] = (
+            (n, h, s, (0, q[3])), (n, kv, (0, k[2]), (0, k[3])), (n, kv, (0, v[2]), (0, v[3])))
+        if len(op.inputs) > 3:
+            regions += (broadcast_region(input_shape(op, 3), (n, h, s, (0, k[2]))),)
+        return regions
 
     def flops(self, op: Operator) -> float:
-        # q k^T and the product with v: 2 N heads Tq Tk head_dim each
+        # q k^T and the product with v: 2 N heads Tq Tk d and 2 N heads Tq Tk dv
         n, heads, tq, head_dim = input_shape(op, 0)
-        tk = input_shape(op, 1)[2]
-        return 4.0 * n * heads * tq * tk * head_dim
+        tk, value_dim = input_shape(op, 1)[2], input_shape(op, 2)[3]
+        return 2.0 * n * heads * tq * tk * (head_dim + value_dim)
 
     def backward_flops(self, op: Operator, fwd_flops: float) -> float:
         return 2.0 * fwd_flops  # the gradients of q, k and v: twice the two matmuls
@@ -537,16 +605,16 @@ class AdaptivePool2d(OpDef):
 
 class Elementwise(_AxisOp):
     """y = fn(x) elementwise. attrs: `fn` in relu, gelu (`approximate`), tanh, sigmoid, silu, neg, exp,
-    identity, scale (x * `scalar`), add_scalar (x + `scalar`), pow_scalar (x ** `scalar`), rsub_scalar
-    (`scalar` - x).
+    rsqrt, identity (also a copy or a ``to`` that keeps the dtype), scale (x * `scalar`), add_scalar
+    (x + `scalar`), pow_scalar (x ** `scalar`), rsub_scalar (`scalar` - x).
 
     dims: `sample`, `d1`.. all splittable.
     """
 
     kind = "elementwise"
     # the scalar forms of the arithmetic ops (x + 2.0) are elementwise; their tensor forms are binary
-    captured_from = ("relu", "gelu", "tanh", "sigmoid", "silu", "neg", "exp", "clone", "alias", "contiguous",
-                     "add", "sub", "mul", "div", "rsub", "pow")
+    captured_from = ("relu", "gelu", "tanh", "sigmoid", "silu", "neg", "exp", "rsqrt", "clone", "alias",
+                     "contiguous", "to", "_to_copy", "add", "sub", "mul", "div", "rsub", "pow")
     kernel = "elementwise"
 
     def flops(self, op: Operator) -> float:
@@ -618,7 +686,8 @@ class Reduce(OpDef):
 
 
 class Concat(OpDef):
-    """y = cat(x0, x1, .., dim=`axis`).
+    """y = cat(x0, x1, .., dim=`axis`). A 1-D empty input (which torch.cat skips whatever the others'
+    shapes; capture leaves them out) is read whole.
 
     dims: the output axes `sample`, `d1`..; the concat axis is not splittable.
     """
@@ -637,10 +706,85 @@ class Concat(OpDef):
         axis = self.axis(op)
         out = []
         for i in range(len(op.inputs)):
+            shape = input_shape(op, i)
+            if len(shape) != len(box):
+                out.append(full_region(shape))
+                continue
             region = list(box)
-            region[axis] = (0, input_shape(op, i)[axis])
+            region[axis] = (0, shape[axis])
             out.append(tuple(region))
         return tuple(out)
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
+
+class Stack(OpDef):
+    """y = stack(x0, x1, .., dim=`axis`): inputs of one shape along a new axis.
+
+    dims: the output axes `sample`, `d1`..; the new axis is not splittable.
+    """
+
+    kind = "stack"
+    captured_from = ("stack",)
+    kernel = "stack"
+
+    def axis(self, op: Operator) -> int:
+        return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape, fixed=(self.axis(op),)))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        axis = self.axis(op)
+        region = tuple(box[:axis]) + tuple(box[axis + 1:])
+        return tuple(region for _ in op.inputs)
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
+
+class Expand(OpDef):
+    """y = x.expand(`shape`): x's axes of size 1 (and new leading axes) repeated to `shape` (a view in torch,
+    as in the ``repeat_kv`` of grouped-query attention: ``k[:, :, None].expand(..)`` then a reshape).
+
+    dims: the output axes `sample`, `d1`.., all splittable; a part reads x's one row along an expanded axis.
+    """
+
+    kind = "expand"
+    captured_from = ("expand",)
+    kernel = "expand"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (broadcast_region(input_shape(op, 0), tuple(box)),)
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
+
+class Repeat(OpDef):
+    """y = x.repeat_interleave(`repeats`, dim=`axis`): every row of x along `axis` repeated in place,
+    y[.., i, ..] = x[.., i // repeats, ..] (the other ``repeat_kv`` of grouped-query attention).
+
+    dims: the output axes `sample`, `d1`.., all splittable; a part reads the rows of x its rows repeat.
+    """
+
+    kind = "repeat"
+    captured_from = ("repeat_interleave",)
+    kernel = "repeat"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        axis, repeats = int(op.attrs["axis"]), int(op.attrs["repeats"])
+        region = list(box)
+        lo, hi = box[axis]
+        region[axis] = (lo // repeats, (hi - 1) // repeats + 1)
+        return (tuple(region),)
 
     def flops(self, op: Operator) -> float:
         return 0.0  # data movement
@@ -948,7 +1092,8 @@ class Opaque(OpDef):
         return None  # no formula: the counter's figures stand
 
 
-for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), Embedding(),
+for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), RMSNorm(), Embedding(),
                LSTM(), Attention(), Pool2d(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(),
-               Split(), Slice(), Reshape(), Transpose(), Softmax(), Dropout(), Loss(), Opaque()):
+               Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(), Transpose(), Softmax(), Dropout(), Loss(),
+               Opaque()):
     register(_entry)

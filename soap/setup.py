@@ -20,6 +20,7 @@ Pure Python: must not import torch, the simulator, the search or the runtime.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ PRECISIONS = ("fp32",)
 # gradient and state), per optimizer: SGD reads parameter and gradient and writes the parameter (3), with
 # momentum it also reads and writes the momentum buffer (5); AdamW reads parameter, gradient and both
 # moments and writes parameter and moments (7).
+_NUMBERS = ("lr", "momentum", "weight_decay", "bucket_mb")  # the fields that hold numbers
 _UPDATE_PASSES = {("sgd", False): 3, ("sgd", True): 5, ("adamw", False): 7, ("adamw", True): 7}
 
 
@@ -45,6 +47,10 @@ class TrainSetup:
     bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         if self.precision not in PRECISIONS:

@@ -175,8 +175,11 @@ def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices
         if not isinstance(entry, dict) or not isinstance(entry.get("devices"), list):
             raise StrategyError(f"{source}: op {name!r} needs {{'degrees': {{...}}, 'devices': [...]}}")
         degrees = entry.get("degrees", {})
-        if not isinstance(degrees, dict) or not all(isinstance(v, int) for v in degrees.values()):
+        if not isinstance(degrees, dict) or not all(_is_integer(v) for v in degrees.values()):
             raise StrategyError(f"{source}: op {name!r} has degrees {degrees!r}; expected {{dim: integer}}")
+        if not all(_is_integer(d) for d in entry["devices"]):
+            raise StrategyError(f"{source}: op {name!r} has devices {entry['devices']!r}; expected a list of "
+                                "device ids (integers)")
         try:
             cfg = ParallelConfig(degrees=degrees, devices=tuple(entry["devices"]))
         except (ValueError, TypeError) as exc:
@@ -195,6 +198,10 @@ def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices
         for name in missing:
             configs[name] = default[name]
     return Strategy({op.name: configs[op.name] for op in graph})
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def load_strategy(path: str | os.PathLike, graph: OperatorGraph, num_devices: int, *,

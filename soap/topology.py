@@ -34,7 +34,8 @@ restricted to GPUs 0..M-1. P100/V100/K80 nodes have one NIC; NVSwitch nodes one 
 node's uplink carries M times the InfiniBand rate. A GPU reaches its node's NIC in one ``nic`` hop (K80:
 through ``nodeK.pcie``). ``cpu-N``: N local processes on node 0, each linked to ``node0.loopback``. A
 single node has no NIC.
-The FlexFlow paper's clusters are ``p100-4x4`` and ``k80-16x4``. Figures come from `soap.devices`.
+The FlexFlow paper's clusters are ``p100-4x4`` and ``k80-16x4``. Figures come from `soap.devices`. A
+topology, preset or file, has at most `MAX_DEVICES` devices.
 
 Topology file (JSON; a machine profile written by calibration is the same format)::
 
@@ -62,6 +63,7 @@ import functools
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -75,6 +77,9 @@ from soap.devices import DEVICE_SPECS, DTYPES, LINK_SPECS, device_spec
 from soap.files import read_json, write_json
 
 FORMAT = "soapflow.topology/1"
+# The most devices a topology (preset or file) may have. The simulator keeps state per device and the
+# search enumerates device sets per op: far beyond this, a command spends minutes before it reports anything.
+MAX_DEVICES = 16384
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "nic", "network", "loopback")
 # kinds whose two directions between the same endpoints share one capacity: a host's loopback between
 # processes is memory copies by the same cores, so bytes going both ways at once take as long as their sum
@@ -373,7 +378,7 @@ def _check_ids(name: str, devices: tuple[Device, ...], links: tuple[Link, ...]) 
     if not devices:
         raise TopologyError(f"topology {name!r} has no devices")
     ids = [d.id for d in devices]
-    dup = sorted({i for i in ids if ids.count(i) > 1})
+    dup = sorted(i for i, n in Counter(ids).items() if n > 1)
     if dup:
         raise TopologyError(f"duplicate device id(s) {dup}")
     if ids != list(range(len(ids))):
@@ -543,6 +548,8 @@ def _from_dict(doc: Any) -> DeviceTopology:
         raise ValueError("'devices' must be a non-empty list")
     if not isinstance(raw_links, list):
         raise ValueError("'links' must be a list")
+    if len(raw_devices) > MAX_DEVICES:
+        raise ValueError(f"{len(raw_devices):,} devices; soapflow models at most {MAX_DEVICES:,}")
     devices = [_device_from_dict(_entry(e, f"device entry {k}", _DEVICE_KEYS), f"device entry {k}")
                for k, e in enumerate(raw_devices)]
     links: list[Link] = []
@@ -604,6 +611,11 @@ def _nvlink_pairs(kind: str, m: int) -> dict[tuple[int, int], int]:
     return {(a, b): n for (a, b), n in table.items() if b < m}
 
 
+def _check_size(name: str, num_devices: int) -> None:
+    if num_devices > MAX_DEVICES:
+        raise TopologyError(f"{name}: {num_devices:,} devices; soapflow models at most {MAX_DEVICES:,}")
+
+
 def build_preset(kind: str, *, num_nodes: int, devices_per_node: int, name: str = "") -> DeviceTopology:
     """The preset `KIND-NxM` (or `cpu-M` with num_nodes=1); `TopologyError` for an impossible machine."""
     name = name or (f"cpu-{devices_per_node}" if kind == "cpu" else f"{kind}-{num_nodes}x{devices_per_node}")
@@ -622,6 +634,7 @@ def build_preset(kind: str, *, num_nodes: int, devices_per_node: int, name: str 
     if kind == "cpu":
         if num_nodes != 1:
             raise TopologyError(f"{name}: cpu presets are local processes on one node (cpu-N)")
+        _check_size(name, m)
         devices = [Device.of_kind("cpu", id=i, node=0) for i in range(m)]
         for d in devices if m > 1 else ():
             connect(d.endpoint, "node0.loopback", "loopback", "loopback")
@@ -632,6 +645,7 @@ def build_preset(kind: str, *, num_nodes: int, devices_per_node: int, name: str 
     if m > wiring.max_per_node:
         raise TopologyError(f"{name}: a {kind} node holds at most {wiring.max_per_node} GPUs "
                             f"({wiring.machine})")
+    _check_size(name, num_nodes * m)
     devices = [Device.of_kind(kind, id=n * m + i, node=n) for n in range(num_nodes) for i in range(m)]
     for n in range(num_nodes):
         gpus = [f"gpu{n * m + i}" for i in range(m)]

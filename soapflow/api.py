@@ -16,7 +16,7 @@ from soap.graph import OperatorGraph
 from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, load_strategy, validate_strategy
 from soap.topology import DeviceTopology, load_topology
-from soapflow.models import ModelSpec, default_loss, load_model
+from soapflow.models import ModelError, ModelSpec, default_loss, load_model
 
 __all__ = [
     "BASELINES", "BaselineNotApplicable", "ModelSpec", "TrainSetup", "capture_model", "load_model",
@@ -29,6 +29,10 @@ def capture_model(ref: str, *, batch_size: int | None = None) -> tuple[ModelSpec
     spec = load_model(ref, batch_size)
     graph = capture(spec.module, spec.inputs, spec.target, spec.loss_fn or default_loss,
                     name=spec.name, batch_size=spec.batch_size)
+    loss = graph.ops[-1].output
+    if loss.numel != 1:
+        raise ModelError(f"the loss of model {ref!r} must be a scalar, got a tensor of shape "
+                         f"{'x'.join(map(str, loss.shape))}")
     return spec, graph
 
 

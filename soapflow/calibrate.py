@@ -140,9 +140,10 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
     slopes (see `StepSample`)."""
     kwargs = {"build": functools.partial(build_workload, ref, graph.batch_size), "graph": graph.to_dict(),
               "strategies": {name: {n: cfg.to_dict() for n, cfg in st.items()} for name, st in strategies.items()},
-              "steps": steps, "rounds": rounds, "options": TrainOptions(setup=setup)}
+              "steps": steps, "rounds": rounds, "options": TrainOptions(setup=setup, timeout_s=timeout_s)}
+    # `timeout_s` bounds each step (time_strategies), not the whole job
     measured = launch(time_strategies, nproc, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
-                      wall_timeout_s=timeout_s, num_threads=1)[0]
+                      num_threads=1)[0]
     one = {"exchange_us": CommOverhead(exchange_us=1e3), "sync_us": CommOverhead(sync_us=1e3),
            "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0), "exchange_gb": CommOverhead(exchange_ms_per_gb=1.0)}
     out = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings
@@ -231,6 +232,7 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
 def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
     from soapflow.optimize import compare
     from soapflow.report import compare_text
+    from soapflow.tables import write_csv
 
     if args.repeats < 1:
         raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
@@ -240,6 +242,9 @@ def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
     text = compare_text(out)
     if args.plot:
         text += f"\nbar chart written to {args.plot}"
+    if args.csv:
+        write_csv(args.csv, out["rows"])
+        text += f"\nrows written to {args.csv}"
     return out, text
 
 
@@ -293,18 +298,23 @@ def cmd_calibrate(args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_validate(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow.tables import write_csv
     from soapflow.validate import validate, validate_text
 
     setup = train_setup(args)
     bar = Progress("validating", enabled=None if not args.json else False)
     try:
         out = validate(args.model, args.topology, strategies=args.strategies, seed=args.seed, steps=args.steps,
-                       batch=args.batch, plot=args.plot, progress=bar, costdb=args.costdb, setup=setup)
+                       batch=args.batch, plot=args.plot, progress=bar, costdb=args.costdb, setup=setup,
+                       **({} if args.timeout is None else {"timeout_s": args.timeout}))
     finally:
         bar.close()
     text = validate_text(out)
     if args.plot:
         text += f"\nscatter plot written to {args.plot}"
+    if args.csv:
+        write_csv(args.csv, out["rows"])
+        text += f"\nrows written to {args.csv}"
     return out, text
 
 
@@ -357,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="run the chains in N processes")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="strategy file to write (default: strategy-MODEL-TOPOLOGY.json)")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the convergence curve")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the convergence curve (needs matplotlib)")
     p.add_argument("--measure-rounds", type=int, default=0, metavar="N",
                    help="with -t a machine profile of this machine: time the op parts of the best strategy and "
                         "the baselines that its cost database lacks, then search again; up to N rounds")
@@ -377,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="steps per measured run (default: 10)")
     p.add_argument("--repeats", type=int, default=1,
                    help="measured runs per strategy, interleaved; the median is shown (default: 1)")
-    p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart of the strategies")
+    p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart of the strategies (needs matplotlib)")
+    p.add_argument("--csv", metavar="FILE", help="also write the rows (those of --json) as CSV")
     _costdb_arg(p)
     _setup_args(p)
 
@@ -413,7 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", type=int, default=8, metavar="K", help="strategies per model (default: 8)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per round (default: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random strategies")
-    p.add_argument("--plot", metavar="FILE.png", help="scatter plot of predicted against measured")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="fail a training step (or a wait for another process) that takes longer; the whole run "
+                        "has no limit (default: 600)")
+    p.add_argument("--plot", metavar="FILE.png", help="scatter plot of predicted against measured (needs matplotlib)")
+    p.add_argument("--csv", metavar="FILE", help="also write the rows (those of --json) as CSV")
     _costdb_arg(p)
     _setup_args(p)
     return parser
@@ -472,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.showwarning = _show_warning
     try:
+        _check_output_paths(args)
         out, text = COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("soapflow: interrupted", file=sys.stderr)
@@ -485,11 +501,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     if out.get("rank") not in (None, 0):
         return 0  # under torchrun every rank runs the command; rank 0 speaks for the job
-    if args.json:
-        print(json.dumps(out, default=_json_default))
-    else:
-        print(text)
+    try:
+        print(json.dumps(out, default=_json_default) if args.json else text, flush=True)
+    except BrokenPipeError:  # the reader left (`soapflow ... | head`): no more output, as other tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
+        return 141  # 128 + SIGPIPE, the shell's code for a writer whose reader left
     return 0
+
+
+# The flags that name a file to write, checked before a command spends minutes and then cannot write it.
+_OUTPUT_FLAGS = {"output": "-o/--output", "trace": "--trace", "plot": "--plot", "csv": "--csv"}
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    for dest, flag in _OUTPUT_FLAGS.items():
+        path = getattr(args, dest, None)
+        if path is not None and os.path.isdir(path):
+            raise CommandError(f"{flag} {path!r} is a directory; give a file name")
 
 
 def _error(exc: BaseException) -> int:

@@ -1,7 +1,9 @@
 """Resolving a MODEL reference: a zoo name, `path/to/file.py:function` or `package.module:function`.
 
 The function takes the batch size and returns `(module, (inputs, target))` or
-`(module, (inputs, target), loss_fn)`; `inputs` is a tensor or a tuple of tensors (the forward args).
+`(module, (inputs, target), loss_fn)`; `inputs` is a tensor or a tuple of tensors (the forward args). The
+first dim of every input and of the target is the batch (the sample dim of the op registry); the loss
+(`soapflow.api.capture_model` checks it) is a scalar.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _load_function(ref: str) -> Callable:
         sys.modules[mod_name] = module
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a script that calls sys.exit() on import, too
             raise ModelError(f"importing {location!r} failed: {type(exc).__name__}: {exc}") from None
     else:
         try:
@@ -99,7 +101,7 @@ def load_model(ref: str, batch_size: int | None = None) -> ModelSpec:
     torch.manual_seed(0)
     try:
         result = func(batch)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise ModelError(f"model function {ref!r} failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise ModelError(f"model function {ref!r} must return (module, (inputs, target)) "
@@ -116,5 +118,11 @@ def load_model(ref: str, batch_size: int | None = None) -> ModelSpec:
         raise ModelError(f"model function {ref!r}: inputs and target must be tensors")
     if loss_fn is not None and not callable(loss_fn):
         raise ModelError(f"model function {ref!r}: the loss must be callable")
+    # The sample dim of every batch tensor is its first (docs/architecture.md, 4: the registry's dims).
+    shapes = ["x".join(map(str, t.shape)) or "scalar" for t in (*inputs, target)
+              if t.dim() == 0 or t.shape[0] != batch]
+    if shapes:
+        raise ModelError(f"model function {ref!r} was asked for batch {batch} but returned tensors of shape "
+                         f"{', '.join(shapes)}; the first dim of every input and of the target must be the batch")
     return ModelSpec(name=name, module=module, inputs=inputs, target=target, loss_fn=loss_fn,
                      batch_size=batch, reference=ref)

@@ -23,8 +23,9 @@ measured times beside the simulated ones.
 Both return plain JSON-able dicts whose keys the README lists as stable (`optimize`: best
 {iteration_time_ms, strategy_file}, baselines, speedup_vs_dp, num_proposals, proposals_per_s, elapsed_s,
 history; `compare`: rows of {strategy, simulated_ms, measured_ms, error, speedup_vs_dp}).
-`soapflow.report` turns them into the text the command prints and, with `plot`, into a PNG: the
-convergence of the best for `optimize`, simulated and measured times side by side for `compare`.
+`soapflow.report` turns them into the text the command prints and, with `plot`, into a PNG drawn with
+matplotlib (the optional extra `plot`, checked for before any work): the convergence of the best for
+`optimize`, simulated and measured times side by side for `compare`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from soap.setup import TrainSetup
 from soap.strategy import save_strategy
 from soap.topology import DeviceTopology, load_topology
 from soapflow.api import capture_model, resolve_strategy
+from soapflow.plot import require_matplotlib
 from soapflow.report import strategy_summary, write_compare_plot, write_convergence_plot
 
 DEFAULT_BUDGET_S = 60.0
@@ -83,6 +85,8 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     module docstring) runs each candidate `confirm_runs` times for `confirm_steps` steps.
     """
     check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
+    if plot is not None:
+        require_matplotlib()  # before the search, not after it
     setup = setup if setup is not None else TrainSetup()
     if confirm_runs < 0 or confirm_steps < 1:
         raise ValueError(f"--confirm-runs must be >= 0 and its steps >= 1, got {confirm_runs}, {confirm_steps}")
@@ -263,6 +267,8 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
     refs = list(dict.fromkeys([*(BASELINES if baselines else ()), *(strategies or ())]))  # each once
     if not refs:
         raise ValueError("compare needs at least one strategy")
+    if plot is not None:
+        require_matplotlib()
     setup = setup if setup is not None else TrainSetup()
     topology, cost_model = topology_and_cost_model(topology_ref, cost_model)
     nproc = None

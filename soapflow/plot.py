@@ -1,231 +1,121 @@
-"""Tiny PNG charts without matplotlib: a line chart (search convergence) and a grouped bar chart (compare).
+"""Charts as PNG files, drawn with matplotlib: a line chart (a search's convergence), a grouped bar chart
+(`compare`) and a scatter of predicted against measured times (`validate`).
 
-Owns an RGB `Canvas` with lines, rectangles and 5x7 bitmap text, the two chart layouts, and the PNG
-encoder (zlib + struct: signature, IHDR, one IDAT of unfiltered rows, IEND; PNG spec, W3C 2003). Pure
-Python; imports nothing from the rest of the project.
+matplotlib is the optional extra `plot` (``pip install 'soapflow[plot]'``). It is imported only here and
+only when a chart is asked for; `require_matplotlib` is what a command calls before any work when it has a
+plot to write, so that a missing matplotlib is one line naming the extra rather than a traceback after a
+long run. Figures are drawn off screen on the Agg canvas (no display, no pyplot and its global state).
+
+Imports nothing from the rest of the project.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import struct
-import zlib
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
-Color = tuple[int, int, int]
-WHITE, BLACK, GREY, LIGHT = (255, 255, 255), (0, 0, 0), (120, 120, 120), (225, 225, 225)
-PALETTE: tuple[Color, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-                              (140, 86, 75), (227, 119, 194), (127, 127, 127))
-
-# 5x7 glyphs, one string of 7 rows of 5 bits each; lower case letters draw as upper case.
-_FONT_ROWS = {
-    "0": "01110 10001 10011 10101 11001 10001 01110", "1": "00100 01100 00100 00100 00100 00100 01110",
-    "2": "01110 10001 00001 00010 00100 01000 11111", "3": "11111 00010 00100 00010 00001 10001 01110",
-    "4": "00010 00110 01010 10010 11111 00010 00010", "5": "11111 10000 11110 00001 00001 10001 01110",
-    "6": "00110 01000 10000 11110 10001 10001 01110", "7": "11111 00001 00010 00100 01000 01000 01000",
-    "8": "01110 10001 10001 01110 10001 10001 01110", "9": "01110 10001 10001 01111 00001 00010 01100",
-    "A": "01110 10001 10001 11111 10001 10001 10001", "B": "11110 10001 10001 11110 10001 10001 11110",
-    "C": "01110 10001 10000 10000 10000 10001 01110", "D": "11100 10010 10001 10001 10001 10010 11100",
-    "E": "11111 10000 10000 11110 10000 10000 11111", "F": "11111 10000 10000 11110 10000 10000 10000",
-    "G": "01110 10001 10000 10111 10001 10001 01111", "H": "10001 10001 10001 11111 10001 10001 10001",
-    "I": "01110 00100 00100 00100 00100 00100 01110", "J": "00111 00010 00010 00010 00010 10010 01100",
-    "K": "10001 10010 10100 11000 10100 10010 10001", "L": "10000 10000 10000 10000 10000 10000 11111",
-    "M": "10001 11011 10101 10101 10001 10001 10001", "N": "10001 10001 11001 10101 10011 10001 10001",
-    "O": "01110 10001 10001 10001 10001 10001 01110", "P": "11110 10001 10001 11110 10000 10000 10000",
-    "Q": "01110 10001 10001 10001 10101 10010 01101", "R": "11110 10001 10001 11110 10100 10010 10001",
-    "S": "01111 10000 10000 01110 00001 00001 11110", "T": "11111 00100 00100 00100 00100 00100 00100",
-    "U": "10001 10001 10001 10001 10001 10001 01110", "V": "10001 10001 10001 10001 10001 01010 00100",
-    "W": "10001 10001 10001 10101 10101 10101 01010", "X": "10001 10001 01010 00100 01010 10001 10001",
-    "Y": "10001 10001 10001 01010 00100 00100 00100", "Z": "11111 00001 00010 00100 01000 10000 11111",
-    ".": "00000 00000 00000 00000 00000 01100 01100", "-": "00000 00000 00000 11111 00000 00000 00000",
-    "_": "00000 00000 00000 00000 00000 00000 11111", ":": "00000 01100 01100 00000 01100 01100 00000",
-    "/": "00000 00001 00010 00100 01000 10000 00000", "(": "00010 00100 01000 01000 01000 00100 00010",
-    ")": "01000 00100 00010 00010 00010 00100 01000", "%": "11000 11001 00010 00100 01000 10011 00011",
-    ",": "00000 00000 00000 00000 01100 00100 01000", "=": "00000 00000 11111 00000 11111 00000 00000",
-    "+": "00000 00100 00100 11111 00100 00100 00000", " ": "00000 00000 00000 00000 00000 00000 00000",
-}
-_FONT = {ch: tuple(int(row, 2) for row in rows.split()) for ch, rows in _FONT_ROWS.items()}
-_UNKNOWN = (0b11111, 0b10001, 0b10001, 0b10001, 0b10001, 0b10001, 0b11111)
+INSTALL_HINT = "pip install 'soapflow[plot]'"
+SIZE_IN = (7.2, 4.2)  # width, height in inches; at DPI, 864 x 504 pixels
+DPI = 120
 
 
-class Canvas:
-    """An RGB image, (0, 0) at the top left."""
-
-    def __init__(self, width: int, height: int, background: Color = WHITE):
-        self.width, self.height = width, height
-        self.pixels = bytearray(bytes(background) * (width * height))
-
-    def set(self, x: int, y: int, color: Color) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            i = 3 * (y * self.width + x)
-            self.pixels[i:i + 3] = bytes(color)
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color: Color) -> None:
-        """Fill the rectangle with corners (x0, y0) and (x1, y1), both included."""
-        x0, x1 = sorted((max(0, x0), min(self.width - 1, x1)))
-        y0, y1 = sorted((max(0, y0), min(self.height - 1, y1)))
-        row = bytes(color) * (x1 - x0 + 1)
-        for y in range(y0, y1 + 1):
-            i = 3 * (y * self.width + x0)
-            self.pixels[i:i + len(row)] = row
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, color: Color, width: int = 1) -> None:
-        """Bresenham's line, `width` pixels thick (a square brush)."""
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        err = dx + dy
-        lo = -(width // 2)
-        while True:
-            for ox in range(lo, lo + width):
-                for oy in range(lo, lo + width):
-                    self.set(x0 + ox, y0 + oy, color)
-            if x0 == x1 and y0 == y1:
-                return
-            e2 = 2 * err
-            if e2 >= dy:
-                err, x0 = err + dy, x0 + sx
-            if e2 <= dx:
-                err, y0 = err + dx, y0 + sy
-
-    def text(self, x: int, y: int, s: str, color: Color = BLACK, scale: int = 1, anchor: str = "left") -> None:
-        """Draw `s` with its top at y; `anchor` left, center or right places x."""
-        w = text_width(s, scale)
-        x -= {"left": 0, "center": w // 2, "right": w}[anchor]
-        for ch in s:
-            glyph = _FONT.get(ch.upper(), _UNKNOWN)
-            for r, bits in enumerate(glyph):
-                for c in range(5):
-                    if bits >> (4 - c) & 1:
-                        self.rect(x + c * scale, y + r * scale, x + (c + 1) * scale - 1, y + (r + 1) * scale - 1,
-                                  color)
-            x += 6 * scale
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.pixels[3 * y * self.width:3 * (y + 1) * self.width])
-                       for y in range(self.height))
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-                + chunk(b"IEND", b""))
-
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_bytes(self.png())
+class PlotUnavailable(ValueError):
+    """A plot was asked for and matplotlib is not installed."""
 
 
-def text_width(s: str, scale: int = 1) -> int:
-    return max(0, 6 * len(s) - 1) * scale
+def require_matplotlib() -> None:
+    """Raise `PlotUnavailable` (one line, naming the extra to install) if matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailable(f"--plot needs matplotlib, which is not installed: {INSTALL_HINT}") from None
 
 
-def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About `count` round tick values covering [lo, hi] (steps of 1, 2 or 5 times a power of ten)."""
-    if not hi > lo:
-        hi = lo + (abs(lo) or 1.0)
-    raw = (hi - lo) / count
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-    return [round(k * step, 12) for k in range(first, max(last, first + 1) + 1)]
+def _figure(size_in: tuple[float, float] = SIZE_IN) -> tuple[Any, Any]:
+    """A figure on an Agg canvas and its one axes."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size_in, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.grid(True, color="0.9")
+    ax.set_axisbelow(True)
+    return fig, ax
 
 
-def _label(v: float) -> str:
-    return f"{v:.4g}"
-
-
-class _Frame:
-    """The plot area of a chart and the mapping from data to pixels."""
-
-    def __init__(self, canvas: Canvas, left: int, top: int, right: int, bottom: int,
-                 x_ticks: Sequence[float], y_ticks: Sequence[float]):
-        self.c, self.left, self.top, self.right, self.bottom = canvas, left, top, right, bottom
-        self.x0, self.x1 = x_ticks[0], x_ticks[-1]
-        self.y0, self.y1 = y_ticks[0], y_ticks[-1]
-
-    def px(self, x: float) -> int:
-        return round(self.left + (x - self.x0) / ((self.x1 - self.x0) or 1) * (self.right - self.left))
-
-    def py(self, y: float) -> int:
-        return round(self.bottom - (y - self.y0) / ((self.y1 - self.y0) or 1) * (self.bottom - self.top))
-
-
-def _axes(c: Canvas, frame: _Frame, y_ticks: Sequence[float], x_ticks: Sequence[float] | None,
-          title: str, x_label: str, y_label: str) -> None:
-    for v in y_ticks:
-        y = frame.py(v)
-        c.line(frame.left, y, frame.right, y, LIGHT)
-        c.text(frame.left - 6, y - 3, _label(v), GREY, anchor="right")
-    for v in x_ticks or ():
-        x = frame.px(v)
-        c.line(x, frame.top, x, frame.bottom, LIGHT)
-        c.text(x, frame.bottom + 6, _label(v), GREY, anchor="center")
-    c.line(frame.left, frame.top, frame.left, frame.bottom, BLACK)
-    c.line(frame.left, frame.bottom, frame.right, frame.bottom, BLACK)
-    c.text(c.width // 2, 10, title, BLACK, scale=2, anchor="center")
-    c.text((frame.left + frame.right) // 2, c.height - 14, x_label, BLACK, anchor="center")
-    c.text(8, frame.top - 16, y_label, BLACK)
-
-
-def _legend(c: Canvas, labels: Sequence[str], right: int, top: int) -> None:
-    width = max(text_width(s) for s in labels) + 16
-    for i, label in enumerate(labels):
-        y = top + 12 * i
-        c.rect(right - width, y, right - width + 8, y + 6, PALETTE[i % len(PALETTE)])
-        c.text(right - width + 12, y, label)
+def _save(fig: Any, path: str | os.PathLike) -> None:
+    fig.savefig(os.fspath(path), format="png", dpi=DPI)
 
 
 def line_chart(path: str | os.PathLike, series: Sequence[tuple[str, Sequence[float], Sequence[float]]], *,
-               title: str, x_label: str, y_label: str, steps: bool = True,
-               width: int = 720, height: int = 420) -> None:
-    """Write a PNG line chart of (label, xs, ys) series; `steps` draws each as a staircase (a running best)."""
+               title: str, x_label: str, y_label: str, x_end: float | None = None,
+               references: Sequence[tuple[str, float]] = ()) -> None:
+    """Write a PNG of (label, xs, ys) series, each drawn as a staircase held to `x_end` (None: the largest
+    x; a running best) with its points marked, and `references` (label, y) as dashed horizontal lines; the
+    y axis starts at 0."""
     xs = [x for _, sx, _ in series for x in sx]
-    ys = [y for _, _, sy in series for y in sy]
     if not xs:
         raise ValueError("a line chart needs at least one point")
-    c = Canvas(width, height)
-    x_ticks, y_ticks = nice_ticks(min(0.0, min(xs)), max(xs)), nice_ticks(min(ys), max(ys))
-    frame = _Frame(c, 80, 44, width - 24, height - 40, x_ticks, y_ticks)
-    _axes(c, frame, y_ticks, x_ticks, title, x_label, y_label)
-    for i, (_, sx, sy) in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
-        points = list(zip(sx, sy, strict=True))
-        if steps and points:
-            points = [p for a, b in zip(points, points[1:], strict=False) for p in (a, (b[0], a[1]))] + \
-                [points[-1], (max(xs), points[-1][1])]
-        for (xa, ya), (xb, yb) in zip(points, points[1:], strict=False):
-            c.line(frame.px(xa), frame.py(ya), frame.px(xb), frame.py(yb), color, width=2)
-        for x, y in zip(sx, sy, strict=True):
-            c.rect(frame.px(x) - 2, frame.py(y) - 2, frame.px(x) + 2, frame.py(y) + 2, color)
-    if len(series) > 1:
-        _legend(c, [s[0] for s in series], frame.right - 4, frame.top + 4)
-    c.save(path)
+    end = max(xs) if x_end is None else max(x_end, max(xs))
+    fig, ax = _figure()
+    for label, sx, sy in series:
+        (line,) = ax.step([*sx, end], [*sy, sy[-1]], where="post", linewidth=2, label=label)
+        ax.plot(sx, sy, "o", color=line.get_color(), markersize=4)
+    for (label, y), style in zip(references, ("--", ":", "-.", (0, (5, 1, 1, 1))), strict=False):
+        ax.axhline(y, linestyle=style, linewidth=1.5, color="0.4", label=f"{label} ({y:.4g})")
+    ax.set_xlim(min(0.0, min(xs)), end)
+    ax.set_ylim(0, 1.08 * max([y for _, _, sy in series for y in sy] + [y for _, y in references]))
+    ax.set(title=title, xlabel=x_label, ylabel=y_label)
+    ax.legend(loc="lower left")
+    _save(fig, path)
 
 
 def bar_chart(path: str | os.PathLike, categories: Sequence[str],
-              groups: Sequence[tuple[str, Sequence[float | None]]], *, title: str, y_label: str,
-              width: int = 720, height: int = 420) -> None:
-    """Write a PNG grouped bar chart: one group of bars per category, one bar per (label, values) entry;
-    a None value leaves its bar out."""
-    values = [v for _, vs in groups for v in vs if v is not None]
-    if not values:
+              groups: Sequence[tuple[str, Sequence[float | None]]], *, title: str, y_label: str) -> None:
+    """Write a PNG grouped bar chart: one group of bars per category, one bar per (label, values) entry,
+    each bar labelled with its value; a None value leaves its bar out."""
+    if not any(v is not None for _, vs in groups for v in vs):
         raise ValueError("a bar chart needs at least one value")
-    c = Canvas(width, height)
-    y_ticks = nice_ticks(0.0, max(values))
-    frame = _Frame(c, 80, 44, width - 24, height - 40, [0.0, 1.0], y_ticks)
-    _axes(c, frame, y_ticks, None, title, "", y_label)
-    slot = (frame.right - frame.left) / max(1, len(categories))
-    bar = max(2, int(slot * 0.8 / max(1, len(groups))))
-    for k, category in enumerate(categories):
-        x = frame.left + slot * k + slot * 0.1
-        for i, (_, vs) in enumerate(groups):
-            v = vs[k]
-            if v is not None:
-                x0 = round(x + i * bar)
-                c.rect(x0, frame.py(v), x0 + bar - 2, frame.bottom - 1, PALETTE[i % len(PALETTE)])
-        c.text(round(frame.left + slot * (k + 0.5)), frame.bottom + 6, category, BLACK, anchor="center")
+    fig, ax = _figure((max(SIZE_IN[0], 1.1 * len(categories)), SIZE_IN[1]))
+    width = 0.8 / len(groups)
+    for i, (label, values) in enumerate(groups):
+        at = [k for k, v in enumerate(values) if v is not None]
+        bars = ax.bar([k - 0.4 + width * (i + 0.5) for k in at], [values[k] for k in at], width, label=label)
+        ax.bar_label(bars, fmt="{:.4g}".format, padding=2, fontsize=8)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.grid(False, axis="x")
+    ax.margins(y=0.12)
+    ax.set(title=title, ylabel=y_label)
     if len(groups) > 1:
-        _legend(c, [g[0] for g in groups], frame.right - 4, frame.top + 4)
-    c.save(path)
+        ax.legend()
+    _save(fig, path)
+
+
+def scatter_chart(path: str | os.PathLike, points: Sequence[tuple[str, float, float]], *, title: str,
+                  x_label: str, y_label: str, note: str = "", band: float = 0.1) -> None:
+    """Write a PNG scatter of (group, x, y) points, one colour per group, on equal axes from 0 with the
+    line y = x and a shaded band of ±`band` relative error around it; `note` goes in the top left corner."""
+    if not points:
+        raise ValueError("a scatter plot needs at least one point")
+    top = 1.08 * max(max(x, y) for _, x, y in points)
+    top = top if top > 0 and math.isfinite(top) else 1.0
+    fig, ax = _figure((6.0, 5.6))
+    ax.plot([0, top], [0, top], color="0.4", linewidth=1, label="y = x")
+    ax.fill_between([0, top], [0, top * (1 - band)], [0, top * (1 + band)], color="0.85", linewidth=0,
+                    label=f"±{band:.0%}")
+    for group in dict.fromkeys(g for g, _, _ in points):
+        mine = [(x, y) for g, x, y in points if g == group]
+        ax.scatter([x for x, _ in mine], [y for _, y in mine], s=28, label=group, zorder=3)
+    ax.set(xlim=(0, top), ylim=(0, top), title=title, xlabel=x_label, ylabel=y_label)
+    ax.set_aspect("equal")
+    if note:
+        ax.text(0.03, 0.97, note, transform=ax.transAxes, va="top", fontsize=9)
+    ax.legend(loc="lower right")
+    _save(fig, path)
+
+
+__all__ = ["INSTALL_HINT", "PlotUnavailable", "bar_chart", "line_chart", "require_matplotlib", "scatter_chart"]

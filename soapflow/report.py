@@ -3,9 +3,10 @@
 Owns `strategy_summary` (what a strategy does: its ops grouped by layout, a few sentences in words, and
 the simulator's summary of one iteration with the caller's training setup) and the helpers that put a
 split in words (`split_words`, `split_text`, `devices_text`, `describe`), the text renderers of the
-reports `soapflow.optimize` builds (`optimize_text`, `compare_text`), and the plot writers
-(`write_convergence_plot`, `write_compare_plot`, drawn with `soapflow.plot`). It reads reports and
-simulates one strategy; it computes nothing the reports depend on.
+reports `soapflow.optimize` builds (`optimize_text`, `compare_text`: tables built as pandas DataFrames,
+`compare_table`, and rendered by `soapflow.tables`), and the plot writers (`write_convergence_plot`,
+`write_compare_plot`, drawn with matplotlib by `soapflow.plot`). It reads reports and simulates one
+strategy; it computes nothing the reports depend on.
 
 Must not import `soapflow.optimize` (which imports this module), the search or the runtime.
 """
@@ -17,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from simulator.engine import simulate
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph
@@ -25,6 +28,8 @@ from soap.registry import dims_of, op_def
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
+from soapflow.plot import bar_chart, line_chart
+from soapflow.tables import frame, text_table
 
 # ------------------------------------------------------------------------------------- strategy summary
 
@@ -137,14 +142,12 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     best = out["best"]
     lines = [f"best strategy: {best['iteration_time_ms']:.4g} ms per iteration (simulated; found by "
              f"{best['source']}), written to {best['strategy_file']}", ""]
-    header = f"{'strategy':<10} {'iteration ms':>13} {'vs dp':>7} {'peak memory':>12}"
-    lines += [header, "-" * len(header)]
-    for r in out["table"]:
-        ms, speed, peak = r["iteration_time_ms"], r["speedup_vs_dp"], r["peak_memory_bytes"]
-        note = f"  [{r['note']}]" if r["note"] and r["strategy"] != "best" else ""
-        lines.append(f"{r['strategy']:<10} {'-' if ms is None else f'{ms:.4g}':>13} "
-                     f"{'-' if speed is None else f'{speed:.2f}x':>7} "
-                     f"{'-' if peak is None else f'{peak / 1e9:.3g} GB':>12}{note}")
+    df = frame([{"strategy": r["strategy"], "iteration ms": r["iteration_time_ms"], "vs dp": r["speedup_vs_dp"],
+                 "peak memory": r["peak_memory_bytes"],
+                 "note": f"[{r['note']}]" if r["note"] and r["strategy"] != "best" else ""} for r in out["table"]])
+    formats = {"iteration ms": "{:.4g}".format, "vs dp": "{:.2f}x".format,
+               "peak memory": lambda b: f"{b / 1e9:.3g} GB"}
+    lines.append(text_table(df if df["note"].any() else df.drop(columns="note"), formats, right=list(formats)))
     lines.append("")
     lines.append(f"search: {out['num_proposals']:,} proposals in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
@@ -169,53 +172,59 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def compare_table(out: Mapping[str, Any]) -> pd.DataFrame:
+    """The table `soapflow compare` prints, one row per strategy: its file name (or baseline), simulated
+    and measured ms, the error, the speed-up over dp (measured when measuring) and notes."""
+    vs = "vs dp (measured)" if out["measured"] else "vs dp"
+
+    def notes(r: Mapping[str, Any]) -> str:
+        return " ".join([f"[{r['note']}]"] * bool(r["note"]) + ["[out of memory]"] * (r["feasible"] is False))
+
+    return frame([{"strategy": Path(r["strategy"]).name, "simulated ms": r["simulated_ms"],
+                   "measured ms": r["measured_ms"], "error": r["error"], vs: r["speedup_vs_dp"], "note": notes(r)}
+                  for r in out["rows"]])
+
+
 def compare_text(out: Mapping[str, Any]) -> str:
     """The text `soapflow compare` prints: one row per strategy, simulated and measured side by side."""
-    def fmt(v: float | None, pattern: str) -> str:
-        return "-" if v is None else pattern.format(v)
-
-    vs = "vs dp (measured)" if out["measured"] else "vs dp"
-    lines = [f"{out['model']} (batch {out['batch_size']}) on {out['topology']}"
+    title = (f"{out['model']} (batch {out['batch_size']}) on {out['topology']}"
              + (f": measured {out['steps']} steps x {out['repeats']} run(s) each, median" if out["measured"] else
-                ": simulated"),
-             f"{'strategy':<28} {'simulated ms':>13} {'measured ms':>12} {'error':>8} {vs:>16}"]
-    for r in out["rows"]:
-        lines.append(f"{Path(r['strategy']).name[:28]:<28} {fmt(r['simulated_ms'], '{:.4g}'):>13} "
-                     f"{fmt(r['measured_ms'], '{:.4g}'):>12} {fmt(r['error'], '{:+.1%}'):>8} "
-                     f"{fmt(r['speedup_vs_dp'], '{:.2f}x'):>16}"
-                     + (f"  [{r['note']}]" if r["note"] else "")
-                     + ("  [out of memory]" if r["feasible"] is False else ""))
-    return "\n".join(lines)
+                ": simulated"))
+    df = compare_table(out)
+    if not df["note"].any():
+        df = df.drop(columns="note")
+    ms, speedup = "{:.4g}".format, "{:.2f}x".format
+    formats = {"simulated ms": ms, "measured ms": ms, "error": "{:+.1%}".format, "vs dp": speedup,
+               "vs dp (measured)": speedup}
+    return title + "\n" + text_table(df, formats, right=list(formats))
 
 
 # -------------------------------------------------------------------------------------------------- plots
 
 
 def write_convergence_plot(path: str | os.PathLike, report: Mapping[str, Any], *, title: str) -> None:
-    """The best simulated iteration time against elapsed seconds, with dp's time as a flat line."""
-    from soapflow.plot import line_chart
-
+    """The best simulated iteration time against elapsed seconds, with dp's time as a dashed line."""
     history = report["history"]
     if not history:
         raise ValueError("nothing to plot: the search recorded no history")
-    end = max(report["elapsed_s"], history[-1][1])
-    series = [("best found", [h[1] for h in history], [h[2] for h in history])]
     dp_ms = report["baselines"].get("dp")
-    if dp_ms is not None:
-        series.append(("dp", [0.0, end], [dp_ms, dp_ms]))
-    line_chart(path, series, title=title, x_label="elapsed s", y_label="iteration ms (simulated)")
+    line_chart(path, [("best found", [h[1] for h in history], [h[2] for h in history])],
+               x_end=report["elapsed_s"], references=[("dp", dp_ms)] if dp_ms is not None else [], title=title,
+               x_label="elapsed s", y_label="iteration ms (simulated)")
 
 
 def write_compare_plot(path: str | os.PathLike, report: Mapping[str, Any]) -> None:
-    from soapflow.plot import bar_chart
-
+    """Simulated (and measured) iteration time per strategy, side by side; a strategy that does not fit
+    in memory is marked under its name."""
     rows = report["rows"]
     groups = [("simulated", [r["simulated_ms"] for r in rows])]
     if report["measured"]:
         groups.append(("measured", [r["measured_ms"] for r in rows]))
-    bar_chart(path, [Path(r["strategy"]).stem[:12] for r in rows], groups,
-              title=f"{report['model']} on {report['topology']}", y_label="iteration ms")
+    names = [Path(r["strategy"]).stem[:16] + ("\n(out of memory)" if r["feasible"] is False else "")
+             for r in rows]
+    bar_chart(path, names, groups, title=f"{report['model']} (batch {report['batch_size']}) on "
+              f"{report['topology']}", y_label="iteration ms")
 
 
-__all__ = ["compare_text", "describe", "devices_text", "optimize_text", "split_text", "split_words",
+__all__ = ["compare_table", "compare_text", "describe", "devices_text", "optimize_text", "split_text", "split_words",
            "strategy_summary", "write_compare_plot", "write_convergence_plot"]

@@ -5,7 +5,9 @@ against the `cpu-N` topology and the caller's training setup (`soap.setup.TrainS
 process per device (`runtime.launch`) that trains with that setup and the SPMD interpreter
 (`runtime.train.train_rank`). Under torchrun (the env:// variables set) this process is
 one rank of the job instead and trains in place. A failing rank surfaces as `runtime.launch.LaunchError`
-(one line naming the rank and, when known, the op); docs/runtime.md describes checkpoints and failures.
+(one line naming the rank and, when known, the op); a rank the operating system killed (SIGKILL, no
+message) is reported as most likely out of memory, with the memory model's estimate of the step
+(`soap.lowering`). docs/runtime.md describes checkpoints and failures.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import os
 import statistics
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +34,10 @@ from runtime.launch import (
     torchrun_env,
 )
 from runtime.train import TrainOptions, Workload, train_rank
+from soap.graph import OperatorGraph
+from soap.lowering import lower
 from soap.setup import TrainSetup
-from soap.strategy import read_strategy_doc
+from soap.strategy import Strategy, read_strategy_doc
 from soap.topology import load_topology
 from soapflow.api import capture_model, resolve_strategy
 from soapflow.models import default_loss, load_model
@@ -102,6 +107,8 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         raise ValueError("backend nccl is not supported: the runtime computes on CPU tensors (use gloo)")
     if checkpoint_dir is None and (checkpoint_every or resume):
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
+    if checkpoint_dir is not None and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"checkpoint directory {os.fspath(checkpoint_dir)!r} is not a directory")
     setup = setup if setup is not None else TrainSetup()
     resume_from = None
     if resume:
@@ -131,8 +138,14 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         results = [run_torchrun_rank(env[0], world, backend=backend, timeout_s=timeout_s,
                                      num_threads=num_threads, kwargs=kwargs)]
     else:
-        results = launch(train_rank, world, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
-                         num_threads=num_threads)
+        try:
+            results = launch(train_rank, world, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
+                             num_threads=num_threads)
+        except LaunchError as exc:
+            if exc.signal != "SIGKILL":
+                raise
+            raise LaunchError(killed_message(exc.rank, graph=graph, strategies=[strategy], setup=setup,
+                                             world=world), rank=exc.rank, signal=exc.signal) from None
     first = results[0]
     per_rank = first["step_time_ms_per_rank"]
     newest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
@@ -156,6 +169,29 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
                               if first["losses"] else None),
         "checkpoint": None if newest is None else str(newest),
     }
+
+
+def killed_message(rank: int | None, *, graph: OperatorGraph, strategies: Sequence[Strategy], setup: TrainSetup,
+                   world: int) -> str:
+    """What to say when rank `rank` of a `world`-process job training `graph` under `strategies` (a
+    replica each, held at once) was killed by SIGKILL without a word: the kernel's out-of-memory killer
+    sends it, so the memory model's estimate of the step (the lowering's `StepPlan.memory_bytes`, summed
+    over the strategies, the largest device's) beside this machine's memory."""
+    per_device = [sum(m) for m in zip(*(lower(graph, s, setup, world).memory_bytes() for s in strategies),
+                                      strict=True)]
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    what = "this strategy" if len(strategies) == 1 else f"these {len(strategies)} strategies together"
+    return (f"rank {rank} was killed by the operating system (SIGKILL), most likely out of memory: the memory "
+            f"model estimates {_human_bytes(max(per_device))} per process for {what}, this machine has "
+            f"{_human_bytes(have)} for {world} process{'es' if world > 1 else ''}; try a smaller --batch")
+
+
+def _human_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
 
 
 def run_torchrun_rank(rank: int, world: int, *, backend: str, timeout_s: float, num_threads: int | None,

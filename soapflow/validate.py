@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from runtime.launch import launch
+from runtime.launch import LaunchError, launch
 from runtime.measure import measure_parts, part_jobs
 from runtime.train import TrainOptions, time_strategies
 from search.baselines import BASELINES, BaselineNotApplicable
@@ -44,11 +44,13 @@ from soap.setup import TrainSetup
 from soap.strategy import Strategy, validate_strategy
 from soap.topology import DeviceTopology
 from soapflow.api import capture_model
-from soapflow.plot import BLACK, GREY, PALETTE, Canvas, _axes, _Frame, _legend, nice_ticks
-from soapflow.runner import build_workload
+from soapflow.plot import require_matplotlib, scatter_chart
+from soapflow.runner import build_workload, killed_message
+from soapflow.tables import frame, text_table
 
 DEFAULT_STEPS = 5
 DEFAULT_SEARCH_BUDGET_S = 5.0
+DEFAULT_STEP_TIMEOUT_S = 600.0  # per training step and per wait for another process; none on the whole job
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -141,19 +143,28 @@ def pick_strategies(graph: OperatorGraph, topology: DeviceTopology, *, count: in
 
 
 def measure_steps(model_ref: str, graph: OperatorGraph, strategies: Mapping[str, Strategy], *, nproc: int,
-                  steps: int, rounds: int, setup: TrainSetup, timeout_s: float = 300.0) -> dict[str, float]:
+                  steps: int, rounds: int, setup: TrainSetup, timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+                  progress: Callable[[Mapping[str, Any]], None] | None = None) -> dict[str, float]:
     """The runtime's iteration time (ms) of each strategy, training with `setup`: one job of `nproc`
     processes (one thread each) trains the model under all of them, interleaved
     (`runtime.train.time_strategies`: `rounds` rounds of 1 + `steps` steps per strategy, the first step of
     each dropped); per strategy the median over the rounds of each round's median step (slowest rank).
     What a long training run sees: the allocator's and the caches' warm-up of a fresh process is behind it
     after the first round. Every strategy keeps its own replica in the job, so it needs the memory of all
-    of them at once."""
+    of them at once. No limit on the whole job: a step over `timeout_s` seconds fails naming its strategy
+    (also every process group's timeout); `progress` receives each strategy's turn as it ends
+    (`time_strategies`' report: strategy, round, rounds, step_ms)."""
     kwargs = {"build": functools.partial(build_workload, model_ref, graph.batch_size), "graph": graph.to_dict(),
               "strategies": {name: {n: cfg.to_dict() for n, cfg in st.items()} for name, st in strategies.items()},
-              "steps": steps, "rounds": rounds, "options": TrainOptions(setup=setup)}
-    per_round = launch(time_strategies, nproc, kwargs=kwargs, timeout_s=timeout_s, wall_timeout_s=timeout_s,
-                       num_threads=1)[0]
+              "steps": steps, "rounds": rounds, "options": TrainOptions(setup=setup, timeout_s=timeout_s)}
+    try:
+        per_round = launch(time_strategies, nproc, kwargs=kwargs, timeout_s=timeout_s, num_threads=1,
+                           progress=progress)[0]
+    except LaunchError as exc:
+        if exc.signal != "SIGKILL":
+            raise
+        raise LaunchError(killed_message(exc.rank, graph=graph, strategies=list(strategies.values()), setup=setup,
+                                         world=nproc), rank=exc.rank, signal=exc.signal) from None
     return {name: statistics.median(per_round[name]) for name in strategies}
 
 
@@ -164,17 +175,25 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
              steps: int = DEFAULT_STEPS, batch: int | None = None, plot: str | os.PathLike | None = None,
              progress: Callable[[Mapping[str, Any]], None] | None = None, costdb: str | None = None,
              search_budget_s: float | None = DEFAULT_SEARCH_BUDGET_S, extra: Mapping[str, str] | None = None,
-             rounds: int = 3, timeout_s: float = 300.0, setup: TrainSetup | None = None) -> dict[str, Any]:
+             rounds: int = 3, timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+             setup: TrainSetup | None = None) -> dict[str, Any]:
     """Predict and measure `strategies` strategies per model on `topology_ref` (a ``cpu-N`` preset or a
     machine profile of this machine; see the module docstring), training with `setup` (None:
     `TrainSetup()`). The strategies train in one job per model,
     interleaved: `rounds` rounds of 1 + `steps` steps each (`measure_steps`); the measured time is the
     median over the rounds of each round's median after its first step. `costdb` overrides the profile's
-    cost database. Bad input raises `ValueError`."""
+    cost database. There is no limit on the whole job: `timeout_s` bounds each training step (and every
+    wait for another process), and a step over it fails with a `LaunchError` naming the strategy.
+    `progress` receives a dict per stage of each model (capture, strategies, op parts, run) and per
+    strategy's turn in the runs. Bad input raises `ValueError`."""
     if not models:
         raise ValueError("validate needs at least one model")
     if strategies < 1 or steps < 1 or rounds < 1:
         raise ValueError(f"--strategies, --steps and rounds must be positive, got {strategies}, {steps}, {rounds}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {timeout_s}")
+    if plot is not None:
+        require_matplotlib()  # before the runs, not after them
     setup = setup if setup is not None else TrainSetup()
     start = time.monotonic()
     db_path = costdb
@@ -198,6 +217,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
         report("capture", model=model_ref)
         spec, graph = capture_model(model_ref, batch_size=batch)
         _, cost_model = cost_model_for(topology_ref, db=db_path) if db_path else cost_model_for(topology_ref)
+        report("strategies", model=model_ref, count=strategies)
         picked = pick_strategies(graph, topology, count=strategies, setup=setup, seed=seed, cost_model=cost_model,
                                  search_budget_s=search_budget_s)
         if db_path is not None or profile is not None:
@@ -209,7 +229,8 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
         # machine's load during the runs then spreads over the strategies instead of favouring some.
         report("run", model=model_ref, strategies=len(picked), rounds=rounds)
         times = measure_steps(model_ref, graph, dict(picked), nproc=nproc, steps=steps, rounds=rounds,
-                              setup=setup, timeout_s=timeout_s)
+                              setup=setup, timeout_s=timeout_s,
+                              progress=lambda turn, m=model_ref: report("run", model=m, **turn))
         for name, strategy in picked:
             predicted = simulate(graph, strategy, topology, cost_model, setup=setup).summary()["iteration_time_ms"]
             measured = times[name]
@@ -246,18 +267,17 @@ def _summary(rows: Sequence[Mapping[str, Any]], key: str) -> dict[str, Any]:
 def validate_text(report: Mapping[str, Any]) -> str:
     """The report for people: one line per strategy, then the metrics per model and overall."""
     extra = list(report.get("extra", {}))
-    head = f"{'model':<14} {'strategy':<10} {'predicted ms':>12} {'measured ms':>12} {'error':>8}"
-    head += "".join(f" {name + ' ms':>14} {'error':>8}" for name in extra)
+    columns = {"model": "model", "strategy": "strategy", "predicted_ms": "predicted ms",
+               "measured_ms": "measured ms", "error": "error"}
+    for n in extra:
+        columns |= {f"{n}_ms": f"{n} ms", f"{n}_error": f"{n} error"}
+    df = frame(report["rows"], list(columns)).rename(columns=columns)
+    formats = {name: ("{:+.1%}" if key.endswith("error") else "{:.2f}").format
+               for key, name in columns.items() if key not in ("model", "strategy")}
     lines = [f"simulator vs runtime on {report['topology']} ({report['nproc']} processes, "
              f"{'calibrated' if report.get('calibrated') else 'uncalibrated'}), median of "
              f"{report.get('rounds', 1)} x {report['steps']} steps",
-             "", head, "-" * len(head)]
-    for r in report["rows"]:
-        line = (f"{r['model']:<14} {r['strategy']:<10} {r['predicted_ms']:12.2f} {r['measured_ms']:12.2f} "
-                f"{r['error']:+8.1%}")
-        line += "".join(f" {r[f'{n}_ms']:14.2f} {r[f'{n}_error']:+8.1%}" for n in extra)
-        lines.append(line)
-    lines.append("")
+             "", text_table(df, formats, right=list(formats)), ""]
 
     def fmt(m: Mapping[str, Any]) -> str:
         rho = m["spearman"]
@@ -274,27 +294,19 @@ def validate_text(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_scatter_plot(path: str | os.PathLike, report: Mapping[str, Any], *, key: str = "predicted_ms",
-                       width: int = 640, height: int = 560) -> None:
-    """Predicted against measured iteration time, one color per model, and the line y = x."""
+def write_scatter_plot(path: str | os.PathLike, report: Mapping[str, Any], *, key: str = "predicted_ms") -> None:
+    """Predicted (`key`) against measured iteration time, one colour per model, with the line y = x, a
+    ±10% band around it and the median and largest absolute errors."""
     rows = report["rows"]
     if not rows:
         raise ValueError("a scatter plot needs at least one row")
-    values = [r[key] for r in rows] + [r["measured_ms"] for r in rows]
-    ticks = nice_ticks(0.0, max(values))
-    c = Canvas(width, height)
-    frame = _Frame(c, 80, 44, width - 24, height - 40, ticks, ticks)
-    _axes(c, frame, ticks, ticks, f"simulated vs measured, {report['topology']}", "measured ms", "predicted ms")
-    c.line(frame.px(ticks[0]), frame.py(ticks[0]), frame.px(ticks[-1]), frame.py(ticks[-1]), GREY)
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for r in rows:
-        color = PALETTE[models.index(r["model"]) % len(PALETTE)]
-        x, y = frame.px(r["measured_ms"]), frame.py(r[key])
-        c.rect(x - 3, y - 3, x + 3, y + 3, color)
-    _legend(c, models, frame.right - 4, frame.top + 4)
     m = report if key == "predicted_ms" else report["extra"][key.removesuffix("_ms")]
-    c.text(frame.left + 8, frame.top + 4, f"median abs error {m['median_abs_error']:.1%}", BLACK)
-    c.save(path)
+    rho = m["spearman"]
+    note = (f"median |error| {m['median_abs_error']:.1%}, max {m['max_abs_error']:.1%}\n"
+            f"spearman {'-' if rho is None else f'{rho:.2f}'}; {len(rows)} strategies")
+    scatter_chart(path, [(r["model"], r["measured_ms"], r[key]) for r in rows], note=note,
+                  title=f"simulated vs measured on {report['topology']}", x_label="measured ms per iteration",
+                  y_label="predicted ms per iteration")
 
 
 __all__ = ["measure_steps", "metrics", "pick_strategies", "ranks", "spearman", "validate", "validate_text",

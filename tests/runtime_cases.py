@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.train import (
@@ -34,6 +35,7 @@ from soap.setup import TrainSetup
 from soap.strategy import Strategy
 from soapflow import zoo
 from soapflow.models import default_loss
+from soapflow.zoo.losses import lm_cross_entropy
 
 # Float32 runs agree with one process to about 1e-7; the tests allow 1e-5 (docs/runtime.md).
 TOL = 1e-5
@@ -70,6 +72,114 @@ class SmallCNN(nn.Module):
         return self.fc2(self.relu3(self.fc1(torch.flatten(x, 1))))
 
 
+class HandRMSNorm(nn.Module):
+    """RMS norm written out as Hugging Face's LlamaRMSNorm writes it (capture fuses it into `rmsnorm`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position tables (cos, sin) from a buffer of inverse frequencies, under no_grad, as Llama."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention with rotary positions and an explicit boolean mask; k and v reach the
+    query heads by `repeat`: ``expand`` (Llama's repeat_kv), ``interleave`` (repeat_interleave) or ``gqa``
+    (SDPA's enable_gqa)."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int, repeat: str) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.repeat = heads, kv_heads, d // heads, repeat
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q = self.q_proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        rep = self.heads // self.kv_heads
+        if self.repeat == "expand":
+            k = k[:, :, None].expand(n, self.kv_heads, rep, t, self.head_dim).reshape(n, self.heads, t, -1)
+            v = v[:, :, None].expand(n, self.kv_heads, rep, t, self.head_dim).reshape(n, self.heads, t, -1)
+        elif self.repeat == "interleave":
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.repeat == "gqa")
+        return self.o_proj(y.transpose(1, 2).reshape(n, t, d))
+
+
+class LlamaLike(nn.Module):
+    """A small Llama written with torch.nn only: token embedding tied to the LM head, rotary positions and
+    a causal mask built from the sequence length (capture folds both into constants), pre-norm blocks
+    with hand-written RMS norms, grouped-query attention (one layer per way of repeating k and v) and a
+    SwiGLU MLP, and a final `nn.RMSNorm`."""
+
+    def __init__(self, *, vocab: int = 32, d: int = 16, heads: int = 4, kv_heads: int = 2,
+                 repeats: tuple[str, ...] = ("expand", "interleave", "gqa")) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.rotary = Rotary(d // heads)
+        self.layers = nn.ModuleList()
+        for repeat in repeats:
+            block = nn.Module()
+            block.norm1, block.norm2 = HandRMSNorm(d), HandRMSNorm(d)
+            block.attn = GQAttention(d, heads, kv_heads, repeat)
+            block.gate, block.up = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False)
+            block.down = nn.Linear(2 * d, d, bias=False)
+            self.layers.append(block)
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        positions = torch.arange(t, device=ids.device)
+        cos, sin = self.rotary(positions[None])
+        mask = positions[None, :] <= positions[:, None]
+        x = self.embed(ids)
+        for block in self.layers:
+            x = x + block.attn(block.norm1(x), cos, sin, mask)
+            h = block.norm2(x)
+            x = x + block.down(F.silu(block.gate(h)) * block.up(h))
+        return self.lm_head(self.norm(x))
+
+
+def llama_build(batch: int, seq: int = 8) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=LlamaLike(), inputs=(torch.empty(batch, seq, dtype=torch.long, device="meta"),),
+                    target=torch.empty(batch, seq, dtype=torch.long, device="meta"),
+                    loss_fn=lm_cross_entropy)
+
+
 def zoo_build(name: str, batch: int, **sizes: Any) -> Workload:
     torch.manual_seed(0)
     result = zoo.ZOO[name].build(batch, **sizes)
@@ -93,7 +203,10 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "bncnn": functools.partial(cnn_build, 4, residual=True, batchnorm=True),
     "rnnlm": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4),
     "transformer": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
-                                     vocab=32),
+                                     context=None, vocab=32),
+    "transformer_explicit": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
+                                              context=None, vocab=32, attention="explicit"),
+    "llama": functools.partial(llama_build, 4),
     # Verified in float64: its BatchNorm stack at a tiny batch makes float32 results differ by more than
     # 1e-5 between any two summation orders (float64 agrees to about 1e-14).
     "resnet18": functools.partial(zoo_build, "resnet18", 8, num_classes=4, image_size=64),
@@ -319,4 +432,4 @@ def small_mlp(batch_size: int = 8) -> tuple:
 
 
 def small_transformer(batch_size: int = 4) -> tuple:
-    return zoo.ZOO["transformer"].build(batch_size, layers=2, d_model=16, heads=2, seq=8, vocab=32)
+    return zoo.ZOO["transformer"].build(batch_size, layers=2, d_model=16, heads=2, seq=8, context=None, vocab=32)

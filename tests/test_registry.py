@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from runtime.kernels import compute_part, dropout_keep, run_opaque
 from soap.config import ConfigError, ParallelConfig, parts, validate
-from soap.graph import Operator, ParamSpec, TensorRef, TensorSpec
+from soap.graph import Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
 from soap.opdef import Box, Region, full_box
 from soap.registry import REGISTRY, dims_of, op_def, reshape_region
 
@@ -113,6 +113,8 @@ def _lstm_case() -> Case:
 
 def _cases() -> list[Case]:
     mask = torch.rand(1, 1, 5, 5, generator=torch.Generator().manual_seed(4)) > 0.5
+    # an attention mask per sample and query row that keeps each query's own key (no row masks all keys)
+    keep = (torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(5)) > 0.5) | torch.eye(6, dtype=torch.bool)
     bn_buffers = {"running_mean": _rand(6, seed=5), "running_var": _rand(6, seed=6).abs() + 0.5}
     cases = [
         _conv("conv2d", (4, 4, 8, 8), (6, 4, 3, 3), padding=1),
@@ -122,12 +124,25 @@ def _cases() -> list[Case]:
         _conv("conv2d-1x1-pad", (2, 3, 4, 4), (4, 3, 1, 1), padding=1),
         Case(id="linear", kind="linear", inputs=(_rand(4, 3, 8),),
              params={"weight": _rand(6, 8, seed=2), "bias": _rand(6, seed=3)}, reference=F.linear),
+        Case(id="linear-transposed", kind="linear", inputs=(_rand(6, 8),),
+             params={"weight": _rand(8, 5, seed=2), "bias": _rand(5, seed=3)}, attrs={"transposed": True},
+             reference=lambda x, weight, bias: torch.addmm(bias, x, weight)),
         Case(id="matmul", kind="matmul", inputs=(_rand(2, 3, 4, 6), _rand(2, 3, 6, 5, seed=1)),
              reference=torch.matmul),
         Case(id="matmul-broadcast", kind="matmul", inputs=(_rand(2, 1, 4, 6), _rand(3, 6, 4, seed=1)),
              reference=torch.matmul),
         Case(id="matmul-2d", kind="matmul", inputs=(_rand(4, 6), _rand(6, 2, seed=1)),
              reference=torch.matmul),
+        Case(id="matmul-transposed-b", kind="matmul", inputs=(_rand(2, 3, 4, 6), _rand(2, 3, 5, 6, seed=1)),
+             attrs={"transpose_b": True}, reference=lambda a, b: a @ b.transpose(-2, -1)),
+        Case(id="matmul-transposed-a", kind="matmul", inputs=(_rand(2, 6, 4), _rand(2, 6, 5, seed=1)),
+             attrs={"transpose_a": True}, reference=lambda a, b: a.transpose(-2, -1) @ b),
+        Case(id="matmul-baddbmm", kind="matmul",
+             inputs=(_rand(2, 4, 6), _rand(2, 6, 5, seed=1), _rand(2, 1, 5, seed=2)),
+             attrs={"alpha": 0.5, "beta": 1.0},
+             reference=lambda a, b, c: torch.baddbmm(c, a, b, alpha=0.5, beta=1.0)),
+        Case(id="matmul-addmm", kind="matmul", inputs=(_rand(4, 6), _rand(6, 5, seed=1), _rand(5, seed=2)),
+             attrs={"beta": 2.0}, reference=lambda a, b, c: torch.addmm(c, a, b, beta=2.0)),
         Case(id="batchnorm-eval", kind="batchnorm", inputs=(_rand(4, 6, 3, 3),),
              params={"weight": _rand(6, seed=2), "bias": _rand(6, seed=3)}, buffers=bn_buffers,
              attrs={"eps": 1e-5, "momentum": 0.1, "running_mean": "bn.running_mean",
@@ -144,6 +159,11 @@ def _cases() -> list[Case]:
              params={"weight": _rand(8, seed=2), "bias": _rand(8, seed=3)},
              attrs={"normalized_shape": [8], "eps": 1e-5},
              reference=lambda x, weight, bias: F.layer_norm(x, [8], weight, bias, 1e-5)),
+        Case(id="rmsnorm", kind="rmsnorm", inputs=(_rand(4, 5, 8),), params={"weight": _rand(8, seed=2)},
+             attrs={"normalized_shape": [8], "eps": 1e-6},
+             reference=lambda x, weight: F.rms_norm(x, [8], weight, 1e-6)),
+        Case(id="rmsnorm-2d-no-weight", kind="rmsnorm", inputs=(_rand(4, 3, 6),),
+             attrs={"normalized_shape": [3, 6], "eps": None}, reference=lambda x: F.rms_norm(x, [3, 6])),
         Case(id="embedding", kind="embedding", inputs=(_ints(12, 4, 6),), params={"weight": _rand(12, 6)},
              attrs={"padding_idx": 0},
              reference=lambda idx, weight: F.embedding(idx, weight, padding_idx=0)),
@@ -156,6 +176,26 @@ def _cases() -> list[Case]:
              inputs=(_rand(2, 2, 4, 4), _rand(2, 2, 5, 4, seed=1), _rand(2, 2, 5, 3, seed=2)),
              attrs={"is_causal": False, "scale": 0.3},
              reference=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=0.3)),
+        Case(id="attention-causal-short-queries", kind="attention",
+             inputs=(_rand(2, 2, 4, 4), _rand(2, 2, 6, 4, seed=1), _rand(2, 2, 6, 4, seed=2)),
+             attrs={"is_causal": True, "scale": None},
+             reference=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        Case(id="attention-mask-bool", kind="attention",
+             inputs=(_rand(2, 4, 6, 4), _rand(2, 4, 6, 4, seed=1), _rand(2, 4, 6, 4, seed=2), keep),
+             attrs={"is_causal": False, "scale": None},
+             reference=lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+        Case(id="attention-mask-float", kind="attention",
+             inputs=(_rand(2, 4, 6, 4), _rand(2, 4, 6, 4, seed=1), _rand(2, 4, 6, 4, seed=2), _rand(4, 6, 6, seed=3)),
+             attrs={"is_causal": False, "scale": 0.4},
+             reference=lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.4)),
+        Case(id="attention-gqa", kind="attention",
+             inputs=(_rand(2, 4, 6, 4), _rand(2, 2, 6, 4, seed=1), _rand(2, 2, 6, 4, seed=2), keep),
+             attrs={"is_causal": False, "scale": None},
+             reference=lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)),
+        Case(id="attention-mqa-causal", kind="attention",
+             inputs=(_rand(2, 4, 6, 4), _rand(2, 1, 6, 4, seed=1), _rand(2, 1, 6, 4, seed=2)),
+             attrs={"is_causal": True, "scale": None},
+             reference=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
         _pool("pool2d-max", (2, 3, 8, 8), mode="max", kernel=3, stride=2, padding=1),
         _pool("pool2d-max-ceil-dilated", (2, 2, 9, 9), mode="max", kernel=2, stride=2, dilation=2,
               ceil_mode=True),
@@ -191,6 +231,16 @@ def _cases() -> list[Case]:
              reference=lambda x: x.mean()),
         Case(id="concat", kind="concat", inputs=(_rand(4, 2, 3), _rand(4, 5, 3, seed=1)), attrs={"axis": 1},
              reference=lambda a, b: torch.cat([a, b], 1)),
+        Case(id="concat-legacy-empty", kind="concat", inputs=(_rand(0), _rand(4, 3, seed=1)), attrs={"axis": 1},
+             reference=lambda e, x: torch.cat([e, x], 1)),
+        Case(id="stack", kind="stack", inputs=(_rand(4, 3), _rand(4, 3, seed=1), _rand(4, 3, seed=2)),
+             attrs={"axis": 1}, reference=lambda a, b, c: torch.stack([a, b, c], 1)),
+        Case(id="expand", kind="expand", inputs=(_rand(2, 1, 3, 1),), attrs={"shape": [2, 4, 3, 6]},
+             reference=lambda x: x.expand(2, 4, 3, 6)),
+        Case(id="expand-new-axes", kind="expand", inputs=(_rand(3, 1),), attrs={"shape": [2, 3, 4]},
+             reference=lambda x: x.expand(2, 3, 4)),
+        Case(id="repeat", kind="repeat", inputs=(_rand(2, 3, 4),), attrs={"axis": 1, "repeats": 2},
+             reference=lambda x: x.repeat_interleave(2, dim=1)),
         Case(id="split", kind="split", inputs=(_rand(4, 6, 12),), attrs={"axis": -1, "sizes": [4, 4, 4]},
              reference=lambda x: tuple(x.split(4, -1))),
         Case(id="split-uneven", kind="split", inputs=(_rand(4, 5, 2),), attrs={"axis": 1, "sizes": [2, 3]},
@@ -226,12 +276,14 @@ def _cases() -> list[Case]:
     for fn, extra, ref in [
         ("relu", {}, F.relu), ("gelu", {"approximate": "tanh"}, lambda x: F.gelu(x, approximate="tanh")),
         ("tanh", {}, torch.tanh), ("sigmoid", {}, torch.sigmoid), ("silu", {}, F.silu),
-        ("neg", {}, torch.neg), ("exp", {}, torch.exp), ("identity", {}, lambda x: x * 1),
+        ("neg", {}, torch.neg), ("exp", {}, torch.exp), ("rsqrt", {}, torch.rsqrt),
+        ("identity", {}, lambda x: x * 1),
         ("scale", {"scalar": 0.5}, lambda x: x * 0.5), ("add_scalar", {"scalar": 2.0}, lambda x: x + 2.0),
         ("pow_scalar", {"scalar": 2.0}, lambda x: x ** 2.0),
         ("rsub_scalar", {"scalar": 1.0}, lambda x: 1.0 - x),
     ]:
-        cases.append(Case(id=f"elementwise-{fn}", kind="elementwise", inputs=(_rand(4, 6),),
+        x = _rand(4, 6).abs() + 0.5 if fn == "rsqrt" else _rand(4, 6)
+        cases.append(Case(id=f"elementwise-{fn}", kind="elementwise", inputs=(x,),
                           attrs={"fn": fn, **extra}, reference=ref))
     return cases
 
@@ -250,9 +302,10 @@ ALL_OPS = [c.op() for c in CASES] + SOURCE_OPS
 
 
 def test_every_kind_is_covered():
-    documented = {"input", "constant", "conv2d", "linear", "matmul", "batchnorm", "layernorm", "embedding",
-                  "lstm", "attention", "pool2d", "adaptive_pool2d", "elementwise", "binary", "reduce",
-                  "concat", "split", "slice", "reshape", "transpose", "softmax", "dropout", "loss", "opaque"}
+    documented = {"input", "constant", "conv2d", "linear", "matmul", "batchnorm", "layernorm", "rmsnorm",
+                  "embedding", "lstm", "attention", "pool2d", "adaptive_pool2d", "elementwise", "binary", "reduce",
+                  "concat", "stack", "split", "slice", "reshape", "expand", "repeat", "transpose", "softmax",
+                  "dropout", "loss", "opaque"}
     assert set(REGISTRY) == documented
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():
@@ -465,7 +518,9 @@ def test_unsplittable_dims_are_refused(op, dim, degree):
 
 def test_unsplittable_dims_of_documented_kinds():
     expected = {
-        "lstm": {"seq", "hidden"}, "attention-causal": {"head_dim"}, "softmax": {"d2"},
+        "lstm": {"seq", "hidden"}, "attention-causal": {"head_dim"}, "attention-gqa": {"head_dim"},
+        "rmsnorm": {"d2"}, "rmsnorm-2d-no-weight": {"d1", "d2"}, "stack": {"d1"}, "expand": set(),
+        "repeat": set(), "linear-transposed": set(), "matmul-baddbmm": set(), "softmax": {"d2"},
         "softmax-log": {"d1"}, "layernorm": {"d2"}, "concat": {"d1"}, "split": {"d2"},
         "slice-step": {"d1"}, "slice-select-last": set(), "adaptive_pool2d-avg": {"d2", "d3"},
         "batchnorm-eval": {"d2", "d3"}, "loss-cross_entropy": {"classes"}, "loss-mse": set(),
@@ -599,3 +654,60 @@ def test_missing_input_shapes_is_a_clear_error():
                   outputs=(TensorSpec(shape=()),), attrs={"fn": "mse", "reduction": "mean"})
     with pytest.raises(ValueError, match="input_shapes"):
         dims_of(op)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def test_grouped_query_attention_keeps_each_group_with_its_kv_head():
+    q, kv = _rand(1, 6, 4, 2), _rand(1, 2, 4, 2, seed=1)
+    op = Case(id="gqa", kind="attention", inputs=(q, kv, kv), attrs={"is_causal": False, "scale": None},
+              reference=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).op()
+    entry = op_def("attention")
+    # groups of 3 query heads per kv head: parts of 3 heads hold one group, parts of 1 head lie in one
+    assert entry.check(op, {"heads": 2}) is None and entry.check(op, {"heads": 6}) is None
+    with pytest.raises(ConfigError, match="straddle"):
+        validate(op, ParallelConfig(degrees={"heads": 3}, devices=(0, 1, 2)))
+    boxes = _parts(op, {"heads": 6})
+    assert [entry.input_regions(op, box)[1][1] for box in boxes] == [(0, 1)] * 3 + [(1, 2)] * 3
+    assert [entry.input_regions(op, box)[1][1] for box in _parts(op, {"heads": 2})] == [(0, 1), (1, 2)]
+
+
+def test_causal_attention_part_offsets_its_mask_by_its_first_query_row():
+    """A part holding query rows [3, 6) sees keys [0, row] for each of its rows, as the whole op does; a
+    mask starting at its own row 0 (SDPA's is_causal on the part) would hide keys those rows see."""
+    case = next(c for c in CASES if c.id == "attention-causal")
+    op = case.op()
+    q, k, v = case.inputs
+    box = ((0, 2), (0, 3), (3, 6), (0, 4))
+    part = compute_part(op, box, [q[:, :, 3:6], k, v], {})[0]
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    _assert_close(part, whole[:, :, 3:6], "causal part")
+    assert not torch.allclose(part, F.scaled_dot_product_attention(q[:, :, 3:6], k, v, is_causal=True))
+
+
+def test_fused_attention_keeps_only_its_output_for_backward():
+    """The step plan's activation bytes of an attention part are its output's, never Tq x Tk scores."""
+    from soap.lowering import lower
+    from soap.setup import TrainSetup
+    from soap.strategy import Strategy
+
+    n, h, t, d = 2, 4, 64, 8
+    spec = TensorSpec(shape=(n, h, t, d))
+    shape = [n, h, t, d]
+    ops = [Operator(name="x", kind="input", outputs=(spec,), attrs={"position": 0, "role": "input"}),
+           Operator(name="e", kind="elementwise", inputs=(TensorRef(op="x"),), outputs=(spec,),
+                    attrs={"fn": "identity"}),
+           Operator(name="attn", kind="attention", inputs=(TensorRef(op="e"),) * 3, outputs=(spec,),
+                    attrs={"is_causal": True, "scale": None, "input_shapes": [shape] * 3}),
+           Operator(name="target", kind="input", outputs=(spec,), attrs={"position": 1, "role": "target"}),
+           Operator(name="loss", kind="loss", inputs=(TensorRef(op="attn"), TensorRef(op="target")),
+                    outputs=(TensorSpec(shape=()),), attrs={"fn": "mse", "reduction": "mean"})]
+    graph = OperatorGraph(ops, batch_size=n)
+    single = {op.name: ParallelConfig.single(0) for op in graph}
+    for degrees in ({}, {"seq": 2}, {"heads": 2}):
+        cfg = ParallelConfig(degrees=degrees, devices=tuple(range(max(1, len(degrees) * 2))))
+        plan = lower(graph, Strategy({**single, "attn": cfg}), TrainSetup(), 2)
+        step = plan.ops[graph.position("attn")]
+        assert step.activation_bytes == (spec.nbytes // len(step.activation_bytes),) * len(step.activation_bytes)
+    assert op_def("attention").flops(graph["attn"]) == 2.0 * n * h * t * t * (d + d)

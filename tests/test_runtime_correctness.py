@@ -23,7 +23,9 @@ from runtime.launch import launch
 from runtime.train import TrainOptions
 from soap.setup import TrainSetup
 
-MODELS = ("mlp", "cnn", "rescnn", "rnnlm", "transformer")
+MODELS = ("mlp", "cnn", "rescnn", "rnnlm", "transformer", "llama")
+# the slow tests also cover the transformer with attention written out (matmuls, mask, softmax)
+SLOW_MODELS = (*MODELS, "transformer_explicit")
 BASELINES = ("dp", "mp", "tp", "expert")
 
 
@@ -51,10 +53,11 @@ def random_cases(models: tuple[str, ...], count: int, nproc: int, seed: int) -> 
 
 
 def test_representative_strategies_match_single_process():
-    """One launch: a baseline per model, the hand-written mixed strategy, 10 random strategies, tiny gradient
+    """One launch: a baseline per model, the hand-written mixed strategy, 12 random strategies, tiny gradient
     buckets (many all-reduces in flight), AdamW, and BatchNorm under a sample split against DDP."""
     cases = [c for c in (rc.baseline_case("mlp", "tp", 2), rc.baseline_case("rescnn", "expert", 2),
-                         rc.baseline_case("rnnlm", "dp", 2), rc.baseline_case("transformer", "tp", 2))
+                         rc.baseline_case("rnnlm", "dp", 2), rc.baseline_case("transformer", "tp", 2),
+                         rc.baseline_case("llama", "tp", 2))
              if c is not None]
     cases.append(rc.train_case("cnn/mixed", "cnn", rc.mixed_cnn_strategy(rc.graph_of("cnn")), rc.graph_of("cnn")))
     cases.append(rc.baseline_case("mlp", "dp", 2, options=TrainOptions(
@@ -63,17 +66,17 @@ def test_representative_strategies_match_single_process():
     cases.append(rc.baseline_case("cnn", "dp", 2, options=TrainOptions(
         steps=3, setup=TrainSetup(lr=0.01, optimizer="adamw", weight_decay=0.01), verify=True)))
     cases[-1]["label"] = "cnn/dp-adamw"
-    cases += random_cases(MODELS, 10, 2, seed=1)
+    cases += random_cases(MODELS, 12, 2, seed=1)
     bn_graph = rc.graph_of("bncnn")
     bn_dp = rc.baseline_case("bncnn", "dp", 2)
     cases += [bn_dp, {**bn_dp, "label": "bncnn/ddp", "kind": "ddp"}]
-    assert len(cases) == 19 and bn_graph is not None
+    assert len(cases) == 22 and bn_graph is not None
     run_and_check(cases)
 
 
 @pytest.mark.slow
 def test_baselines_and_mixed_match_single_process():
-    cases = [c for m in MODELS for b in BASELINES if (c := rc.baseline_case(m, b, 2)) is not None]
+    cases = [c for m in SLOW_MODELS for b in BASELINES if (c := rc.baseline_case(m, b, 2)) is not None]
     assert len(cases) >= 16
     graph = rc.graph_of("cnn")
     cases.append(rc.train_case("cnn/mixed", "cnn", rc.mixed_cnn_strategy(graph), graph))
@@ -87,8 +90,8 @@ def test_baselines_and_mixed_match_single_process():
 
 @pytest.mark.slow
 def test_random_strategies_match_single_process():
-    """The property test: 30 seeded random valid strategies over all five models."""
-    run_and_check(random_cases(MODELS, 30, 2, seed=0))
+    """The property test: 35 seeded random valid strategies over all seven models."""
+    run_and_check(random_cases(SLOW_MODELS, 35, 2, seed=0))
 
 
 @pytest.mark.slow
@@ -106,14 +109,14 @@ def test_batchnorm_under_sample_split_matches_ddp():
 
 @pytest.mark.slow
 def test_four_processes_match_single_process():
-    cases = [c for m in MODELS for b in BASELINES if (c := rc.baseline_case(m, b, 4)) is not None]
+    cases = [c for m in SLOW_MODELS for b in BASELINES if (c := rc.baseline_case(m, b, 4)) is not None]
     ddp = rc.baseline_case("bncnn", "dp", 4)
     cases += [ddp, {**ddp, "label": "bncnn/ddp", "kind": "ddp"}]
     cases += random_cases(MODELS, 12, 4, seed=4)
     run_and_check(cases, nproc=4)
 
 
-COLLECTIVE_MODELS = ("mlp", "cnn", "transformer", "rnnlm")
+COLLECTIVE_MODELS = ("mlp", "cnn", "transformer", "rnnlm", "llama")
 
 
 def collective_cases(per_model: int, nproc: int, seed: int) -> list[dict]:
@@ -139,6 +142,6 @@ def test_collectives_issued_equal_the_plans_two_processes():
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_collectives_issued_equal_the_plans(nproc):
-    """20 random strategies per model (MLP, small CNN, small Transformer, small LSTM LM) on 2 and on 4
-    processes: every rank issues exactly the collectives of the step plan."""
+    """20 random strategies per model (MLP, small CNN, small Transformer, small LSTM LM, small Llama) on 2
+    and on 4 processes: every rank issues exactly the collectives of the step plan."""
     run_and_check(collective_cases(20, nproc, seed=12 + nproc), nproc=nproc)

@@ -8,6 +8,7 @@ The faults are injected with the runner's test hook `SOAPFLOW_TEST_FAULT=KIND:RA
 
 from __future__ import annotations
 
+import functools
 import platform
 import time
 from pathlib import Path
@@ -24,9 +25,13 @@ from runtime.checkpoint import (
     save_checkpoint,
     shard_state,
 )
-from runtime.launch import LaunchError, keep_freed_memory
+from runtime.launch import LaunchError, keep_freed_memory, launch
+from runtime.train import TrainOptions, time_strategies
+from search.baselines import dp, tp
 from soap.setup import TrainSetup
-from soapflow.runner import FAULT_ENV, run
+from soap.topology import load_topology
+from soapflow.api import capture_model
+from soapflow.runner import FAULT_ENV, build_workload, run
 
 CASES = Path(__file__).parent / "runtime_cases.py"
 SMALL_MLP = f"{CASES}:small_mlp"
@@ -87,7 +92,8 @@ def test_killed_rank_resumes_under_another_strategy(tmp_path, monkeypatch):
                   timeout_s=30)
     monkeypatch.setenv(FAULT_ENV, "kill:1:3")
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"^rank 1 was killed by SIGKILL") as info:
+    with pytest.raises(LaunchError, match=r"^rank 1 was killed by the operating system \(SIGKILL\), most likely "
+                                          r"out of memory: the memory model estimates") as info:
         run(SMALL_MLP, "tp", checkpoint_every=2, **common)
     assert "\n" not in str(info.value) and time.monotonic() - start < 30
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 2)
@@ -108,6 +114,7 @@ def test_a_rank_that_raises_stops_the_run_naming_rank_and_op(monkeypatch):
     message = str(info.value)
     assert message.startswith("rank 1: ExecutionError: step 1, forward of op ") and "injected fault" in message
     assert "\n" not in message and isinstance(info.value, RuntimeError)
+    assert info.value.rank == 1 and info.value.detail.startswith("Traceback") and "injected fault" in info.value.detail
     assert time.monotonic() - start < 20
 
 
@@ -141,3 +148,30 @@ def test_adam_checkpoint_moves_between_strategies_and_process_counts(tmp_path):
 def test_ranks_keep_freed_memory_where_the_allocator_allows():
     # glibc takes the setting (every rank calls it on start); elsewhere it is reported as not applied.
     assert keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
+
+
+def _timing_job(strategies: dict, *, timeout_s: float, rounds: int = 1) -> dict:
+    _, graph = capture_model(SMALL_MLP)
+    topology = load_topology("cpu-1")
+    return {"build": functools.partial(build_workload, SMALL_MLP, graph.batch_size), "graph": graph.to_dict(),
+            "strategies": {name: {n: c.to_dict() for n, c in make(graph, topology).items()}
+                           for name, make in strategies.items()},
+            "steps": 1, "rounds": rounds, "options": TrainOptions(timeout_s=timeout_s)}
+
+
+def test_a_timed_step_over_the_timeout_fails_naming_the_strategy():
+    """`time_strategies` (validate's runs) limits each step, not the whole job."""
+    kwargs = _timing_job({"slowpoke": dp}, timeout_s=1e-6)
+    with pytest.raises(LaunchError, match=r"^rank 0: StrategyFailed: strategy 'slowpoke', step 0: the step took "
+                                          r"\S+ s, more than the per-step timeout of 1e-06 s$"):
+        launch(time_strategies, 1, kwargs=kwargs, num_threads=1)
+
+
+def test_timed_runs_report_each_strategy_turn_as_it_ends():
+    seen = []
+    out = launch(time_strategies, 1, kwargs=_timing_job({"dp": dp, "tp": tp}, timeout_s=60, rounds=2),
+                 num_threads=1, progress=seen.append)[0]
+    assert set(out) == {"dp", "tp"} and all(len(v) == 2 for v in out.values())
+    assert [(r["strategy"], r["round"], r["rounds"]) for r in seen] == [("dp", 1, 2), ("tp", 1, 2), ("dp", 2, 2),
+                                                                         ("tp", 2, 2)]
+    assert all(r["step_ms"] > 0 for r in seen)

@@ -185,9 +185,24 @@ def test_transformer_small_forward_and_causality():
 
 
 def test_transformer_is_gpt2_small_by_default():
-    module = transformer(1)[0]
+    module, ((tokens, positions), _), _ = transformer(1)
     assert _num_params(module) == 124_439_808 + 50257 * 768
     assert module.lm_head.bias is None
+    # 1024 learned positions, trained on 256 tokens: the default batch fits a 24 GB machine twice
+    assert module.wpe.num_embeddings == 1024 and tokens.shape == positions.shape == (1, 256)
+    assert all(block.attn.attention == "sdpa" for block in module.blocks)
+
+
+def test_transformer_sdpa_and_explicit_attention_agree():
+    torch.manual_seed(0)
+    sdpa = transformer(2, layers=2, d_model=32, heads=4, seq=8, vocab=64)[0]
+    explicit = transformer(2, layers=2, d_model=32, heads=4, seq=8, vocab=64, attention="explicit")[0]
+    explicit.load_state_dict(sdpa.state_dict())
+    tokens, positions = torch.randint(0, 64, (2, 8)), torch.arange(8).expand(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(tokens, positions), explicit(tokens, positions))
+    with pytest.raises(ValueError, match="attention must be one of sdpa, explicit"):
+        transformer(1, layers=1, d_model=16, heads=2, seq=4, vocab=8, attention="flash")
 
 
 def test_dropout_defaults_to_zero():

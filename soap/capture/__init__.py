@@ -11,7 +11,8 @@ each:
    ops (torch.export, or torch.fx with the standard leaf modules where export fails);
 2. `grouping`: the aten nodes grouped into operator calls by ``nn_module_stack``;
 3. `mappers`: each call mapped to an op kind, or left opaque;
-4. `builder`: the operators emitted with names, parameters, shapes, FLOPs and bytes.
+4. `builder`: the operators emitted with names, parameters, shapes, FLOPs and bytes; values neither the
+   batch nor the parameters reach folded into constants.
 
 `nodes` holds the helpers that read aten nodes, shared by stages 2 to 4. Each module's docstring gives the
 rules of its stage. Names with a leading underscore are private to this package; its public names are

@@ -7,6 +7,20 @@ one op per call of `_group` as its mapper drafts it, or opaque; a buffer an op r
 (`ParamSpec.fqn`) and records on every op with tensor inputs their shapes in the attr ``input_shapes``.
 `Operator.module` is the path of the module the op came from.
 
+Folded constants. A value the batch and the parameters do not reach (an ``arange``, a causal mask built
+from shapes, position ids, a rotary table computed from a buffer, a lifted ``torch.tensor`` literal, casts,
+views and copies of buffers) is the same in every step: its aten calls make no op. Where a real op reads
+one, a ``constant`` op stands for it just before that use, with its ``recipe``: the calls that compute it,
+in order, each ``{"target", "args", "kwargs"}`` encoded as an opaque op's call below, a tensor argument
+being ``{"step": i}`` (the value of step i), ``{"buffer": fqn}`` (a buffer of the model) or
+``{"literal": {"values", "dtype", "shape"}}`` (a lifted constant); the last step's value is the constant.
+Not folded: random ops and uninitialized memory (``rand``, ``dropout``, ``empty``), values an in-place op
+mutates, and the ``*_like``/``new_*`` factories read only for their shape (they fold as ``full``).
+
+Hand-written RMS norms. ``weight * (x * rsqrt(mean(x^2, -1, keepdim) + eps))``, with ``to`` casts that
+keep the dtype around it (Hugging Face's ``LlamaRMSNorm``), becomes one ``rmsnorm`` op named after the
+module whose forward computes it, as long as no intermediate value is used elsewhere.
+
 Opaque ops. An aten op no kind fits is an ``opaque`` op that runs whole on one device. Its attrs say
 what to call: ``target`` is a dotted name resolvable from the top-level package by attribute access
 (``torch.ops.aten.cumsum.default``, or ``_operator.getitem`` for a non-aten callable); ``args`` (a list) and
@@ -42,10 +56,31 @@ from torch.utils import _pytree as pytree
 
 from soap.capture.grouping import _Call, _group
 from soap.capture.mappers import _MAPPERS, _Draft
-from soap.capture.nodes import _aten_name, _bind, _dtype_name, _is_getitem, _shape, _spec, _tensors_of
+from soap.capture.nodes import (
+    _aten_name,
+    _bind,
+    _dtype_name,
+    _encode,
+    _is_getitem,
+    _qualname,
+    _shape,
+    _spec,
+    _tensors_of,
+)
 from soap.capture.tracing import _Traced
 from soap.graph import Operator, ParamSpec, TensorRef, TensorSpec
 from soap.registry import op_def
+
+# aten ops whose values are random or uninitialized: never folded into constants
+_RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+                     "normal", "uniform", "multinomial", "exponential", "poisson", "dropout", "native_dropout",
+                     "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+# factories that read only the shape, dtype and device of their tensor argument: fill value (a number, or
+# the name of the argument holding it); they fold as ``full``
+_LIKE = {"new_zeros": 0, "new_ones": 1, "new_full": "fill_value", "zeros_like": 0, "ones_like": 1,
+         "full_like": "fill_value"}
+# lifted constants up to this many elements are written into a recipe as literals
+_MAX_LITERAL = 65536
 
 
 class _Builder:
@@ -61,6 +96,9 @@ class _Builder:
         self.no_grad: set[str] = set()
         self.num_dropouts = 0
         self.fused: dict[fx.Node, fx.Node] = {}
+        self.fused_norms: dict[fx.Node, _Draft] = {}
+        self.calls: dict[fx.Node, _Call] = {}
+        self.folded = self.foldable()
         self.fake_mode = next((n.meta["val"].fake_mode for n in traced.user_inputs
                                if hasattr(n.meta.get("val"), "fake_mode")), None)
 
@@ -75,7 +113,8 @@ class _Builder:
             self.refs[node] = TensorRef(op=self.ops[-1].name)
             self.no_grad.add(self.ops[-1].name)
         calls = _group(self.traced, self.root)
-        skipped = self.fuse_losses(calls)
+        self.calls = {call.node: call for call in calls}
+        skipped = self.fuse_losses(calls) | self.fuse_rms_norms(calls)
         for call in calls:
             if call.node not in skipped:
                 self.emit(call)
@@ -97,6 +136,14 @@ class _Builder:
         self.by_name[op.name] = op
 
     def ref(self, node: fx.Node) -> TensorRef:
+        if node not in self.refs and node in self.folded:
+            producer = node.args[0] if _is_getitem(node) else node
+            call = self.calls.get(producer) or _Call(node=producer, scope="", in_loss=False)
+            self.add(Operator(name=self.unique(self.base(call)), kind="constant", outputs=(_spec(node.meta["val"]),),
+                              attrs={"recipe": self.recipe(node)},
+                              module=call.module if call.module is not None else call.scope))
+            self.refs[node] = TensorRef(op=self.ops[-1].name)
+            self.no_grad.add(self.ops[-1].name)
         if node not in self.refs and node in self.traced.buffers:
             fqn = self.traced.buffers[node]
             self.add(Operator(name=self.unique(fqn), kind="constant", outputs=(_spec(node.meta["val"]),),
@@ -119,7 +166,97 @@ class _Builder:
         fqn = self.traced.params[node]
         return fqn[len(module) + 1:] if module and fqn.startswith(f"{module}.") else fqn
 
+    # folding
+
+    def foldable(self) -> set[fx.Node]:
+        """The nodes whose values neither the batch nor the parameters reach (the module docstring's
+        rules), computed in graph order."""
+        traced = self.traced
+        mutated: set[fx.Node] = set()
+        for node in traced.nodes:
+            if isinstance(node.target, torch._ops.OpOverload) and _aten_name(node) != "detach":
+                bound = _bind(node) or {}
+                mutated.update(bound[a.name] for a in node.target._schema.arguments
+                               if a.alias_info is not None and a.alias_info.is_write
+                               and isinstance(bound.get(a.name), fx.Node))
+        model_buffers = {name.removeprefix("model.") for name, _ in self.root.named_buffers(remove_duplicate=False)}
+        roots = {n for n, fqn in traced.buffers.items() if n not in mutated and (
+            fqn in model_buffers or (n in traced.constants and traced.constants[n].numel() <= _MAX_LITERAL))}
+        folded: set[fx.Node] = set()
+        for node in traced.nodes:
+            if node in mutated:
+                continue
+            if _is_getitem(node):
+                if node.args[0] in folded:
+                    folded.add(node)
+                continue
+            name = _aten_name(node)
+            if (not isinstance(node.target, torch._ops.OpOverload) or name in _RANDOM
+                    or not _tensors_of(node.meta.get("val"))):
+                continue
+            if name in _LIKE or all(d in folded or d in roots for d in _deps(node)):
+                folded.add(node)
+        return folded
+
+    def recipe(self, node: fx.Node) -> list[dict[str, Any]]:
+        """The calls that compute folded `node`, in graph order (the module docstring's encoding)."""
+        needed: set[fx.Node] = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n in needed or n not in self.folded:
+                continue
+            needed.add(n)
+            if _aten_name(n) not in _LIKE:
+                stack += _deps(n)
+        index: dict[fx.Node, int] = {}
+        steps: list[dict[str, Any]] = []
+
+        def tensor(value: fx.Node) -> Any:
+            if value in index:
+                return {"step": index[value]}
+            if value in self.traced.constants:
+                t = self.traced.constants[value]
+                return {"literal": {"values": t.flatten().tolist(), "dtype": _dtype_name(t.dtype),
+                                    "shape": list(t.shape)}}
+            return {"buffer": self.traced.buffers[value]}
+
+        for n in self.traced.nodes:
+            if n not in needed:
+                continue
+            index[n] = len(steps)
+            name = _aten_name(n)
+            if _is_getitem(n):
+                steps.append({"target": _qualname(n.target), "args": [{"step": index[n.args[0]]}, n.args[1]],
+                              "kwargs": {}})
+                continue
+            if name in _LIKE:
+                val, fill = n.meta["val"], _LIKE[name]
+                fill = fill if isinstance(fill, int) else _bind(n)[fill]
+                steps.append({"target": "torch.ops.aten.full.default", "args": [list(val.shape), fill],
+                              "kwargs": {"dtype": _encode(val.dtype, tensor), "device": {"device": None}}})
+                continue
+            steps.append({"target": _qualname(n.target), "args": _encode(list(n.args), tensor),
+                          "kwargs": {k: _encode(v, tensor) for k, v in n.kwargs.items()}})
+        return steps
+
     # emitting
+
+    def fuse_rms_norms(self, calls: list[_Call]) -> set[fx.Node]:
+        """Hand-written RMS norms (the module docstring's pattern): their last ``mul`` maps to one
+        ``rmsnorm`` op (`fused_norms`), the other nodes make no op."""
+        skipped: set[fx.Node] = set()
+        for call in calls:
+            found = _rms_norm_pattern(self, call.node)
+            if found is not None:
+                x, weight, eps, interior = found
+                self.fused_norms[call.node] = _Draft(
+                    kind="rmsnorm", inputs=[x], params={"weight": weight},
+                    attrs={"normalized_shape": [int(_shape(x)[-1])], "eps": eps})
+                skipped |= interior
+                if call.scope and call.module is None:
+                    call.module = call.scope  # named after the norm's module, as a leaf module would be
+        return skipped
 
     def fuse_losses(self, calls: list[_Call]) -> set[fx.Node]:
         """log_softmax whose only use is an nll_loss over classes: one cross-entropy loss op."""
@@ -138,8 +275,19 @@ class _Builder:
                 skipped.add(logp)
         return skipped
 
+    def base(self, call: _Call, kind: str = "") -> str:
+        """The name an op made from `call` gets before numbering (the naming rules of `grouping`)."""
+        if kind == "loss" and call.in_loss:
+            return "loss"
+        if call.module is not None and call.module:
+            return call.module
+        name = _aten_name(call.node)
+        return f"{call.scope}.{name}" if call.scope else name
+
     def emit(self, call: _Call) -> None:
         node = call.node
+        if node in self.folded:
+            return
         bound = _bind(node)
         if bound is not None and _aten_name(node) == "broadcast_tensors" and all(
                 self.is_act(x) and _shape(x) == tuple(t.shape)
@@ -162,12 +310,7 @@ class _Builder:
             draft = self.opaque(call)
         if draft is None:
             return
-        if draft.kind == "loss" and call.in_loss:
-            base = "loss"
-        elif call.module is not None and call.module:
-            base = call.module
-        else:
-            base = f"{call.scope}.{_aten_name(node)}" if call.scope else _aten_name(node)
+        base = self.base(call, draft.kind)
         inputs = tuple(self.ref(n) for n in draft.inputs)
         params = {k: ParamSpec(shape=tuple(p.meta["val"].shape), fqn=self.traced.params[p],
                                dtype=_dtype_name(p.meta["val"].dtype)) for k, p in draft.params.items()}
@@ -202,37 +345,17 @@ class _Builder:
             return None
         draft = _Draft(kind="opaque", inputs=[])
 
-        def encode(value: Any) -> Any:
-            if isinstance(value, fx.Node):
-                if self.is_param(value):
-                    local = self.local_name(value, call.module)
-                    draft.params[local] = value
-                    return {"param": local}
-                if isinstance(value.meta.get("val"), torch.Tensor):
-                    if value not in draft.inputs:
-                        draft.inputs.append(value)
-                    return {"input": draft.inputs.index(value)}
-                return encode(value.meta.get("val"))
-            if value is None or isinstance(value, bool | int | float | str):
-                return value
-            if isinstance(value, tuple | list):
-                return [encode(v) for v in value]
-            if isinstance(value, torch.dtype):
-                return {"dtype": str(value).removeprefix("torch.")}
-            if isinstance(value, torch.device):
-                return {"device": None}
-            if isinstance(value, torch.layout | torch.memory_format):
-                return {"torch": str(value).removeprefix("torch.")}
-            return {"repr": repr(value)}
+        def tensor(value: fx.Node) -> Any:
+            if self.is_param(value):
+                local = self.local_name(value, call.module)
+                draft.params[local] = value
+                return {"param": local}
+            if value not in draft.inputs:
+                draft.inputs.append(value)
+            return {"input": draft.inputs.index(value)}
 
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            qualname = f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
-        else:
-            module = getattr(target, "__module__", None) or "builtins"
-            qualname = f"{module}.{getattr(target, '__qualname__', target)}"
-        draft.attrs = {"target": qualname, "args": [encode(a) for a in node.args],
-                       "kwargs": {k: encode(v) for k, v in node.kwargs.items()}}
+        draft.attrs = {"target": _qualname(node.target), "args": [_encode(a, tensor) for a in node.args],
+                       "kwargs": {k: _encode(v, tensor) for k, v in node.kwargs.items()}}
         return draft
 
     # FLOPs
@@ -296,3 +419,76 @@ class _Builder:
             return None
         return float(fwd), float(bwd)
 
+
+def _deps(node: fx.Node) -> list[fx.Node]:
+    """The nodes `node` reads."""
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
+def _uses(node: fx.Node) -> list[fx.Node]:
+    """The users of `node`, but for the metadata checks export adds (``_assert_tensor_metadata``)."""
+    return [u for u in node.users if not _aten_name(u).startswith("_assert")]
+
+
+def _single_use(node: Any, user: fx.Node) -> bool:
+    return isinstance(node, fx.Node) and _uses(node) == [user]
+
+
+def _same_dtype_cast(node: Any) -> fx.Node | None:
+    """The input of a ``to`` that keeps the dtype, else None."""
+    if not isinstance(node, fx.Node) or _aten_name(node) not in ("to", "_to_copy"):
+        return None
+    x = node.args[0]
+    return x if isinstance(x, fx.Node) and x.meta["val"].dtype == node.meta["val"].dtype else None
+
+
+def _rms_norm_pattern(b: _Builder, anchor: fx.Node) -> tuple[fx.Node, fx.Node, float, set[fx.Node]] | None:
+    """(input, weight, eps, interior nodes) where `anchor` is ``weight * rms_normalized(x)`` (the module
+    docstring's pattern), else None."""
+    if _aten_name(anchor) != "mul" or len(anchor.args) != 2:
+        return None
+    a0, a1 = anchor.args
+    weight, t = (a0, a1) if b.is_param(a0) else (a1, a0)
+    if not b.is_param(weight) or not _single_use(t, anchor):
+        return None
+    interior = set()
+    u = _same_dtype_cast(t)
+    if u is not None:
+        interior.add(t)
+        if not _single_use(u, t):
+            return None
+    else:
+        u = t
+    if _aten_name(u) != "mul" or len(u.args) != 2:
+        return None
+    r, x1 = (u.args[0], u.args[1]) if _aten_name(u.args[0]) == "rsqrt" else (u.args[1], u.args[0])
+    if not _single_use(r, u) or _aten_name(r) != "rsqrt" or not isinstance(x1, fx.Node):
+        return None
+    s = r.args[0]
+    if not _single_use(s, r) or _aten_name(s) != "add" or len(s.args) != 2:
+        return None
+    mean, eps = s.args if isinstance(s.args[0], fx.Node) else s.args[::-1]
+    if not _single_use(mean, s) or not isinstance(eps, float | int) or _aten_name(mean) != "mean":
+        return None
+    ma = _bind(mean)
+    ndim = len(_shape(x1))
+    if (ma is None or not ma.get("keepdim") or [d % ndim for d in ma.get("dim") or []] != [ndim - 1]
+            or ma.get("dtype") is not None):
+        return None
+    p = ma["self"]
+    if not _single_use(p, mean) or not (
+            (_aten_name(p) == "pow" and p.args[0] is x1 and p.args[1] == 2)
+            or (_aten_name(p) == "mul" and p.args[0] is x1 and p.args[1] is x1)):
+        return None
+    interior |= {u, r, s, mean, p}
+    x = _same_dtype_cast(x1)
+    if x is not None and set(_uses(x1)) == {p, u}:
+        interior.add(x1)
+    else:
+        x = x1
+    if (_shape(weight) != _shape(x)[-1:] or not b.is_act(x) or x.meta["val"].dtype != anchor.meta["val"].dtype
+            or not x.meta["val"].is_floating_point()):
+        return None
+    return x, weight, float(eps), interior

@@ -37,7 +37,12 @@ from soap.opdef import pair
 
 # aten op name → the `fn` of the elementwise op it becomes
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
-          "neg": "neg", "exp": "exp", "clone": "identity", "alias": "identity", "contiguous": "identity"}
+          "neg": "neg", "exp": "exp", "rsqrt": "rsqrt", "clone": "identity", "alias": "identity",
+          "contiguous": "identity"}
+
+# the memory formats a copy may ask for and still be an identity: torch's enums, and the ints an aten
+# schema's default holds (c10::MemoryFormat: 0 contiguous, 1 preserve)
+_PLAIN_FORMATS = (None, 0, 1, torch.contiguous_format, torch.preserve_format)
 
 _RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze", "squeeze"}
 
@@ -57,10 +62,12 @@ class _Draft:
 
 class _Context(Protocol):
     """What a mapper may ask of the builder: the traced graph, which operands are parameters or
-    activations, a parameter's local name, the fused losses, and the count of dropouts so far."""
+    activations, a parameter's local name, the fused losses and RMS norms, and the count of dropouts so
+    far."""
 
     traced: _Traced
     fused: dict[fx.Node, fx.Node]
+    fused_norms: dict[fx.Node, _Draft]
     num_dropouts: int
 
     def is_param(self, value: Any) -> bool: ...
@@ -133,6 +140,23 @@ def _linear(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return _Draft(kind="linear", inputs=[x], params=params)
 
 
+@_maps("addmm")
+def _addmm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """bias + x @ W: a linear whose weight is stored (in, out) (Hugging Face's ``Conv1D``, GPT-2), or, with
+    three activations, a matmul adding its third input."""
+    c, x, y = a["self"], a["mat1"], a["mat2"]
+    if a["alpha"] != 1 or not b.is_act(x):
+        return None
+    if b.is_param(y) and a["beta"] == 1:
+        params = _weights(b, weight=y, bias=c)
+        if params is None or (c is not None and _shape(c) != _shape(y)[1:]):
+            return None
+        return _Draft(kind="linear", inputs=[x], params=params, attrs={"transposed": True})
+    if not b.is_act(y) or not (a["beta"] == 0 or b.is_act(c)):
+        return None
+    return _matmul_draft([x, y], c=c, alpha=1, beta=a["beta"])
+
+
 @_maps("batch_norm")
 def _batch_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["input"]
@@ -155,6 +179,18 @@ def _layer_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
         return None
     return _Draft(kind="layernorm", inputs=[x], params=params,
                   attrs={"normalized_shape": [int(s) for s in a["normalized_shape"]], "eps": float(a["eps"])})
+
+
+@_maps("rms_norm")
+def _rms_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x = a["input"]
+    params = _weights(b, weight=a["weight"])
+    if params is None or not b.is_act(x):
+        return None
+    eps = a["eps"]
+    return _Draft(kind="rmsnorm", inputs=[x], params=params,
+                  attrs={"normalized_shape": [int(s) for s in a["normalized_shape"]],
+                         "eps": None if eps is None else float(eps)})
 
 
 @_maps("embedding")
@@ -232,8 +268,7 @@ def _adaptive_pool2d(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | No
 @_maps(*_UNARY)
 def _unary(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["self"]
-    if not b.is_act(x) or a.get("memory_format") not in (None, torch.contiguous_format,
-                                                           torch.preserve_format):
+    if not b.is_act(x) or a.get("memory_format") not in _PLAIN_FORMATS:
         return None
     fn = _UNARY[_aten_name(call.node)]
     attrs: dict[str, Any] = {"fn": fn}
@@ -273,8 +308,21 @@ def _arith(b: _Context, fn: str, x: Any, y: Any) -> _Draft | None:
     return None
 
 
+@_maps("to", "_to_copy")
+def _to(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """A copy or conversion that keeps the dtype and the layout: an identity. A cast to another dtype stays
+    opaque (it runs whole, and carries no FLOPs)."""
+    x, val = a["self"], call.node.meta.get("val")
+    if (not b.is_act(x) or not isinstance(val, torch.Tensor) or val.dtype != x.meta["val"].dtype
+            or a.get("memory_format") not in _PLAIN_FORMATS or a.get("layout") not in (None, torch.strided)):
+        return None
+    return _Draft(kind="elementwise", inputs=[x], attrs={"fn": "identity"})
+
+
 @_maps("add", "sub", "mul", "div")
 def _binary(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    if call.node in b.fused_norms:
+        return b.fused_norms[call.node]
     if a.get("alpha", 1) != 1 or a.get("rounding_mode") is not None:
         return None
     return _arith(b, _aten_name(call.node), a["self"], a["other"])
@@ -317,11 +365,39 @@ def _reduce(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
 
 @_maps("cat")
 def _cat(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    ndim = len(call.node.meta["val"].shape)
+    # torch.cat skips 1-D empty tensors whatever the others' shapes (a cache's empty start, as in Hugging
+    # Face's DynamicCache); they add nothing, so they are not inputs
+    tensors = [t for t in a["tensors"] if not (ndim > 1 and _shape(t) == (0,))]
+    if not tensors or not all(b.is_act(t) for t in tensors):
+        return None
+    return _Draft(kind="concat", inputs=tensors, attrs={"axis": _axis(int(a["dim"]), ndim)})
+
+
+@_maps("stack")
+def _stack(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     tensors = list(a["tensors"])
     if not tensors or not all(b.is_act(t) for t in tensors):
         return None
-    return _Draft(kind="concat", inputs=tensors,
+    return _Draft(kind="stack", inputs=tensors,
                   attrs={"axis": _axis(int(a["dim"]), len(call.node.meta["val"].shape))})
+
+
+@_maps("expand")
+def _expand(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x = a["self"]
+    if not b.is_act(x):
+        return None
+    return _Draft(kind="expand", inputs=[x], attrs={"shape": list(call.node.meta["val"].shape)})
+
+
+@_maps("repeat_interleave")
+def _repeat_interleave(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x, repeats, dim = a.get("self"), a.get("repeats"), a.get("dim")
+    if not b.is_act(x) or not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1 or dim is None:
+        return None
+    return _Draft(kind="repeat", inputs=[x],
+                  attrs={"axis": _axis(int(dim), len(_shape(x))), "repeats": int(repeats)})
 
 
 @_maps("split", "split_with_sizes", "chunk")
@@ -393,16 +469,79 @@ def _transpose(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return _Draft(kind="transpose", inputs=[x], attrs={"perm": perm})
 
 
+def _matmul_draft(operands: list[Any], *, c: Any = None, alpha: Any = 1, beta: Any = 0,
+                  transpose_a: bool = False, transpose_b: bool = False) -> _Draft | None:
+    """A `matmul` op: alpha (a @ b) + beta c, a or b read transposed where asked; None where the
+    operands' shapes do not fit the kind (leading axes equal, or b 2-D)."""
+    x, y = operands
+    sx, sy = _shape(x), _shape(y)
+    if len(sx) < 2 or not (len(sy) == 2 or (len(sy) == len(sx) and sx[:-2] == sy[:-2])):
+        return None
+    attrs: dict[str, Any] = {}
+    if transpose_a:
+        attrs["transpose_a"] = True
+    if transpose_b:
+        attrs["transpose_b"] = True
+    if alpha != 1:
+        attrs["alpha"] = float(alpha)
+    inputs = [x, y]
+    if beta != 0:
+        inputs.append(c)
+        attrs["beta"] = float(beta)
+    return _Draft(kind="matmul", inputs=inputs, attrs=attrs)
+
+
 @_maps("matmul", "bmm", "mm")
 def _matmul(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["self"]
     y = a.get("other", a.get("mat2"))
     if not (b.is_act(x) and b.is_act(y)):
         return None
-    sx, sy = _shape(x), _shape(y)
-    if len(sx) < 2 or not (len(sy) == 2 or (len(sy) == len(sx) and sx[:-2] == sy[:-2])):
+    return _matmul_draft([x, y])
+
+
+@_maps("baddbmm")
+def _baddbmm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """beta c + alpha (x @ y) over a batch of matrices (BLOOM's ALiBi scores): a matmul adding c."""
+    c, x, y = a["self"], a["batch1"], a["batch2"]
+    if not (b.is_act(x) and b.is_act(y)) or not (a["beta"] == 0 or b.is_act(c)):
         return None
-    return _Draft(kind="matmul", inputs=[x, y])
+    return _matmul_draft([x, y], c=c, alpha=a["alpha"], beta=a["beta"])
+
+
+def _einsum_as_matmul(equation: str) -> tuple[bool, bool] | None:
+    """(transpose_a, transpose_b) where the two-operand `equation` is a batched matrix product
+    ``B..mk,B..kn->B..mn`` (either operand possibly transposed), else None."""
+    if "->" not in equation or "." in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2 or any(len(set(t)) != len(t) for t in (*ops, out)):
+        return None
+    sa, sb = ops
+    batch = [c for c in out if c in sa and c in sb]
+    m = [c for c in sa if c in out and c not in sb]
+    n = [c for c in sb if c in out and c not in sa]
+    k = [c for c in sa if c in sb and c not in out]
+    if len(m) != 1 or len(n) != 1 or len(k) != 1 or set(sa) | set(sb) != set(out) | set(k):
+        return None
+    lead = "".join(batch)
+    if out != lead + m[0] + n[0] or sa not in (lead + m[0] + k[0], lead + k[0] + m[0]) or \
+            sb not in (lead + k[0] + n[0], lead + n[0] + k[0]):
+        return None
+    return sa != lead + m[0] + k[0], sb != lead + k[0] + n[0]
+
+
+@_maps("einsum")
+def _einsum(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    operands = list(a["tensors"])
+    layout = _einsum_as_matmul(str(a["equation"]))
+    if layout is None or len(operands) != 2 or not all(b.is_act(t) for t in operands):
+        return None
+    sx, sy = _shape(operands[0]), _shape(operands[1])
+    if len(sx) != len(sy) or sx[:-2] != sy[:-2]:
+        return None
+    return _matmul_draft(operands, transpose_a=layout[0], transpose_b=layout[1])
 
 
 @_maps("softmax", "_softmax", "log_softmax", "_log_softmax")
@@ -426,14 +565,29 @@ def _dropout(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
 
 @_maps("scaled_dot_product_attention")
 def _attention(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
-    q, k, v = a["query"], a["key"], a["value"]
+    q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
     if not all(b.is_act(t) and len(_shape(t)) == 4 for t in (q, k, v)):
         return None
-    if a["attn_mask"] is not None or a["dropout_p"] or a["enable_gqa"]:
+    # Dropout inside the fused kernel draws from torch's generator in the kernel's own order, so no part
+    # could draw the unsplit op's mask (the `dropout` kind hashes global indices instead): p > 0 stays opaque.
+    if a["dropout_p"]:
         return None
-    if not _shape(q)[:2] == _shape(k)[:2] == _shape(v)[:2] or _shape(k)[2] != _shape(v)[2]:
+    (n, hq, tq, _), (nk, hkv, tk, _), (nv, hv, tv, _) = _shape(q), _shape(k), _shape(v)
+    if not n == nk == nv or hkv != hv or tk != tv:
         return None
-    return _Draft(kind="attention", inputs=[q, k, v],
+    # grouped-query attention: k and v have fewer heads, each shared by hq / hkv query heads
+    if hkv != hq and not (a["enable_gqa"] and hq % hkv == 0):
+        return None
+    inputs = [q, k, v]
+    if mask is not None:
+        # a boolean (True keeps a key) or additive mask broadcasting to the scores [N, heads, Tq, Tk];
+        # torch refuses a mask together with is_causal
+        shape = _shape(mask) if b.is_act(mask) else None
+        if shape is None or a["is_causal"] or len(shape) > 4 or any(
+                s not in (1, full) for s, full in zip(reversed(shape), (tk, tq, hq, n), strict=False)):
+            return None
+        inputs.append(mask)
+    return _Draft(kind="attention", inputs=inputs,
                   attrs={"is_causal": bool(a["is_causal"]), "scale": a["scale"]})
 
 

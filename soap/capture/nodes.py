@@ -8,6 +8,7 @@ import the other capture modules, the simulator, the search, the runtime or soap
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,3 +73,32 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 def _axis(axis: int, ndim: int) -> int:
     return axis + ndim if axis < 0 else axis
 
+
+
+def _qualname(target: Any) -> str:
+    """A call target as a dotted name resolvable from its top-level package (``torch.ops.aten.cumsum.default``,
+    ``_operator.getitem``): what an opaque op or a constant's recipe calls."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+    module = getattr(target, "__module__", None) or "builtins"
+    return f"{module}.{getattr(target, '__qualname__', target)}"
+
+
+def _encode(value: Any, tensor: Callable[[fx.Node], Any]) -> Any:
+    """A call argument as JSON in the encoding of opaque ops (soap/capture/builder.py); `tensor` encodes a
+    node holding a tensor (an input, a parameter, a recipe's step)."""
+    if isinstance(value, fx.Node):
+        if isinstance(value.meta.get("val"), torch.Tensor):
+            return tensor(value)
+        return _encode(value.meta.get("val"), tensor)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list):
+        return [_encode(v, tensor) for v in value]
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": None}
+    if isinstance(value, torch.layout | torch.memory_format):
+        return {"torch": str(value).removeprefix("torch.")}
+    return {"repr": repr(value)}

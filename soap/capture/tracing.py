@@ -7,7 +7,15 @@ nor activations ever take real memory. Where export fails, `torch.fx.symbolic_tr
 traces it instead and each traced call is lowered to the same training-IR aten ops with
 `make_fx(pre_dispatch=True)`, so both paths feed one grouping and mapping step and give the same op kinds
 and names. Either way every aten node carries the ``nn_module_stack`` that grouping reads, and
-placeholders are told apart as batch tensors, parameters and buffers by their state-dict names.
+placeholders are told apart as batch tensors, parameters and buffers by their state-dict names; the values
+of the constant tensors export lifts out of the forward (``torch.tensor([])`` in a model's code) are kept,
+so that capture can fold what they compute into constants.
+
+Wrappers. The training IR wraps code run under ``torch.no_grad()`` or with autocast switched off in a
+higher-order op (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) whose body is a subgraph, the
+way Hugging Face rotary embeddings compute their tables. `_inline_wrappers` replaces each such wrapper by
+its body's aten ops, so they map to op kinds (or fold into constants) like any others; outputs of a body
+run without gradients pass through ``aten.detach``, which keeps that meaning.
 
 Imports torch only; must not import the later capture stages (`grouping`, `mappers`, `builder`), the
 simulator, the search, the runtime or soapflow.
@@ -30,7 +38,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 LEAF_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding, nn.LSTM,
+    nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.LSTM,
     nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.ReLU, nn.GELU, nn.Tanh,
     nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Softmax, nn.Flatten, nn.Identity,
 )
@@ -85,13 +93,15 @@ class _Traced:
     """Aten call nodes in topological order, and what each placeholder is.
 
     `params` and `buffers` map placeholders to the state-dict names in the captured module (the
-    wrapper's ``model.`` prefix removed); `user_inputs` are the inputs then the target.
+    wrapper's ``model.`` prefix removed); `user_inputs` are the inputs then the target. `constants` holds
+    the values of the lifted constant tensors among the buffers (export's ``lifted_tensor_0``, ...).
     """
 
     nodes: list[fx.Node]
     user_inputs: list[fx.Node]
     params: dict[fx.Node, str]
     buffers: dict[fx.Node, str]
+    constants: dict[fx.Node, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def _model_fqn(fqn: str) -> str:
@@ -102,9 +112,11 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
     from torch.export.graph_signature import InputKind
 
     program = torch.export.export(wrapper, (inputs, target), strict=False)
+    _inline_wrappers(program.graph_module)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
+    constants: dict[fx.Node, torch.Tensor] = {}
     user_inputs: list[fx.Node] = []
     for spec in program.graph_signature.input_specs:
         node = placeholders[spec.arg.name]
@@ -112,10 +124,70 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
             params[node] = _model_fqn(spec.target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             buffers[node] = _model_fqn(spec.target)
+            value = program.constants.get(spec.target) if spec.kind == InputKind.CONSTANT_TENSOR else None
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+                constants[node] = value
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(node)
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
-    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers)
+    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers, constants=constants)
+
+
+def _wrapped(node: fx.Node) -> tuple[bool, fx.Node, tuple] | None:
+    """(gradients enabled, body attribute node, body arguments) of a wrapper `_inline_wrappers` inlines."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    name = node.target.name()
+    if name == "wrap_with_set_grad_enabled":
+        return bool(node.args[0]), node.args[1], tuple(node.args[2:])
+    if name == "wrap_with_autocast" and node.args[2] is False:
+        # (device_type, dtype, enabled, cache_enabled, body, *args): with autocast off the body runs as is
+        return True, node.args[4], tuple(node.args[5:])
+    return None
+
+
+def _inline_wrappers(gm: fx.GraphModule) -> None:
+    """Replace every grad-mode or autocast-off wrapper in `gm` by its body's nodes, in place (nested
+    wrappers first); a body run without gradients gets an ``aten.detach`` on each tensor output."""
+    for node in list(gm.graph.nodes):
+        wrapped = _wrapped(node)
+        if wrapped is None:
+            continue
+        grad, body_attr, args = wrapped
+        body = getattr(gm, body_attr.target)
+        _inline_wrappers(body)
+        graph = gm.graph
+        env: dict[fx.Node, Any] = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], args,
+                                           strict=True))
+        outputs: Any = ()
+        with graph.inserting_before(node):
+            for b in body.graph.nodes:
+                if b.op == "placeholder":
+                    continue
+                if b.op == "output":
+                    outputs = fx.node.map_arg(b.args[0], env.__getitem__)
+                    break
+                if b.op == "get_attr":
+                    name = f"_inlined_{len(list(gm.named_children()))}_{b.target}"
+                    setattr(gm, name, getattr(body, b.target))
+                    env[b] = graph.get_attr(name)
+                    continue
+                env[b] = graph.node_copy(b, env.__getitem__)
+                env[b].meta.setdefault("nn_module_stack", node.meta.get("nn_module_stack"))
+            outputs = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
+            if not grad:
+                for i, out in enumerate(outputs):
+                    if isinstance(out, fx.Node) and isinstance(out.meta.get("val"), torch.Tensor):
+                        detached = graph.call_function(torch.ops.aten.detach.default, (out,))
+                        detached.meta = {**out.meta, "val": out.meta["val"].detach()}
+                        outputs[i] = detached
+        for user in list(node.users):
+            assert user.target is operator.getitem, (node.name, user.name)
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not body_attr.users:
+            graph.erase_node(body_attr)
 
 
 class _LeafTracer(fx.Tracer):
@@ -224,6 +296,7 @@ def _inline(out: fx.Graph, fn: Callable, args: tuple, kwargs: dict, stack: dict)
     if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(eager)):
         return eager
     sub = make_fx(call, pre_dispatch=True)(*values)
+    _inline_wrappers(sub)
     sub_inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
     before = len(out.nodes)
     result = out.graph_copy(sub.graph, dict(zip(sub_inputs, [flat[i] for i in slots], strict=True)))

@@ -55,7 +55,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel(name="nmt", build=nmt, default_batch=64,
              description="NMT: 4+4 LSTM encoder-decoder (1024) with attention, 32K vocab, 40 steps"),
     ZooModel(name="transformer", build=transformer, default_batch=8,
-             description="GPT-2 small decoder (Radford et al. 2019), 12x768, 1024 tokens, 50257 vocab"),
+             description="GPT-2 small decoder (Radford et al. 2019), 12x768, SDPA attention, 256-token "
+                         "sequences of 1024 positions, 50257 vocab"),
 )}
 
 

@@ -1,0 +1,174 @@
+"""Hugging Face models (GPT-2, Llama, BERT from tiny random configs, tests/hf_models.py) capture into real,
+splittable op kinds and train under soapflow's strategies exactly as in one process.
+
+Needs the optional extra `hf` (`pip install 'soapflow[hf]'`); the tests skip without it. The multi-process
+ones are marked slow.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (the optional extra: "
+                                           "pip install 'soapflow[hf]')")
+
+import hf_models  # noqa: E402
+import runtime_cases as rc  # noqa: E402
+import torch  # noqa: E402
+
+from runtime.launch import launch  # noqa: E402
+from runtime.train import TrainOptions, Workload, train_rank  # noqa: E402
+from search.space import ConfigSpace  # noqa: E402
+from soap.capture import capture  # noqa: E402
+from soap.config import ParallelConfig  # noqa: E402
+from soap.graph import Operator, OperatorGraph  # noqa: E402
+from soap.registry import dims_of  # noqa: E402
+from soap.strategy import Strategy  # noqa: E402
+from soap.topology import load_topology  # noqa: E402
+
+MODEL_FILE = str(Path(__file__).parent / "hf_models.py")
+NAMES = tuple(hf_models.MODELS)
+
+
+def hf_build(name: str, batch: int = 4) -> Workload:
+    torch.manual_seed(0)
+    module, (ids, target), loss_fn = hf_models.MODELS[name](batch)
+    return Workload(module=module, inputs=(ids,), target=target, loss_fn=loss_fn)
+
+
+@functools.cache
+def hf_graph(name: str) -> OperatorGraph:
+    return rc.capture_workload(functools.partial(hf_build, name))
+
+
+def test_gpt2_captures_conv1d_as_linear_and_attention_as_one_op():
+    graph = hf_graph("gpt2")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    linears = [op for op in graph if op.kind == "linear" and op.name.endswith(".addmm")]
+    assert len(linears) == 8 and all(op.attrs["transposed"] for op in linears)
+    c_fc = graph["model.transformer.h.0.mlp.c_fc.addmm"]
+    assert c_fc.params["weight"].shape == (64, 256) and c_fc.outputs[0].shape == (64, 256)
+    attention = [op for op in graph if op.kind == "attention"]
+    assert len(attention) == 2 and all(len(op.inputs) == 4 for op in attention)
+    # the causal mask HF builds from aranges is a folded constant, fed to every layer
+    mask = graph[attention[0].inputs[3].op]
+    assert mask.kind == "constant" and mask.outputs[0].dtype == "bool" and "recipe" in mask.attrs
+    # the empty tensors of HF's key/value cache leave the concats with one input
+    assert all(len(op.inputs) == 1 for op in graph if op.kind == "concat")
+
+
+def test_llama_captures_rmsnorm_and_grouped_query_attention():
+    graph = hf_graph("llama")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert [op.name for op in graph if op.kind == "rmsnorm"] == [
+        "model.model.layers.0.input_layernorm", "model.model.layers.0.post_attention_layernorm",
+        "model.model.layers.1.input_layernorm", "model.model.layers.1.post_attention_layernorm",
+        "model.model.norm"]
+    assert sum(op.kind == "expand" for op in graph) == 4  # repeat_kv of k and v, two layers
+    # the rotary tables computed under no_grad from a buffer are constants
+    assert [op.outputs[0].shape for op in graph if op.kind == "constant" and op.outputs[0].dtype == "float32"
+            ] == [(1, 1, 16, 16)] * 4
+
+
+def test_bert_folds_its_buffers_and_mask():
+    graph = hf_graph("bert")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert sum(op.kind == "attention" for op in graph) == 2
+    token_types = graph["model.bert.embeddings.token_type_embeddings"]
+    assert graph[token_types.inputs[0].op].kind == "constant"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_search_space_splits_heads_and_parameters(name):
+    graph = hf_graph(name)
+    space = ConfigSpace(graph, load_topology("cpu-2"))
+    attention = next(op.name for op in graph if op.kind == "attention")
+    assert (("heads", 2),) in space.degree_options(attention)
+    weighted = [op.name for op in graph if op.kind == "linear"]
+    assert all((("out_features", 2),) in space.degree_options(n) for n in weighted)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_single_process_interpreter_equals_pytorch(name):
+    graph = hf_graph(name)
+    single = {op.name: {"degrees": {}, "devices": [0]} for op in graph}
+    result = train_rank(0, 1, build=functools.partial(hf_build, name), graph=graph.to_dict(), strategy=single,
+                        options=TrainOptions(steps=2, verify=True))
+    assert result["verify"]["passed"], result["verify"]
+
+
+def _data_parallel(op: Operator) -> ParallelConfig:
+    """The op split in two on its sample dim over devices (0, 1), or whole on device 0 where it cannot be."""
+    if any(d.name == "sample" and d.splittable and d.size % 2 == 0 for d in dims_of(op)):
+        return ParallelConfig(degrees={"sample": 2}, devices=(0, 1))
+    return ParallelConfig.single(0)
+
+
+def _megatron_gpt2(graph: OperatorGraph) -> Strategy:
+    """Data parallel, with every attention split on heads and every MLP split Megatron-style (c_fc on
+    out_features, c_proj on in_features), on devices (0, 1)."""
+    configs = {op.name: _data_parallel(op) for op in graph}
+    for op in graph:
+        if op.kind == "attention":
+            configs[op.name] = ParallelConfig(degrees={"heads": 2}, devices=(0, 1))
+        elif op.name.endswith("mlp.c_fc.addmm"):
+            configs[op.name] = ParallelConfig(degrees={"out_features": 2}, devices=(0, 1))
+        elif op.name.endswith("mlp.c_proj.addmm"):
+            configs[op.name] = ParallelConfig(degrees={"in_features": 2}, devices=(0, 1))
+    return Strategy(configs)
+
+
+@pytest.mark.slow
+def test_random_and_hand_strategies_match_single_process():
+    """On 2 processes: 8 random strategies per model, GPT-2 with head-split attention and a Megatron MLP,
+    and BERT's position table split on its vocabulary (partial sums read whole by both sample halves)."""
+    rng = random.Random(3)
+    cases = []
+    for name in NAMES:
+        graph = hf_graph(name)
+        build = functools.partial(hf_build, name)
+        for i in range(8):
+            draw = rc.space_strategy if i % 2 == 0 else rc.random_strategy
+            cases.append({"label": f"{name}/random{i}", "kind": "train", "build": build, "graph": graph.to_dict(),
+                          "strategy": rc.configs(draw(graph, 2, rng)), "options": rc.DEFAULT_OPTIONS})
+    gpt2 = hf_graph("gpt2")
+    cases.append({"label": "gpt2/megatron", "kind": "train", "build": functools.partial(hf_build, "gpt2"),
+                  "graph": gpt2.to_dict(), "strategy": rc.configs(_megatron_gpt2(gpt2)),
+                  "options": rc.DEFAULT_OPTIONS})
+    bert = hf_graph("bert")
+    configs = {op.name: _data_parallel(op) for op in bert}
+    configs["model.bert.embeddings.position_embeddings"] = ParallelConfig(degrees={"vocab": 2}, devices=(0, 1))
+    cases.append({"label": "bert/position-vocab-split", "kind": "train", "build": functools.partial(hf_build, "bert"),
+                  "graph": bert.to_dict(), "strategy": rc.configs(Strategy(configs)), "options": rc.DEFAULT_OPTIONS})
+    results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=120, wall_timeout_s=1200, num_threads=1)
+    bad = rc.failures(results[0], cases=cases, num_devices=2)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_optimize_and_run_verify_through_a_model_file(name, tmp_path):
+    model = f"{MODEL_FILE}:{name}"
+    strategy = tmp_path / f"{name}.json"
+    cli = [sys.executable, "-m", "soapflow"]
+    subprocess.run([*cli, "optimize", model, "-t", "cpu-2", "--budget", "3", "-o", str(strategy)], check=True,
+                   capture_output=True, timeout=600)
+    run = subprocess.run([*cli, "run", model, "-s", str(strategy), "--nproc", "2", "--steps", "2", "--verify",
+                          "--json"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["verify"]["passed"]
+
+
+def test_capture_of_each_model_has_no_opaque_op_with_flops_or_parameters():
+    for name in NAMES:
+        module, (ids, target), loss_fn = hf_models.MODELS[name](2)
+        graph = capture(module, ids, target, loss_fn)
+        assert not [op.name for op in graph if op.kind == "opaque" and (op.params or op.fwd_flops)], name
+        assert graph.num_params == sum(p.numel() for p in module.parameters()), name
