@@ -1,9 +1,12 @@
 """Small Hugging Face models as soapflow model functions (`path/to/file.py:function`, see the README).
 
-GPT-2, Llama (grouped-query attention, RMSNorm, rotary embeddings) and BERT (masked LM) from tiny configs
-with random initialization: nothing is downloaded. Each function takes the global batch and returns
+GPT-2, Llama (grouped-query attention, RMSNorm, rotary embeddings) and BERT (masked LM), and the wider
+corpus of GPT-NeoX (Pythia), OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART (encoder-decoder), ViT
+(image classification) and Mixtral (mixture of experts), from tiny configs with random initialization:
+nothing is downloaded. Each function takes the global batch and returns
 `(module, (inputs, target), loss_fn)`: the module maps token ids `[N, T]` to logits `[N, T, vocab]`, the
-target is `[N, T]` token ids, the loss cross entropy over all positions. Attention uses PyTorch's fused
+target is `[N, T]` token ids, the loss cross entropy over all positions (ViT maps images `[N, 3, 32, 32]` to
+class logits `[N, 10]` against labels `[N]`). Attention uses PyTorch's fused
 kernel (`attn_implementation="sdpa"`) and every dropout is 0, as soapflow captures attention only without
 dropout. Needs the optional extra `hf` (`pip install 'soapflow[hf]'`).
 """
@@ -66,4 +69,137 @@ def bert(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     return _example(BertForMaskedLM(config), batch_size, seq)
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+_LM = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+"""What every causal LM config below shares: the vocabulary, special tokens and the fused attention."""
+
+
+def _causal_lm(config) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
+def gpt_neox(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """GPT-NeoX (Pythia): 2 layers, width 64, 4 heads, partial rotary, parallel attention and MLP."""
+    from transformers import GPTNeoXConfig
+
+    config = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=32, attention_dropout=0.0, hidden_dropout=0.0, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def opt(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """OPT: 2 layers, width 64, 4 heads, learned positions offset by 2."""
+    from transformers import OPTConfig
+
+    config = OPTConfig(hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                       layerdrop=0.0, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def bloom(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """BLOOM: 2 layers, width 64, 4 heads, ALiBi position biases (no fused attention in HF)."""
+    from transformers import BloomConfig
+
+    lm = {k: v for k, v in _LM.items() if k != "attn_implementation"}
+    config = BloomConfig(hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, **lm)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def mistral(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Mistral: Llama-like, 2 layers, width 64, 4 query heads over 2 kv heads, sliding window 8."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=32, sliding_window=8, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def qwen2(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Qwen2: 2 layers, width 64, 4 query heads over 2 kv heads, biased q/k/v projections."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def phi(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Phi: 2 layers, width 64, 4 heads, partial rotary, parallel attention and MLP, gelu_new."""
+    from transformers import PhiConfig
+
+    config = PhiConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def gemma(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Gemma: 2 layers, width 64, 4 query heads of 16 over 1 kv head, (1 + w) RMSNorm, scaled embeddings."""
+    from transformers import GemmaConfig
+
+    config = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=16, max_position_embeddings=32, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def mixtral(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Mixtral: 2 layers, width 64, 4 query heads over 2 kv heads, 4 experts routed top-2."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=32, router_jitter_noise=0.0, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
+def roberta(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """RoBERTa masked LM: 2 layers, width 64, 4 heads, positions counted from the padding index."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    config = RobertaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=VOCAB, max_position_embeddings=40, pad_token_id=1, bos_token_id=0,
+                           eos_token_id=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                           attn_implementation="sdpa")
+    return _example(RobertaForMaskedLM(config), batch_size, seq)
+
+
+def bart(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """BART: encoder-decoder, 2 + 2 layers, width 64, 4 heads; the decoder reads the ids shifted right."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        encoder_layerdrop=0.0, decoder_layerdrop=0.0, vocab_size=VOCAB, pad_token_id=1,
+                        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+                        attn_implementation="sdpa")
+    return _example(BartForConditionalGeneration(config), batch_size, seq)
+
+
+class ClassLogitsOf(nn.Module):
+    """A Hugging Face image classifier called on pixels alone, returning its class logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixels).logits
+
+
+def vit(batch_size: int = 4, *, image: int = 32) -> tuple:
+    """ViT image classification: 32x32 images in 8x8 patches (16 tokens + CLS), 2 layers, width 64, 10 classes."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       image_size=image, patch_size=8, num_labels=10, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    pixels = torch.empty(batch_size, 3, image, image, device="meta")
+    labels = torch.empty(batch_size, dtype=torch.long, device="meta")
+    return ClassLogitsOf(ViTForImageClassification(config)), (pixels, labels), lm_cross_entropy
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
+          "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
+          "vit": vit, "mixtral": mixtral}

@@ -1,5 +1,7 @@
 """Hugging Face models (GPT-2, Llama, BERT from tiny random configs, tests/hf_models.py) capture into real,
-splittable op kinds and train under soapflow's strategies exactly as in one process.
+splittable op kinds and train under soapflow's strategies exactly as in one process; the wider corpus (GPT-NeoX,
+OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART, ViT, Mixtral) captures with no opaque op carrying
+FLOPs or parameters beyond the documented `OPAQUE_ALLOWANCE`, and optimizes and verifies on cpu-2.
 
 Needs the optional extra `hf` (`pip install 'soapflow[hf]'`); the tests skip without it. The multi-process
 ones are marked slow.
@@ -7,6 +9,7 @@ ones are marked slow.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import random
@@ -34,7 +37,43 @@ from soap.strategy import Strategy  # noqa: E402
 from soap.topology import load_topology  # noqa: E402
 
 MODEL_FILE = str(Path(__file__).parent / "hf_models.py")
-NAMES = tuple(hf_models.MODELS)
+NAMES = ("gpt2", "llama", "bert")
+"""The models the detailed tests below (search space, strategies) cover."""
+CORPUS = tuple(hf_models.MODELS)
+"""Every model of tests/hf_models.py: the corpus the capture and optimize-verify tests cover."""
+
+OPAQUE_ALLOWANCE: dict[str, dict[str, str]] = {
+    "gemma": {
+        "*layernorm.to_1": "Gemma's RMSNorm scales by `1 + weight.float()`: the cast of the weight (a no-op in "
+                           "float32) is an opaque op holding the weight, so the norm weight stays replicated",
+        "model.model.norm.to_1": "the final Gemma RMSNorm, as above",
+    },
+    "vit": {
+        "model.vit.embeddings.expand": "the CLS token parameter broadcast over the batch (`cls_token.expand`): "
+                                       "an expand of a parameter, kept whole and replicated (64 values)",
+    },
+    "mixtral": {
+        "*.mlp.experts.transpose*": "MoE experts: HF's grouped-mm path transposes the stacked expert weights "
+                                    "[E, 2I, H] / [E, H, I]; the routed expert matmuls "
+                                    "(`transformers::grouped_mm_fallback`) are opaque, run whole on one device "
+                                    "and count no FLOPs, so the experts stay replicated",
+    },
+}
+"""Per model, the opaque ops (fnmatch patterns on op names) that may carry FLOPs or parameters, each with the
+reason. The capture test prints it and fails on an entry that no longer matches (a fixed gap)."""
+
+XFAIL_VERIFY: dict[str, str] = {
+    "bart": "capture drops in-place writes: BART's shift_tokens_right fills `new_zeros` through "
+            "`shifted[:, 1:] = ids[:, :-1]` and `shifted[:, 0] = start`, which capture leaves as dead "
+            "slice/select ops, so the decoder reads all-zero ids (loss 0.4% off from step 1)",
+}
+"""Per model, why training it under soapflow (one process, and `optimize` + `run --verify` on cpu-2) is known
+to differ from PyTorch (strict xfail: fixing it fails the tests until the entry goes)."""
+
+
+def _corpus_params(reasons: dict[str, str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=reasons[n])) if n in reasons else n
+            for n in CORPUS]
 
 
 def hf_build(name: str, batch: int = 4) -> Workload:
@@ -95,7 +134,7 @@ def test_search_space_splits_heads_and_parameters(name):
     assert all((("out_features", 2),) in space.degree_options(n) for n in weighted)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _corpus_params(XFAIL_VERIFY))
 def test_single_process_interpreter_equals_pytorch(name):
     graph = hf_graph(name)
     single = {op.name: {"degrees": {}, "devices": [0]} for op in graph}
@@ -153,7 +192,7 @@ def test_random_and_hand_strategies_match_single_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _corpus_params(XFAIL_VERIFY))
 def test_optimize_and_run_verify_through_a_model_file(name, tmp_path):
     model = f"{MODEL_FILE}:{name}"
     strategy = tmp_path / f"{name}.json"
@@ -166,9 +205,17 @@ def test_optimize_and_run_verify_through_a_model_file(name, tmp_path):
     assert json.loads(run.stdout)["verify"]["passed"]
 
 
-def test_capture_of_each_model_has_no_opaque_op_with_flops_or_parameters():
-    for name in NAMES:
-        module, (ids, target), loss_fn = hf_models.MODELS[name](2)
-        graph = capture(module, ids, target, loss_fn)
-        assert not [op.name for op in graph if op.kind == "opaque" and (op.params or op.fwd_flops)], name
-        assert graph.num_params == sum(p.numel() for p in module.parameters()), name
+@pytest.mark.parametrize("name", CORPUS)
+def test_capture_has_no_opaque_op_with_flops_or_parameters_beyond_the_allowance(name):
+    allowance = OPAQUE_ALLOWANCE.get(name, {})
+    for pattern, reason in allowance.items():
+        print(f"allowed opaque in {name}: {pattern}: {reason}")
+    torch.manual_seed(0)
+    module, (inputs, target), loss_fn = hf_models.MODELS[name](2)
+    graph = capture(module, inputs, target, loss_fn)
+    heavy = [op.name for op in graph if op.kind == "opaque" and (op.params or op.fwd_flops)]
+    print(f"{name}: opaque ops {[op.name for op in graph if op.kind == 'opaque']}")
+    assert not [n for n in heavy if not any(fnmatch.fnmatchcase(n, p) for p in allowance)], name
+    stale = [p for p in allowance if not any(fnmatch.fnmatchcase(n, p) for n in heavy)]
+    assert not stale, f"{name}: allowance entries that match no opaque op with FLOPs or parameters: {stale}"
+    assert graph.num_params == sum(p.numel() for p in module.parameters()), name

@@ -547,7 +547,8 @@ def _einsum(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
 @_maps("softmax", "_softmax", "log_softmax", "_log_softmax")
 def _softmax(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["self"]
-    if not b.is_act(x) or a.get("dtype") is not None or a.get("half_to_float"):
+    # a `dtype` equal to the input's (BLOOM's `softmax(x, dim, dtype=float32)` on float32) changes nothing
+    if not b.is_act(x) or a.get("dtype") not in (None, x.meta["val"].dtype) or a.get("half_to_float"):
         return None
     return _Draft(kind="softmax", inputs=[x],
                   attrs={"axis": _axis(int(a["dim"]), len(_shape(x))), "log": "log" in _aten_name(call.node)})
