@@ -31,8 +31,9 @@ The rules, each stated once:
   form one *parameter unit* (`GradFlow.units`), lowered together (`lower_params`).
 - **Buckets.** Parameters enter buckets in backward order (a parameter when its first user in forward
   order, whose backward finishes its gradient, is reached; an op's parameters all go into the bucket
-  that is open when it is reached), `TrainSetup.bucket_bytes` of full-size parameters per bucket whatever
-  the strategy, so that changing one op's config touches only its own bucket. One all-reduce per
+  that is open when it is reached), and a bucket closes once it holds `TrainSetup.bucket_bytes` of
+  full-size parameters (the first one at 1 MiB, `FIRST_BUCKET_BYTES`, as DDP's, or less if asked for),
+  whatever the strategy, so that changing one op's config touches only its own bucket. One all-reduce per
   (bucket, device group), issued once the backward of its lowest-placed member op is done
   (`AllReduce.after`).
 - **Optimizer.** Each device updates each shard it holds once, after its all-reduce; it keeps the
@@ -60,6 +61,9 @@ from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+# The first gradient bucket closes at 1 MiB, as DDP's does, so that the reduction of the last layers'
+# gradients starts early instead of waiting for a full bucket; the later ones at `TrainSetup.bucket_mb`.
+FIRST_BUCKET_BYTES = 2**20
 
 # The kinds of collective a step issues, as `StepPlan.collectives` and the runtime report them.
 ALL_TO_ALL = "all_to_all"
@@ -184,7 +188,8 @@ class GradFlow:
                 users.setdefault(spec.fqn, []).append(i)
         self.param_bucket: dict[str, int | None] = {}
         first_op: list[int] = []
-        filled = 0
+        filled = 0  # bytes in the open bucket
+        limit = min(FIRST_BUCKET_BYTES, cap)
         for i in range(self.num_ops - 1, -1, -1):
             mine = [f for f in dict.fromkeys(p.fqn for p in self.ops[i].params.values()) if self.first_user[f] == i]
             # no gradient reaches a parameter none of whose users runs backward: nothing to synchronize
@@ -193,12 +198,14 @@ class GradFlow:
             if not live:
                 continue
             # an op's parameters go into one bucket, so each bucket's lowest op is its own
-            b = filled // cap
-            while len(first_op) <= b:
+            if not first_op or filled >= limit:
+                if first_op:
+                    limit = cap
                 first_op.append(i)
-            first_op[b] = i
+                filled = 0
+            first_op[-1] = i
             for f in live:
-                self.param_bucket[f] = b
+                self.param_bucket[f] = len(first_op) - 1
                 filled += self.param_bytes[f]
         self.bucket_first_op = first_op
 

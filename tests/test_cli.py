@@ -97,10 +97,11 @@ def test_simulating_a_strategy_that_does_not_fit_says_which_device_needs_what(ca
 
 
 def test_simulate_collectives_of_data_parallel_are_the_gradient_all_reduces(capsys):
-    """The mlp's two weighted layers hold 16 MiB each: one 25 MiB bucket takes both (a bucket is filled in
-    backward order until it holds the cap), 8 MiB buckets one each."""
+    """The mlp's two weighted layers hold 16 MiB each. Buckets fill in backward order and close once they
+    hold the cap, the first at 1 MiB (as DDP's): the last layer alone closes it, the first layer fills the
+    second; with 64 MiB buckets the same; with 0.5 MiB buckets each layer closes its own."""
     params = 8_393_728 * 4  # bytes of the mlp's float32 parameters
-    for bucket_mb, count in (("25", 1), ("8", 2)):
+    for bucket_mb, count in (("25", 2), ("64", 2), ("0.5", 2)):
         doc = run_json(capsys, "simulate", "mlp", "-t", "cpu-2", "-s", "dp", "--bucket-mb", bucket_mb)
         assert doc["collectives"] == [{"all_reduce": {"count": count, "bytes": params}}] * 2
 
