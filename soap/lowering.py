@@ -552,16 +552,11 @@ class StepPlan:
         self.all_reduces = tuple(all_reduces([e for p in self.params for e in p.sync]))
         self.loss_op = self.graph.ops[-1].name
 
-    def op(self, name: str) -> OpStep:
-        return self.ops[self.flow.index[name]]
-
-    def exchange_groups(self) -> set[tuple[int, ...]]:
-        """The device sets of every exchange (forward, and backward where the edge carries a gradient)."""
-        return {step.ranks for step in self.edges if step.ranks}
-
     def process_groups(self) -> list[tuple[int, ...]]:
-        """Every device set a collective runs within, sorted: the runtime creates one group each."""
-        groups = self.exchange_groups() | {a.group for a in self.all_reduces if len(a.group) > 1}
+        """Every device set a collective runs within (the exchanges', the all-reduces'), sorted: the runtime
+        creates one group each."""
+        groups = {step.ranks for step in self.edges if step.ranks}
+        groups |= {a.group for a in self.all_reduces if len(a.group) > 1}
         return sorted(groups)
 
     def collectives(self) -> list[dict[str, dict[str, int]]]:

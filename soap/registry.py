@@ -685,7 +685,21 @@ class Reduce(OpDef):
         return float(first_input_numel(op))
 
 
-class Concat(OpDef):
+class _Join(OpDef):
+    """Ops that join their inputs along attr `axis` of the output: every output axis is a dim, that one not
+    splittable; data movement, no FLOPs."""
+
+    def axis(self, op: Operator) -> int:
+        return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape, fixed=(self.axis(op),)))
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
+
+class Concat(_Join):
     """y = cat(x0, x1, .., dim=`axis`). A 1-D empty input (which torch.cat skips whatever the others'
     shapes; capture leaves them out) is read whole.
 
@@ -695,12 +709,6 @@ class Concat(OpDef):
     kind = "concat"
     captured_from = ("cat",)
     kernel = "concat"
-
-    def axis(self, op: Operator) -> int:
-        return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
-
-    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
-        return tuple(axis_dims(op.outputs[0].shape, fixed=(self.axis(op),)))
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         axis = self.axis(op)
@@ -715,11 +723,8 @@ class Concat(OpDef):
             out.append(tuple(region))
         return tuple(out)
 
-    def flops(self, op: Operator) -> float:
-        return 0.0  # data movement
 
-
-class Stack(OpDef):
+class Stack(_Join):
     """y = stack(x0, x1, .., dim=`axis`): inputs of one shape along a new axis.
 
     dims: the output axes `sample`, `d1`..; the new axis is not splittable.
@@ -729,19 +734,10 @@ class Stack(OpDef):
     captured_from = ("stack",)
     kernel = "stack"
 
-    def axis(self, op: Operator) -> int:
-        return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
-
-    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
-        return tuple(axis_dims(op.outputs[0].shape, fixed=(self.axis(op),)))
-
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         axis = self.axis(op)
         region = tuple(box[:axis]) + tuple(box[axis + 1:])
         return tuple(region for _ in op.inputs)
-
-    def flops(self, op: Operator) -> float:
-        return 0.0  # data movement
 
 
 class Expand(OpDef):

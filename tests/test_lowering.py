@@ -293,3 +293,24 @@ def test_grad_sync_launches_all_reduces_after_their_last_op_and_writes_sums_back
         other.ready(op)
     other.finish()
     assert len(launched) == 2
+
+
+def test_the_simulators_memory_is_the_plans():
+    """The simulator sums the plan's pieces as it builds and edits tasks; `StepPlan.memory_bytes` sums the
+    same pieces at once (the killed-rank message uses it): they agree, tied weights and partial sums too."""
+    from simulator.engine import Simulator
+    from soap.topology import load_topology
+
+    g = mlp_graph(sizes=(16, 16, 16))
+    tied = OperatorGraph([Operator(name=op.name, kind=op.kind, inputs=op.inputs, outputs=op.outputs,
+                                   attrs=op.attrs,
+                                   params={k: ParamSpec(shape=p.shape, fqn=p.fqn.replace("fc1", "fc0"))
+                                           for k, p in op.params.items()})
+                          for op in g], name="tied", batch_size=8)
+    strategies = [strategy(tied, cfg((0, 1), sample=2)),
+                  strategy(tied, cfg((0,)), fc1=cfg((0, 1), out_features=2)),
+                  strategy(tied, cfg((0, 1), sample=2), fc0=cfg((0, 1), in_features=2), relu0=cfg((1,)))]
+    sim = Simulator(tied, load_topology("cpu-2"), setup=TrainSetup(optimizer="adamw"))
+    for s in strategies:
+        sim.full(s)
+        assert list(sim.peak_memory_bytes) == lowered(tied, s, 2, TrainSetup(optimizer="adamw")).memory_bytes()

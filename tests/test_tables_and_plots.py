@@ -10,24 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_cli import run_cli, run_json
 
-from soapflow.cli import main
 from soapflow.tables import frame, markdown_table, text_table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 NEEDS_MATPLOTLIB = "the plots are drawn with matplotlib (pip install 'soapflow[plot]')"
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def run_json(capsys, *argv: str) -> dict:
-    code, out, err = run_cli(capsys, *argv, "--json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 def read_csv_rows(path: Path) -> list[dict]:
