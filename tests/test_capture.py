@@ -525,3 +525,50 @@ def test_attention_with_masks_grouped_queries_and_dropout():
     # SDPA's own dropout draws a mask no part can reproduce: the call stays opaque
     dropped = capture(Attn(dropout=0.1), x, torch.empty(2, 5, 8, device="meta"))
     assert dropped["scaled_dot_product_attention"].kind == "opaque"
+
+
+class InPlaceWrites(nn.Module):
+    """BART's shift_tokens_right (writes through slice and select views of `new_zeros`, then `masked_fill_`)
+    and an in-place add through a view of an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 3
+        shifted.masked_fill_(shifted == 5, 1)
+        h = self.fc(self.embed(shifted))
+        h[:, 0] += 1.0
+        return h
+
+
+def test_in_place_writes_are_captured_out_of_place_and_train_as_in_pytorch():
+    model, ids, y = InPlaceWrites(), torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 6)
+    graph = capture(model, meta_like(ids), meta_like(y))
+    targets = {op.attrs.get("target", "") for op in graph if op.kind == "opaque"}
+    assert not [t for t in targets if t.split(".")[-2].endswith("_")], targets  # no in-place op is left
+    assert {"torch.ops.aten.slice_scatter.default", "torch.ops.aten.select_scatter.default"} <= targets
+    assert graph["embed"].inputs[0].op == "masked_fill"  # the embedding reads the written ids
+    train = pytest.importorskip("runtime.train")
+    workload = train.Workload(module=model, inputs=(meta_like(ids),), target=meta_like(y), loss_fn=F.mse_loss)
+    result = train.train_rank(0, 1, build=lambda: workload, graph=graph.to_dict(),
+                              strategy={op.name: {"degrees": {}, "devices": [0]} for op in graph},
+                              options=train.TrainOptions(steps=2, verify=True))
+    assert result["verify"]["passed"], result["verify"]
+
+
+def test_a_view_read_after_an_in_place_write_to_its_base_is_a_clear_error():
+    class StaleView(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2.0
+            first = y[:, 0]
+            y.add_(1.0)
+            return first.unsqueeze(1) + y
+
+    x = torch.empty(2, 3, device="meta")
+    with pytest.raises(ValueError, match="taken before an in-place"):
+        capture(StaleView(), x, x)

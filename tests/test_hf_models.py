@@ -62,11 +62,7 @@ OPAQUE_ALLOWANCE: dict[str, dict[str, str]] = {
 """Per model, the opaque ops (fnmatch patterns on op names) that may carry FLOPs or parameters, each with the
 reason. The capture test prints it and fails on an entry that no longer matches (a fixed gap)."""
 
-XFAIL_VERIFY: dict[str, str] = {
-    "bart": "capture drops in-place writes: BART's shift_tokens_right fills `new_zeros` through "
-            "`shifted[:, 1:] = ids[:, :-1]` and `shifted[:, 0] = start`, which capture leaves as dead "
-            "slice/select ops, so the decoder reads all-zero ids (loss 0.4% off from step 1)",
-}
+XFAIL_VERIFY: dict[str, str] = {}
 """Per model, why training it under soapflow (one process, and `optimize` + `run --verify` on cpu-2) is known
 to differ from PyTorch (strict xfail: fixing it fails the tests until the entry goes)."""
 

@@ -17,6 +17,14 @@ way Hugging Face rotary embeddings compute their tables. `_inline_wrappers` repl
 its body's aten ops, so they map to op kinds (or fold into constants) like any others; outputs of a body
 run without gradients pass through ``aten.detach``, which keeps that meaning.
 
+In-place writes. The training IR keeps a model's in-place ops (``shifted[:, 1:] = ids[:, :-1]`` is a
+``slice`` then ``copy_``; ``masked_fill_``, ``fill_``, ``add_``, ...). `_functionalize` rewrites each into
+its out-of-place form and, where it wrote through a chain of ``slice``, ``select`` or ``diagonal`` views,
+scatters the new values back into the viewed tensor (``slice_scatter``, ...); later readers of the written
+tensor read the new value. So capture sees values, never aliases. A write through any other view, or a
+view taken before the write and read after it, is refused with a clear error rather than captured wrong.
+``detach_`` (an annotation on lifted constants) stays as it is.
+
 Imports torch only; must not import the later capture stages (`grouping`, `mappers`, `builder`), the
 simulator, the search, the runtime or soapflow.
 """
@@ -113,6 +121,7 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
 
     program = torch.export.export(wrapper, (inputs, target), strict=False)
     _inline_wrappers(program.graph_module)
+    _functionalize(program.graph)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -190,6 +199,101 @@ def _inline_wrappers(gm: fx.GraphModule) -> None:
             graph.erase_node(body_attr)
 
 
+_SCATTER_OF_VIEW = {
+    torch.ops.aten.slice.Tensor: torch.ops.aten.slice_scatter.default,
+    torch.ops.aten.select.int: torch.ops.aten.select_scatter.default,
+    torch.ops.aten.diagonal.default: torch.ops.aten.diagonal_scatter.default,
+}
+"""View op -> the op writing a view's new values back into its base: ``scatter(base, values, *view_args)``."""
+
+
+def _writes_first_argument(node: fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    arguments = node.target._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+
+
+def _is_view(node: Any) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
+
+
+def _out_of_place(target: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1].rstrip("_"), None)
+    overload = getattr(packet, target._overloadname, None) if packet is not None else None
+    arguments = overload._schema.arguments if overload is not None else ()
+    if not arguments or (arguments[0].alias_info is not None and arguments[0].alias_info.is_write):
+        raise ValueError(f"the in-place op {target} has no out-of-place form to capture it with")
+    return overload
+
+
+def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The node holding the values in-place `node` writes, and the last node inserted after `node` (or
+    `node`): its out-of-place op, or for ``copy_`` (whose out-of-place ``copy`` has no derivative) the
+    source, cast to the target's dtype and expanded to its shape where they differ."""
+    if node.target is not torch.ops.aten.copy_.default:
+        with graph.inserting_after(node):
+            value = graph.call_function(_out_of_place(node.target), node.args, node.kwargs)
+        value.meta = dict(node.meta)
+        return value, value
+    target, source = node.args[0], node.args[1]
+    want, value = target.meta["val"], source
+    if not isinstance(source, fx.Node):
+        raise ValueError("an in-place copy_ from a non-tensor cannot be captured")
+    anchor = node
+    if source.meta["val"].dtype != want.dtype:
+        with graph.inserting_after(anchor):
+            value = anchor = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": want.dtype})
+        value.meta = {**node.meta, "val": source.meta["val"].to(want.dtype)}
+    if tuple(source.meta["val"].shape) != tuple(want.shape):
+        with graph.inserting_after(anchor):
+            value = anchor = graph.call_function(torch.ops.aten.expand.default, (value, list(want.shape)))
+        value.meta = {**node.meta, "val": want}
+    return value, anchor
+
+
+def _functionalize(graph: fx.Graph) -> None:
+    """Rewrite every in-place write of `graph` out of place (the module docstring's rules), in place."""
+    for node in list(graph.nodes):
+        if not _writes_first_argument(node) or node.target is torch.ops.aten.detach_.default:
+            continue
+        later = set()
+        cursor = node.next
+        while cursor.op != "root":
+            later.add(cursor)
+            cursor = cursor.next
+        target = node.args[0]
+        value, anchor = _written_value(graph, node)
+        # write the new values back through the chain of views, innermost first
+        written, new, chain = target, value, [target]
+        while _is_view(written):
+            scatter = _SCATTER_OF_VIEW.get(written.target)
+            if scatter is None:
+                raise ValueError(f"an in-place {node.target} writes through a {written.target} view, which "
+                                 f"capture cannot write back; write the value out of place instead")
+            base = written.args[0]
+            with graph.inserting_after(anchor):
+                new = anchor = graph.call_function(scatter, (base, new, *written.args[1:]), dict(written.kwargs))
+            new.meta = {**node.meta, "val": base.meta.get("val")}
+            written = base
+            chain.append(written)
+        aliases = [u for u in written.users if _is_view(u) and u not in later and u is not target] + chain[1:-1]
+        stale = [a.name for a in aliases if any(r in later for r in a.users)]
+        if stale:
+            raise ValueError(f"a view ({stale[0]}) taken before an in-place {node.target} is read after it; "
+                             f"capture cannot follow the alias")
+        for user in list(target.users):
+            if user in later:
+                user.replace_input_with(target, value)
+        if written is not target:
+            for user in list(written.users):
+                if user in later:
+                    user.replace_input_with(written, new)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+
+
 class _LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return _is_leaf(m)
@@ -252,6 +356,7 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
             env[node] = _inline(out, _call_method(node.target), args, kwargs, stack)
         else:
             env[node] = _inline(out, node.target, args, kwargs, stack)
+    _functionalize(out)
     nodes = [n for n in out.nodes if n.op == "call_function"]
     return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers)
 
