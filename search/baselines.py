@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from soap.config import ParallelConfig
+from soap.config import ParallelConfig, parts
 from soap.graph import Operator, OperatorGraph
-from soap.opdef import DimKind, DimSpec
+from soap.opdef import DimKind, DimSpec, Region
 from soap.registry import dims_of, op_def
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
@@ -107,52 +107,66 @@ def mp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
     return Strategy({op.name: ParallelConfig.single(b) for op, b in zip(graph, blocks, strict=True)})
 
 
-def _follow(op: Operator, graph: OperatorGraph, configs: dict[str, ParallelConfig]) -> ParallelConfig | None:
-    """For an op without weights: split the same output axis as its first input's producer, if possible.
+def _contains(outer: Region, inner: Region | None) -> bool:
+    return inner is None or all(lo <= ilo and ihi <= hi for (lo, hi), (ilo, ihi) in zip(outer, inner, strict=True))
 
-    Keeps a tensor-parallel layout flowing through elementwise ops instead of gathering it.
+
+def _follow(op: Operator, graph: OperatorGraph, configs: dict[str, ParallelConfig],
+            dims: Sequence[DimSpec]) -> ParallelConfig | None:
+    """The first of `dims` whose split over the devices of the producer of `op`'s first input reads, on
+    every device, only what the producer's part there holds (None if none does, or the producer is whole
+    or holds partial sums).
+
+    Keeps a tensor-parallel layout flowing through reshapes, transposes, elementwise ops and attention
+    instead of gathering it, and finds the row-parallel split of a linear fed by a column-parallel one.
     """
     if not op.inputs:
         return None
-    producer = graph[op.inputs[0].op]
+    ref = op.inputs[0]
+    producer = graph[ref.op]
     pcfg = configs.get(producer.name)
     if pcfg is None or pcfg.num_parts == 1:
         return None
-    pdims = {d.name: d for d in dims_of(producer)}
-    mine = {d.out_axis: d for d in dims_of(op) if d.out_axis is not None}
-    degrees: dict[str, int] = {}
-    for name, degree in pcfg.degrees.items():
-        axis = pdims[name].out_axis
-        if axis is None or axis not in mine or producer.outputs[0].ndim != op.outputs[0].ndim:
+    pentry = op_def(producer.kind)
+    held: dict[int, Region] = {}
+    for box, device in parts(producer, pcfg):
+        if pentry.reduced(producer, box) or device in held:
             return None
-        degrees[mine[axis].name] = degree
-    if not _allowed(op, degrees):
-        return None
-    return ParallelConfig(degrees=degrees, devices=pcfg.devices)
+        held[device] = pentry.output_region(producer, box, ref.index)
+    entry = op_def(op.kind)
+    for dim in dims:
+        if not dim.splittable or dim.size % pcfg.num_parts:
+            continue
+        cfg = split(op, dim, pcfg.devices)
+        if cfg is not None and all(_contains(held[device], entry.input_regions(op, box)[0])
+                                   for box, device in parts(op, cfg)):
+            return cfg
+    return None
 
 
 def tp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
-    """Tensor parallelism: ops with weights split on a parameter dim over all devices (Megatron-style).
+    """Tensor parallelism (Megatron-style): ops with weights split on a parameter dim over all devices.
 
     A linear whose input arrives split on the features (from a column-split linear, through ops that keep
-    the layout) takes the reduction split instead (row parallel), so the pair needs one all-reduce.
-    Ops without weights follow their producer's layout where they can, else run data parallel.
+    the layout) takes the reduction split instead (row parallel), so the pair needs one all-reduce. Ops
+    without weights keep their producer's layout where they can (through reshapes and transposes, so that
+    the output projection after attention is row parallel), except attention, which splits on its heads;
+    every other op runs data parallel.
     """
     devices = tuple(range(topology.num_devices))
     configs: dict[str, ParallelConfig] = {}
     for op in graph:
         cfg = None
         if op.params:
-            params = _dims_of_kind(op, DimKind.PARAMETER)
-            reductions = _dims_of_kind(op, DimKind.REDUCTION)
-            incoming = _follow(op, graph, configs) if op.kind == "linear" else None
-            candidates = []
-            if incoming is not None and reductions and incoming.degrees.get(dims_of(op)[-2].name):
-                candidates.append((reductions[0], devices))
-            candidates += [(d, devices) for d in params]
-            cfg = next((c for c in (split(op, d, devs) for d, devs in candidates) if c is not None), None)
-        if cfg is None:
-            cfg = _follow(op, graph, configs)
+            if op.kind == "linear":
+                cfg = _follow(op, graph, configs, _dims_of_kind(op, DimKind.REDUCTION))
+            if cfg is None:
+                cfg = next((c for c in (split(op, d, devices) for d in _dims_of_kind(op, DimKind.PARAMETER))
+                            if c is not None), None)
+        elif op.kind == "attention":
+            cfg = split(op, next(d for d in dims_of(op) if d.name == "heads"), devices)
+        if cfg is None and not op.params:
+            cfg = _follow(op, graph, configs, [d for d in dims_of(op) if d.kind is not DimKind.REDUCTION])
         configs[op.name] = cfg if cfg is not None else _data_parallel(op, devices)
     return Strategy(configs)
 
