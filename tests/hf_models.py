@@ -49,6 +49,17 @@ def gpt2(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     return _example(AutoModelForCausalLM.from_config(config), batch_size, seq)
 
 
+def gpt2_wide(batch_size: int = 2, *, seq: int = SEQ) -> tuple:
+    """GPT-2: 2 layers, width 512, 8 heads, at a small batch: its weights outweigh its activations, so
+    splitting attention heads and the MLP's parameters beats data parallelism (the corpus leaves it out)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=512, n_head=8, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        attn_implementation="sdpa")
+    return _example(AutoModelForCausalLM.from_config(config), batch_size, seq)
+
+
 def llama(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     """Llama: 2 layers, width 64, 4 query heads sharing 2 kv heads, RMSNorm, rotary positions."""
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -215,3 +215,25 @@ def test_capture_has_no_opaque_op_with_flops_or_parameters_beyond_the_allowance(
     stale = [p for p in allowance if not any(fnmatch.fnmatchcase(n, p) for n in heavy)]
     assert not stale, f"{name}: allowance entries that match no opaque op with FLOPs or parameters: {stale}"
     assert graph.num_params == sum(p.numel() for p in module.parameters()), name
+
+
+@pytest.mark.slow
+def test_search_splits_gpt2_parameters_where_they_outweigh_activations(tmp_path):
+    """GPT-2 at width 512 and batch 2 on cpu-2: data parallelism's gradient all-reduce costs more than moving
+    activations, so the found strategy splits the attention and MLP linears on their parameters, and it
+    trains as in one process. (Its attention stays on the sample split: HF GPT-2's fused `c_attn` puts q, k
+    and v in consecutive column blocks, so a head split needs an exchange a sample split does not.)"""
+    model = f"{MODEL_FILE}:gpt2_wide"
+    strategy = tmp_path / "gpt2_wide.json"
+    cli = [sys.executable, "-m", "soapflow"]
+    subprocess.run([*cli, "optimize", model, "-t", "cpu-2", "--budget", "10", "-o", str(strategy)], check=True,
+                   capture_output=True, timeout=600)
+    ops = json.loads(strategy.read_text())["ops"]
+    linears = {name: cfg["degrees"] for name, cfg in ops.items() if name.endswith("addmm")}
+    assert len(linears) == 8
+    split = [n for n, degrees in linears.items() if {"out_features", "in_features"} & set(degrees)]
+    assert any(".mlp." in n for n in split) and any(".attn." in n for n in split), linears
+    run = subprocess.run([*cli, "run", model, "-s", str(strategy), "--nproc", "2", "--steps", "2", "--verify",
+                          "--json"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["verify"]["passed"]
