@@ -60,18 +60,28 @@ class Executor:
 
     `tensors` maps every parameter and buffer fqn of the model to its full value (every rank builds the
     whole model from the same seed and keeps only the shards its parts read). `float_dtype` is the dtype
-    the run computes in (float64 for tight verification); `module` is the model, for opaque ops.
+    of the parameters (the master weights, float64 for tight verification) and, under fp32, of the
+    computation; under mixed precision the executor runs the plan's `run_graph`: each op computes in the
+    setup's compute dtype on a cast copy of its parameters (autograd carries the gradient back to the
+    master shard in its own dtype), the float batch and constants are cast to it, and the loss op
+    computes in `float_dtype`. `module` is the model, for opaque ops.
     """
 
     def __init__(self, graph: OperatorGraph, plan: StepPlan, *, rank: int, tensors: Mapping[str, torch.Tensor],
                  module: torch.nn.Module | None = None, float_dtype: torch.dtype = torch.float32,
                  timeout_s: float = 60.0):
-        self.graph = graph
+        assert plan.flow.source is graph, "the plan is not the graph's"
+        self.graph = graph = plan.flow.graph  # the graph as run: activations in the compute dtype
         self.plan = plan
         self.flow = plan.flow
         self.rank = rank
         self.module = module
         self.float_dtype = float_dtype
+        mixed = plan.flow.setup.compute_dtype != "float32"
+        self.compute_dtype = TORCH_DTYPES[plan.flow.setup.compute_dtype] if mixed else float_dtype
+        if self.compute_dtype == torch.float16 and any(op.kind == "lstm" for op in graph):
+            raise ValueError("precision fp16 cannot run an LSTM on a CPU (its kernel has no float16 form); "
+                             "use bf16")
         self.where = "setup"
         self.step = 0
         self.num_forwards = 0
@@ -90,7 +100,8 @@ class Executor:
         for i, op in enumerate(graph):
             entry = op_def(op.kind)
             if op.kind == "constant":
-                self.sources[op.name] = self._cast(kernels.constant_value(op, tensors, cast=self._cast)).detach()
+                value = kernels.constant_value(op, tensors, cast=self._cast)
+                self.sources[op.name] = self._as_output(value, op).detach()
             box = self.boxes[i]
             if box is None:
                 continue
@@ -143,6 +154,10 @@ class Executor:
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.float_dtype) if t.is_floating_point() else t
 
+    def _as_output(self, t: torch.Tensor, op: Operator) -> torch.Tensor:
+        """Source value `t` in the dtype of `op`'s output as run (the compute dtype for float data)."""
+        return t.to(self.torch_dtype(op.outputs[0].dtype)) if t.is_floating_point() else t
+
     def torch_dtype(self, name: str) -> torch.dtype:
         dtype = TORCH_DTYPES[name]
         return self.float_dtype if dtype == torch.float32 else dtype
@@ -175,6 +190,13 @@ class Executor:
 
     def _compute(self, op: Operator, box, inputs: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         params = self.op_params[op.name]
+        if self.compute_dtype != self.float_dtype:
+            if op.name == self.plan.loss_op:  # the loss computes in the master dtype
+                inputs = [x.to(self.float_dtype) if x is not None and x.is_floating_point() else x for x in inputs]
+            elif not self.op_buffers[op.name]:
+                # an op with running statistics (batch norm) keeps its float32 weights, as torch.autocast
+                # does: the kernel takes compute-dtype input with float32 weight and statistics
+                params = {k: v.to(self.compute_dtype) for k, v in params.items()}
         if op.kind != "opaque":
             return kernels.compute_part(op, box, inputs, params, training=True,
                                         buffers=self.op_buffers[op.name], step=self.step,
@@ -203,7 +225,7 @@ class Executor:
             self.where = self.wheres[op.name][0]
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
-                self.sources[op.name] = self._cast(batch[int(op.attrs["position"])])
+                self.sources[op.name] = self._as_output(batch[int(op.attrs["position"])], op)
                 continue
             if op.name in self.sources:
                 continue
@@ -239,12 +261,12 @@ class Executor:
             buf = self.grads[ref] = torch.zeros(shape, dtype=piece.dtype)
         buf[slices].add_(piece)
 
-    def backward(self) -> None:
-        """Backpropagate the loss parts, move input gradients back to their producers, and synchronize
-        replicated parameter gradients (waits for the all-reduces before returning)."""
+    def backward(self, *, loss_scale: float = 1.0) -> None:
+        """Backpropagate the loss parts (times `loss_scale`), move input gradients back to their producers,
+        and synchronize replicated parameter gradients (waits for the all-reduces before returning)."""
         loss = self.saved.get(self.plan.loss_op)
         if loss is not None:
-            self.grads[self.out_refs[self.plan.loss_op][0]] = torch.ones_like(loss[1][0])
+            self.grads[self.out_refs[self.plan.loss_op][0]] = torch.full_like(loss[1][0], loss_scale)
         flow = self.flow
         for i in range(len(self.graph.ops) - 1, -1, -1):
             op = self.graph.ops[i]

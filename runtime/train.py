@@ -198,16 +198,56 @@ def _gather_params(executor: Executor, plan: StepPlan, rank: int) -> tuple[dict[
     return full, replica_diff
 
 
+class LossScaler:
+    """Dynamic loss scaling, for fp16 (the rule of torch.amp.GradScaler): backward runs on the loss times
+    `scale`; a step whose gradients hold an inf or NaN on any rank is skipped and halves the scale, and
+    `growth_interval` good steps in a row double it; otherwise the gradients are divided by the scale
+    before the update. With `across_ranks`, every rank must call `unscale` each step (the found flag is
+    all-reduced, so that all ranks skip together)."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000, *, across_ranks: bool = True) -> None:
+        self.scale = scale
+        self.across_ranks = across_ranks
+        self.growth_interval = growth_interval
+        self._good = 0
+
+    def unscale(self, params: Sequence[torch.Tensor]) -> bool:
+        """Divide the gradients of `params` by the scale and return True, or return False (the step is to
+        be skipped) when any rank found a non-finite gradient; updates the scale."""
+        grads = [p.grad for p in params if p.grad is not None]
+        bad = torch.tensor(0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0)
+        if self.across_ranks and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            self.scale /= 2.0
+            self._good = 0
+            return False
+        for g in grads:
+            g.div_(self.scale)
+        self._good += 1
+        if self._good == self.growth_interval:
+            self.scale *= 2.0
+            self._good = 0
+        return True
+
+
+def loss_scaler(setup: TrainSetup, *, across_ranks: bool = True) -> LossScaler | None:
+    """The setup's loss scaler: one under fp16, none otherwise."""
+    return LossScaler(across_ranks=across_ranks) if setup.precision == "fp16" else None
+
+
 def train_step(executor: Executor, optimizer: torch.optim.Optimizer | None, batch: Sequence[torch.Tensor], *,
-               step: int, fail: bool = False) -> torch.Tensor:
-    """One training step (forward, backward with gradient synchronization, optimizer update) on the full
-    global `batch`; returns this rank's share of the loss. Errors become `ExecutionError` naming the op."""
+               step: int, fail: bool = False, scaler: LossScaler | None = None) -> torch.Tensor:
+    """One training step (forward, backward with gradient synchronization, optimizer update; under fp16,
+    `scaler`'s loss scaling) on the full global `batch`; returns this rank's share of the loss. Errors
+    become `ExecutionError` naming the op."""
     try:
         local = executor.forward(batch, step=step, fail=fail)
-        executor.backward()
+        executor.backward(loss_scale=scaler.scale if scaler is not None else 1.0)
         executor.where = "optimizer step"
-        if optimizer is not None:
-            optimizer.step()
+        if scaler is None or scaler.unscale(executor.parameters()):
+            if optimizer is not None:
+                optimizer.step()
         executor.zero_grad()
     except Exception as exc:
         raise ExecutionError(f"step {step}, {executor.where}: {type(exc).__name__}: {exc}") from exc
@@ -317,12 +357,13 @@ def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload]
     for name, configs in strategies.items():
         workload = build()
         module = workload.module.to(TORCH_DTYPES[options.dtype])
-        runs[name] = (workload, *_executor(rank, world_size, g, configs, module, options)[1:])
+        runs[name] = (workload, *_executor(rank, world_size, g, configs, module, options)[1:],
+                      loss_scaler(options.setup))
     highs = integer_highs(g, next(iter(runs.values()))[0].module) if runs else {}
     mine: dict[str, list[list[float]]] = {name: [] for name in runs}
     step = 0
     for k in range(rounds):
-        for name, (workload, executor, optimizer) in runs.items():
+        for name, (workload, executor, optimizer, scaler) in runs.items():
             times_ms = []
             for _ in range(steps + 1):
                 batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs,
@@ -331,7 +372,7 @@ def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload]
                     if world_size > 1:
                         dist.barrier()
                     start = time.perf_counter()
-                    local = train_step(executor, optimizer, batch, step=step)
+                    local = train_step(executor, optimizer, batch, step=step, scaler=scaler)
                     times_ms.append((time.perf_counter() - start) * 1e3)
                     executor.all_reduce_loss(local)
                 except Exception as exc:  # named by strategy: the runs of all of them interleave in one job
@@ -384,6 +425,7 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
     if ckpt is not None:
         _restore(module, ckpt)
     plan, executor, optimizer = _executor(rank, world_size, g, strategy, module, options)
+    scaler = loss_scaler(options.setup)
     if ckpt is not None and optimizer is not None:
         _restore_optimizer(optimizer, executor, plan, ckpt, options)
     first_step = ckpt.step if ckpt is not None else 0
@@ -400,7 +442,7 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         if world_size > 1:
             dist.barrier()
         start = time.perf_counter()
-        local = train_step(executor, optimizer, batch, step=step, fail=fault)
+        local = train_step(executor, optimizer, batch, step=step, fail=fault, scaler=scaler)
         times_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(executor.all_reduce_loss(local))
         done = step + 1
@@ -429,7 +471,7 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
             params = _with_ties(params, module)
             ref_losses, ref_params, initial = reference_train(build, g, strategy, options)
             result["verify"] = compare(losses, params, ref_losses[first_step:], ref_params, initial,
-                                       dtype=options.dtype) | {"max_replica_abs_diff": replica_diff}
+                                       dtype=verify_dtype(options)) | {"max_replica_abs_diff": replica_diff}
     return result
 
 
@@ -457,7 +499,8 @@ def _batchnorm_module(graph: OperatorGraph, name: str) -> str:
 def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
                     strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions
                     ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Single-process training of `build()`'s module on the same batches; returns the losses, the final
+    """Single-process training of `build()`'s module on the same batches (under mixed precision with
+    torch.autocast to the compute dtype, and fp16's loss scaling); returns the losses, the final
     parameters and the initial ones (by fully qualified name)."""
     dtype = TORCH_DTYPES[options.dtype]
     torch.manual_seed(options.seed)
@@ -475,13 +518,17 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
     highs = integer_highs(graph, module)
     n_inputs = len(workload.inputs)
     losses = []
+    scaler = loss_scaler(options.setup, across_ranks=False)
+    compute = options.setup.compute_dtype
     for step in range(options.steps):
         batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
-        loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs])
+        with torch.autocast("cpu", dtype=TORCH_DTYPES[compute], enabled=compute != "float32"):
+            loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).float()
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            (loss * (scaler.scale if scaler is not None else 1.0)).backward()
+            if scaler is None or scaler.unscale(params):
+                optimizer.step()
         losses.append(float(loss.detach()))
     final = {name: p.detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
     return losses, final, initial
@@ -493,10 +540,22 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
 # differ from the reference by max(rtol x update, atol). A parameter whose gradient is zero in exact
 # arithmetic (an attention key's bias, say) moves only by rounding noise on both sides; the floor keeps
 # that noise from failing the check, while a wrong gradient moves it by a step's size and fails.
+# Under mixed precision the reference is torch.autocast, which keeps some ops (softmax, norms, the loss)
+# in float32 where the run computes all but the loss in the compute dtype, so the two round differently:
+# about 2^-8 (bfloat16) or 2^-11 (float16) relative per op. The tolerances allow a few percent of a
+# parameter's update and of the loss, far below what a wrong gradient or a missed exchange does (a whole
+# update, or a loss off by the model's output scale).
 VERIFY_TOLERANCES: Mapping[str, Mapping[str, float]] = {
     "float32": {"loss_rtol": 1e-5, "rtol": 1e-4, "atol": 1e-6},
     "float64": {"loss_rtol": 1e-10, "rtol": 1e-9, "atol": 1e-12},
+    "bfloat16": {"loss_rtol": 2e-2, "rtol": 1e-1, "atol": 1e-4},
+    "float16": {"loss_rtol": 5e-3, "rtol": 5e-2, "atol": 1e-5},
 }
+
+
+def verify_dtype(options: TrainOptions) -> str:
+    """The `VERIFY_TOLERANCES` row of a run: its compute dtype under mixed precision, else its dtype."""
+    return options.setup.compute_dtype if options.setup.precision != "fp32" else options.dtype
 
 
 def _max_abs(t: torch.Tensor) -> float:

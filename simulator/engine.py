@@ -146,6 +146,11 @@ class Simulator:
         self.topology = topology
         self.setup = setup if setup is not None else TrainSetup()
         self.cost_model: CostModel = cost_model if cost_model is not None else AnalyticalCostModel()
+        dtype = self.setup.compute_dtype
+        for device in topology.devices:
+            if dtype not in device.peak_flops:
+                raise ValueError(f"precision {self.setup.precision} computes in {dtype}, which device {device.id} "
+                                 f"({device.kind}) does not run (it has {', '.join(device.peak_flops)})")
         self.flow = GradFlow(graph, self.setup)
         self.keys = KeySpace(len(graph), topology.num_devices)
         self.comm = Comm(topology, getattr(self.cost_model, "comm_overhead", NO_OVERHEAD))

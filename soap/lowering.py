@@ -38,6 +38,12 @@ The rules, each stated once:
   (`AllReduce.after`).
 - **Optimizer.** Each device updates each shard it holds once, after its all-reduce; it keeps the
   parameter, its gradient and `TrainSetup.optimizer_state_copies` state tensors of the shard's size.
+- **Precision.** A step runs `run_graph(graph, setup)`: the graph with every float32 activation (op
+  outputs, the float batch and constants included) in the setup's compute dtype, except the loss; the
+  parameters stay float32 masters. Everything above reads that graph, so exchanges move and activations
+  take compute-dtype bytes and the cost model times ops at the compute dtype's peak, while gradients,
+  buckets, all-reduces and updates stay float32. Under mixed precision a device also keeps a
+  compute-dtype copy of each shard it holds (what its ops compute with, saved for their backward).
 
 Memory of a device (an upper bound, no liveness analysis): the outputs of its parts and the batch regions
 they read (activations kept for backward), the input pieces it receives and its partial-sum buffers, and
@@ -49,6 +55,7 @@ with numpy: must not import torch, the simulator, the search or the runtime.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -97,7 +104,8 @@ class GradFlow:
     """
 
     def __init__(self, graph: OperatorGraph, setup: TrainSetup):
-        self.graph = graph
+        self.source = graph
+        graph = self.graph = run_graph(graph, setup)
         self.setup = setup
         ops = self.ops = graph.ops
         n = self.num_ops = len(ops)
@@ -222,6 +230,19 @@ def _overlap_matrix(regions: np.ndarray) -> np.ndarray:
     out = (hi > lo).all(axis=2) & nonempty[:, None] & nonempty[None, :]
     np.fill_diagonal(out, False)
     return out
+
+
+def run_graph(graph: OperatorGraph, setup: TrainSetup) -> OperatorGraph:
+    """`graph` as a step under `setup` runs it (the module docstring's precision rule): `graph` itself
+    under fp32, else a copy whose float32 op outputs but the loss's are in the compute dtype."""
+    dtype = setup.compute_dtype
+    if dtype == "float32":
+        return graph
+    last = len(graph.ops) - 1
+    ops = [op if i == last or not any(t.dtype == "float32" for t in op.outputs) else dataclasses.replace(
+        op, outputs=tuple(dataclasses.replace(t, dtype=dtype) if t.dtype == "float32" else t for t in op.outputs))
+        for i, op in enumerate(graph.ops)]
+    return OperatorGraph(ops, name=graph.name, batch_size=graph.batch_size)
 
 
 class OpStep:
@@ -471,6 +492,7 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
                 devices.setdefault(key, set()).add(d)
     out.shards = {k: tuple(sorted(v)) for k, v in sorted(devices.items())}
     copies = flow.setup.optimizer_state_copies
+    compute_itemsize = DTYPE_BYTES[flow.setup.compute_dtype]
     update: dict[int, int] = {}
     memory: dict[int, int] = {}
     sync: list[SyncEntry] = []
@@ -479,10 +501,12 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
         keys = [k for k in out.shards if k[0] == fqn]
         bucket = flow.param_bucket[fqn]
         itemsize = DTYPE_BYTES[spec.dtype]
+        copy = compute_itemsize if spec.dtype != flow.setup.compute_dtype and spec.dtype in FLOAT_DTYPES else 0
         for key in keys:
             nbytes = region_numel(key[1]) * itemsize
             for d in out.shards[key]:
-                memory[d] = memory.get(d, 0) + nbytes * (1 + (0 if bucket is None else 1 + copies))
+                memory[d] = (memory.get(d, 0) + nbytes * (1 + (0 if bucket is None else 1 + copies))
+                             + region_numel(key[1]) * copy)
                 if bucket is not None:
                     update[d] = update.get(d, 0) + nbytes
         if bucket is None:
@@ -613,7 +637,8 @@ def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devic
     `flow` may pass a `GradFlow` of the same graph and setup already built."""
     if flow is None:
         flow = GradFlow(graph, setup)
-    assert flow.graph is graph and flow.setup == setup
+    assert flow.source is graph and flow.setup == setup
+    graph = flow.graph
     loss = graph.ops[-1]
     assert loss.outputs[0].numel == 1, f"the last op {loss.name!r} must be the scalar loss"
     ops = [lower_op(flow, i, strategy[op.name]) for i, op in enumerate(graph.ops)]
@@ -624,4 +649,4 @@ def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devic
 
 __all__ = ["ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow", "OpStep",
            "ParamStep", "StepPlan", "SyncEntry", "all_reduces", "lower", "lower_edge", "lower_op",
-           "lower_params"]
+           "lower_params", "run_graph"]

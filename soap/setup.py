@@ -8,9 +8,13 @@ found for.
 - `optimizer`: ``sgd`` (torch.optim.SGD with `momentum`; one state tensor per parameter when momentum is
   non-zero, none otherwise) or ``adamw`` (torch.optim.AdamW: two state tensors per parameter, the first
   and second moments).
-- `precision`: the compute dtype. Only ``fp32`` executes today; the field is here so that mixed
-  precision (bf16/fp16 compute with fp32 master weights and fp32 gradient reduction) can be added to the
-  lowering without another option path.
+- `precision`: the compute dtype, ``fp32``, ``bf16`` or ``fp16`` (`compute_dtype`). Under ``bf16`` and
+  ``fp16`` (mixed precision) the parameters stay float32 master weights; every op computes in the compute
+  dtype on a copy of its parameters, its float activations (and the float batch and constants it reads)
+  are in that dtype, and so are the tensors the exchanges move; the loss is computed in float32;
+  parameter gradients arrive in float32 on the masters and are all-reduced and applied in float32
+  (`soap.lowering.run_graph` states it for the lowering, the runtime executes it). ``fp16`` scales the
+  loss dynamically (the runtime's `LossScaler`).
 - `bucket_mb`: gradient all-reduce bucket size in MiB, counted over full-size parameters in backward
   order (the lowering's bucket rule, `soap.lowering.GradFlow`): DDP's 25 MiB by default.
 
@@ -26,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 OPTIMIZERS = ("sgd", "adamw")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16", "fp16")
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # What one optimizer step streams, in passes over the parameter bytes (reads plus writes of parameter,
 # gradient and state), per optimizer: SGD reads parameter and gradient and writes the parameter (3), with
 # momentum it also reads and writes the momentum buffer (5); AdamW reads parameter, gradient and both
@@ -54,7 +59,7 @@ class TrainSetup:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} is not supported; supported: {', '.join(PRECISIONS)}")
+            raise ValueError(f"unknown precision {self.precision!r}; known: {', '.join(PRECISIONS)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -63,6 +68,11 @@ class TrainSetup:
             raise ValueError(f"weight_decay must be non-negative, got {self.weight_decay}")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype name ops compute in: float32, bfloat16 or float16."""
+        return COMPUTE_DTYPES[self.precision]
 
     @property
     def bucket_bytes(self) -> int:

@@ -121,7 +121,7 @@ def test_every_stage_command_takes_the_setup_flags(argv):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--lr", "-1"], "lr must be positive, got -1.0"),
     (["--optimizer", "adam"], "unknown optimizer 'adam'"),
-    (["--precision", "bf16"], "precision 'bf16' is not supported"),
+    (["--precision", "fp8"], "unknown precision 'fp8'"),
     (["--momentum", "1.5"], "momentum must be in [0, 1), got 1.5"),
     (["--bucket-mb", "0"], "bucket_mb must be positive"),
 ])
@@ -300,3 +300,10 @@ def test_calibrate_and_validate_bad_input_one_line(capsys, argv, message):
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and lines[0].startswith("soapflow: error:"), err
     assert message in lines[0], err
+
+
+def test_a_precision_a_device_does_not_run_is_one_line(capsys):
+    code, out, err = run_cli(capsys, "simulate", "mlp", "-t", "k80-1x4", "-s", "dp", "--precision", "fp16")
+    lines = err.strip().splitlines()
+    assert code != 0 and out == "" and len(lines) == 1
+    assert "precision fp16 computes in float16, which device 0 (k80) does not run" in lines[0], err

@@ -19,7 +19,8 @@ from soap.setup import TrainSetup
     ({"lr": "0.1"}, "lr must be a finite number, got '0.1'"),
     ({"bucket_mb": True}, "bucket_mb must be a finite number, got True"),
     ({"weight_decay": float("nan")}, "weight_decay must be a finite number, got nan"),
-    ({"precision": "bf16"}, "precision 'bf16' is not supported"),
+    ({"precision": "fp8"}, "unknown precision 'fp8'; known: fp32, bf16, fp16"),
+    ({"precision": "bfloat16"}, "unknown precision 'bfloat16'"),
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
     ({"momentum": -0.1}, "momentum must be in"),
     ({"weight_decay": -0.01}, "weight_decay must be non-negative, got -0.01"),
@@ -54,3 +55,42 @@ def test_derived_figures():
     assert TrainSetup(optimizer="adamw").optimizer_state_copies == 2
     assert [TrainSetup(momentum=0.0).update_passes, TrainSetup().update_passes,
             TrainSetup(optimizer="adamw").update_passes] == [3, 5, 7]
+
+
+def test_mixed_precision_lowers_to_compute_dtype_activations_and_float32_masters():
+    """bf16: exchanges move half the bytes, the loss stays float32, the cost model times ops at the compute
+    dtype's peak, parameters keep float32 masters plus a bf16 copy; fp16 on a device without float16 is a
+    clear error."""
+    from test_simulator_support import mlp
+
+    from search.baselines import tp
+    from simulator.engine import Simulator
+    from soap.lowering import lower, run_graph
+    from soap.topology import load_topology
+
+    graph = mlp(batch=64)
+    fp32, bf16 = TrainSetup(), TrainSetup(precision="bf16")
+    assert run_graph(graph, fp32) is graph
+    run = run_graph(graph, bf16)
+    assert [t.dtype for op in run.ops[:-1] for t in op.outputs if t.dtype.startswith(("float", "bfloat"))] == [
+        "bfloat16"] * sum(1 for op in graph.ops[:-1] for t in op.outputs if t.dtype == "float32")
+    assert run.ops[-1].outputs[0].dtype == "float32"
+    assert all(p.dtype == "float32" for op in run for p in op.params.values())
+    topo = load_topology("a100-1x2")
+    strategy = tp(graph, topo)
+    plans = {s.precision: lower(graph, strategy, s, 2) for s in (fp32, bf16)}
+    edges = {k: sum(sum(e.recv_bytes.values()) for e in p.edges) for k, p in plans.items()}
+    assert edges["bf16"] * 2 == edges["fp32"] > 0
+    all_reduced = {k: sum(a.nbytes for a in p.all_reduces) for k, p in plans.items()}
+    assert all_reduced["bf16"] == all_reduced["fp32"]  # gradients are reduced in float32
+    params = graph.num_params
+    param_mem = {k: sum(sum(s.memory_bytes.values()) for s in p.params) for k, p in plans.items()}
+    assert param_mem["bf16"] - param_mem["fp32"] == params * 2  # the bf16 copy of every parameter
+    times = {}
+    for s in (fp32, bf16):
+        sim = Simulator(graph, topo, setup=s)
+        sim.full(strategy)
+        times[s.precision] = sim.iteration_time_ms
+    assert times["bf16"] < times["fp32"]  # an A100 runs bfloat16 at 16x its float32 peak
+    with pytest.raises(ValueError, match=r"precision fp16 computes in float16, which device 0 \(k80\)"):
+        Simulator(graph, load_topology("k80-1x2"), setup=TrainSetup(precision="fp16"))
