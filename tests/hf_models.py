@@ -39,11 +39,11 @@ def _example(module: nn.Module, batch_size: int, seq: int) -> tuple:
     return LogitsOf(module), (ids, target), lm_cross_entropy
 
 
-def gpt2(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+def gpt2(batch_size: int = 4, *, seq: int = SEQ, width: int = 64, heads: int = 4) -> tuple:
     """GPT-2: 2 layers, width 64, 4 heads (its `Conv1D` linears are `addmm`)."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+    config = GPT2Config(n_layer=2, n_embd=width, n_head=heads, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         attn_implementation="sdpa")
     return _example(AutoModelForCausalLM.from_config(config), batch_size, seq)
@@ -52,12 +52,7 @@ def gpt2(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
 def gpt2_wide(batch_size: int = 2, *, seq: int = SEQ) -> tuple:
     """GPT-2: 2 layers, width 512, 8 heads, at a small batch: its weights outweigh its activations, so
     splitting attention heads and the MLP's parameters beats data parallelism (the corpus leaves it out)."""
-    from transformers import AutoModelForCausalLM, GPT2Config
-
-    config = GPT2Config(n_layer=2, n_embd=512, n_head=8, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        attn_implementation="sdpa")
-    return _example(AutoModelForCausalLM.from_config(config), batch_size, seq)
+    return gpt2(batch_size, seq=seq, width=512, heads=8)
 
 
 def llama(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
