@@ -180,13 +180,32 @@ class EdgeMover:
         if self.member:
             self.group = groups.get(self.step.ranks)
 
+    @property
+    def reads_local(self) -> bool:
+        """Whether the consumer part's input here takes any piece from this rank's producer part."""
+        how = self._input
+        if how is None:
+            return False
+        if how[0] == "whole":
+            return how[2] is not None
+        return any(src is not None for _, src, _ in how[2])
+
     def forward(self, output: torch.Tensor | None) -> torch.Tensor | None:
-        received: dict[int, torch.Tensor] = {}
-        if self.member:
-            sends = [(output[slices], peer) for slices, peer in self._sends]
-            got = exchange(self.step.ranks, self.group, sends, [(shape, peer) for _, shape, peer in self._recvs],
-                           self.dtype, self.log)
-            received = {k: t for (k, _, _), t in zip(self._recvs, got, strict=True)}
+        return self.assemble(output, self.receive(output))
+
+    def receive(self, output: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """Take part in the edge's forward exchange: send this rank's pieces of `output`, return the
+        received ones by piece index."""
+        if not self.member:
+            return {}
+        sends = [(output[slices], peer) for slices, peer in self._sends]
+        got = exchange(self.step.ranks, self.group, sends, [(shape, peer) for _, shape, peer in self._recvs],
+                       self.dtype, self.log)
+        return {k: t for (k, _, _), t in zip(self._recvs, got, strict=True)}
+
+    def assemble(self, output: torch.Tensor | None, received: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
+        """The consumer part's input here from this rank's producer part `output` (read only where
+        `reads_local`) and the `received` pieces (adding partial sums); no communication."""
         how = self._input
         if how is None:
             return None

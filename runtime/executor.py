@@ -35,7 +35,7 @@ import torch.distributed as dist
 from runtime import kernels
 from runtime.collectives import CollectiveLog, EdgeMover, GradSync, make_groups
 from soap.graph import Operator, OperatorGraph, TensorRef
-from soap.lowering import StepPlan, SyncEntry
+from soap.lowering import ALL_GATHER, REDUCE_SCATTER, StepPlan, SyncEntry, chunk_numel, recompute_points
 from soap.opdef import Region
 from soap.registry import op_def
 
@@ -97,6 +97,10 @@ class Executor:
         # Per op position, the part on this rank (None: none) and its box.
         self.parts = [step.part_on(rank) for step in plan.ops]
         self.boxes = [step.boxes[p] if p is not None else None for step, p in zip(plan.ops, self.parts, strict=True)]
+        # sharded parts: per op position, (shard group, [(local name, key, numel, chunk numel, shape)]);
+        # per key of a chunk, (its index in the group, the group's size)
+        self.gathers: dict[int, tuple[tuple[int, ...], list[tuple[str, tuple, int, int, tuple[int, ...]]]]] = {}
+        self.chunks: dict[tuple[str, Region], tuple[int, int]] = {}
         for i, op in enumerate(graph):
             entry = op_def(op.kind)
             if op.kind == "constant":
@@ -105,15 +109,20 @@ class Executor:
             box = self.boxes[i]
             if box is None:
                 continue
+            groups = plan.ops[i].shard_groups
+            sharded = groups is not None and len(groups[self.parts[i]]) > 1
+            if sharded:
+                self._chunk_params(i, op, groups[self.parts[i]], tensors)
             params = {}
-            for name, region in entry.param_regions(op, box).items():
+            for name, region in ({} if sharded else entry.param_regions(op, box)).items():
                 fqn = op.params[name].fqn
                 key = (fqn, tuple(tuple(r) for r in region))
                 if key not in self.shards:
                     value = tensors[fqn][as_slices(key[1])]
                     self.shards[key] = self._cast(value).detach().clone().requires_grad_(True)
                 params[name] = self.shards[key]
-            self.op_params[op.name] = params
+            if not sharded:
+                self.op_params[op.name] = params
             buffers = {}
             for name, region in entry.buffer_regions(op, box).items():
                 fqn = op.attrs[name]
@@ -139,11 +148,25 @@ class Executor:
                        for op in graph}
         # Every process group, for the exchanges and the all-reduces, created up front in the same (sorted)
         # order on every rank.
-        groups = make_groups(plan.process_groups(), timeout_s=timeout_s) if self.distributed else {}
+        groups = self.groups = make_groups(plan.process_groups(), timeout_s=timeout_s) if self.distributed else {}
         for mover in self.movers:
             mover.bind(groups)
         self.sync = GradSync(plan.all_reduces, rank=rank, groups=groups, grad_of=self._grad_of,
                              set_grad=self._set_grad, log=self.log)
+        # recomputation (`soap.lowering`'s rule): per op position, where it is recomputed; per backward
+        # position, the ops recomputed there (ascending); what recomputing parts received in forward
+        self.recompute = [step.recompute for step in plan.ops]
+        at = recompute_points(flow, self.recompute)
+        self.recompute_before: dict[int, list[int]] = {}
+        for j, point in enumerate(at):
+            if point is not None:
+                self.recompute_before.setdefault(point, []).append(j)
+        # a recomputing op's output is dropped after the forward of its last consumer
+        self.drop_after: dict[int, list[int]] = {}
+        for j, edges in enumerate(flow.out_edges):
+            if self.recompute[j] and edges and j != len(graph.ops) - 1:
+                self.drop_after.setdefault(max(flow.edges[e].dst for e in edges), []).append(j)
+        self.kept: dict[int, dict[int, torch.Tensor]] = {}
         self.saved: dict[str, tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]]] = {}
         self.values: dict[str, tuple[torch.Tensor, ...]] = {}
         self.grads: dict[TensorRef, torch.Tensor] = {}
@@ -162,12 +185,88 @@ class Executor:
         dtype = TORCH_DTYPES[name]
         return self.float_dtype if dtype == torch.float32 else dtype
 
+    def _chunk_params(self, i: int, op: Operator, group: tuple[int, ...], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Keep this rank's chunk of each parameter region of op position `i`'s part (sharded over
+        `group`): the region flattened, padded to a multiple of the group's size, cut in equal chunks."""
+        size, j = len(group), group.index(self.rank)
+        layout = []
+        for name, region in op_def(op.kind).param_regions(op, self.boxes[i]).items():
+            fqn = op.params[name].fqn
+            key = (fqn, tuple(tuple(r) for r in region))
+            value = self._cast(tensors[fqn][as_slices(key[1])]).detach().reshape(-1)
+            numel, chunk = value.numel(), chunk_numel(value.numel(), size)
+            flat = torch.zeros(size * chunk, dtype=value.dtype)
+            flat[:numel] = value
+            self.shards[key] = flat[j * chunk:(j + 1) * chunk].clone().requires_grad_(True)
+            self.chunks[key] = (j, size)
+            layout.append((name, key, numel, chunk, tuple(hi - lo for lo, hi in key[1])))
+        self.gathers[i] = (group, layout)
+        self.op_params[op.name] = {}
+
+    def _gather(self, i: int, op: Operator) -> None:
+        """All-gather op position `i`'s sharded parameters into fresh leaf tensors its part computes with
+        (in the compute dtype; an op with running statistics keeps the master dtype)."""
+        group, layout = self.gathers[i]
+        dtype = self.float_dtype if self.op_buffers[op.name] else self.compute_dtype
+        flat = torch.cat([self.shards[key].detach().to(dtype) for _, key, _, _, _ in layout])
+        out = torch.empty(len(group) * flat.numel(), dtype=dtype)
+        dist.all_gather_single(out, flat, group=self.groups[group])
+        self.log.record(ALL_GATHER, out.numel() * out.element_size())
+        rows = out.view(len(group), flat.numel())
+        params, offset = {}, 0
+        for name, _, numel, chunk, shape in layout:
+            value = rows[:, offset:offset + chunk].reshape(-1)[:numel].reshape(shape)
+            params[name] = value.clone().requires_grad_(True)
+            offset += chunk
+        self.op_params[op.name] = params
+
+    def _gather_into(self, i: int, op: Operator) -> None:
+        """Gather op position `i`'s sharded parameters again into the tensors its autograd graph holds."""
+        held = self.op_params[op.name]
+        self._gather(i, op)
+        for name, w in self.op_params[op.name].items():
+            held[name].data = w.detach()
+        self.op_params[op.name] = held
+
+    def _release(self, op: Operator) -> None:
+        """Free a sharded part's gathered parameters (autograd keeps the tensors, not their data)."""
+        for w in self.op_params[op.name].values():
+            w.data = torch.empty(0, dtype=w.dtype)
+            w.grad = None
+
+    def _scatter_grads(self, i: int, op: Operator) -> None:
+        """Reduce-scatter the gradients of op position `i`'s gathered parameters into this rank's chunks."""
+        group, layout = self.gathers[i]
+        size = len(group)
+        total = sum(chunk for _, _, _, chunk, _ in layout)
+        buf = torch.zeros(size, total, dtype=self.float_dtype)
+        offset = 0
+        for name, _, numel, chunk, _ in layout:
+            grad = self.op_params[op.name][name].grad
+            if grad is not None:
+                padded = torch.zeros(size * chunk, dtype=self.float_dtype)
+                padded[:numel] = grad.reshape(-1)
+                buf[:, offset:offset + chunk] = padded.view(size, chunk)
+            offset += chunk
+        out = torch.empty(total, dtype=self.float_dtype)
+        dist.reduce_scatter_single(out, buf.view(-1), group=self.groups[group])
+        self.log.record(REDUCE_SCATTER, buf.numel() * buf.element_size())
+        offset = 0
+        for _, key, _, chunk, _ in layout:
+            shard = self.shards[key]
+            piece = out[offset:offset + chunk]
+            shard.grad = piece.clone() if shard.grad is None else shard.grad + piece
+            offset += chunk
+
     def parameters(self) -> list[torch.Tensor]:
         """This rank's parameter shards (leaf tensors), in a fixed order: what the optimizer updates."""
         return [self.shards[k] for k in sorted(self.shards)]
 
-    def shard_items(self) -> list[tuple[str, Region, torch.Tensor]]:
-        return [(fqn, region, self.shards[(fqn, region)]) for fqn, region in sorted(self.shards)]
+    def shard_items(self) -> list[tuple[str, Region, torch.Tensor, tuple[int, int] | None]]:
+        """(fqn, region, tensor, chunk) per shard: `chunk` is None where the tensor is the region, else
+        (index, count): the tensor is that chunk of the region flattened and padded (a sharded op's)."""
+        return [(fqn, region, self.shards[(fqn, region)], self.chunks.get((fqn, region)))
+                for fqn, region in sorted(self.shards)]
 
     # ------------------------------------------------------------------ forward
 
@@ -185,8 +284,53 @@ class Executor:
                 continue
             e = self.flow.edges[eid]
             values = self.values.get(self.flow.ops[e.src].name)
-            out.append(self.movers[eid].forward(None if values is None else values[e.out]))
+            output = None if values is None else values[e.out]
+            mover = self.movers[eid]
+            received = mover.receive(output)
+            if self.recompute[i] and box_part is not None:
+                self.kept[eid] = received  # what a recomputation reads again (nothing moves twice)
+            out.append(mover.assemble(output, received))
         return out
+
+    def _recompute(self, i: int) -> None:
+        """Run op position `i`'s part forward again, from the outputs kept here, the pieces it received in
+        forward and the recomputed outputs of recomputing producers (recomputed before it)."""
+        op = self.graph.ops[i]
+        box_part = self.parts[i]
+        if box_part is None:
+            return
+        reads = self.plan.ops[i].reads
+        inputs: list[torch.Tensor | None] = []
+        for slot, eid in enumerate(self.flow.slot_edges[i]):
+            if eid is None:
+                want = reads[slot][box_part]
+                inputs.append(None if want is None else self.sources[op.inputs[slot].op][as_slices(want)])
+                continue
+            e = self.flow.edges[eid]
+            mover = self.movers[eid]
+            output = None
+            if mover.reads_local:
+                values = self.values.get(self.flow.ops[e.src].name)
+                assert values is not None, f"{self.flow.ops[e.src].name} is neither kept nor recomputed"
+                output = values[e.out]
+            inputs.append(mover.assemble(output, self.kept.get(eid, {})))
+        self._run_part(i, op, inputs, keep=True)
+
+    def _run_part(self, i: int, op: Operator, inputs: list[torch.Tensor | None], *, keep: bool) -> None:
+        """Compute op position `i`'s part on `inputs`; with `keep`, keep its autograd graph for backward."""
+        if i in self.gathers:
+            self._gather(i, op)
+        leaves = [x.detach().requires_grad_(True) if x is not None and grad and keep else x
+                  for grad, x in zip(self.flow.grad_inputs[i], inputs, strict=True)]
+        if keep:
+            outs = self._compute(op, self.boxes[i], leaves)
+            self.saved[op.name] = (leaves, outs)
+        else:
+            with torch.no_grad():
+                outs = self._compute(op, self.boxes[i], leaves)
+        self.values[op.name] = tuple(o.detach() for o in outs)
+        if i in self.gathers:
+            self._release(op)
 
     def _compute(self, op: Operator, box, inputs: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         params = self.op_params[op.name]
@@ -231,15 +375,12 @@ class Executor:
                 continue
             inputs = self._inputs(i, op)
             box = self.boxes[i]
-            if box is None:
-                continue
-            leaves = [x.detach().requires_grad_(True) if x is not None and grad else x
-                      for grad, x in zip(self.flow.grad_inputs[i], inputs, strict=True)]
-            if fail:
-                raise RuntimeError("injected fault (test hook)")
-            outs = self._compute(op, box, leaves)
-            self.saved[op.name] = (leaves, outs)
-            self.values[op.name] = tuple(o.detach() for o in outs)
+            if box is not None:
+                if fail:
+                    raise RuntimeError("injected fault (test hook)")
+                self._run_part(i, op, inputs, keep=not self.recompute[i])
+            for j in self.drop_after.get(i, ()):
+                self.values.pop(self.graph.ops[j].name, None)
         self.where = "loss"
         self.num_forwards += 1
         loss_part = self.values.get(self.plan.loss_op)
@@ -264,12 +405,20 @@ class Executor:
     def backward(self, *, loss_scale: float = 1.0) -> None:
         """Backpropagate the loss parts (times `loss_scale`), move input gradients back to their producers,
         and synchronize replicated parameter gradients (waits for the all-reduces before returning)."""
+        last = len(self.graph.ops) - 1
+        for j in self.recompute_before.get(last, ()):
+            self.where = f"recomputation of op {self.graph.ops[j].name!r} ({self.graph.ops[j].kind})"
+            self._recompute(j)
         loss = self.saved.get(self.plan.loss_op)
         if loss is not None:
             self.grads[self.out_refs[self.plan.loss_op][0]] = torch.full_like(loss[1][0], loss_scale)
         flow = self.flow
         for i in range(len(self.graph.ops) - 1, -1, -1):
             op = self.graph.ops[i]
+            if i < last:
+                for j in self.recompute_before.get(i, ()):
+                    self.where = f"recomputation of op {self.graph.ops[j].name!r} ({self.graph.ops[j].kind})"
+                    self._recompute(j)
             self.where = self.wheres[op.name][1]
             if op.name in self.sources:
                 continue
@@ -283,9 +432,15 @@ class Executor:
                 pairs = [(o, self.grads.pop(ref)) for o, ref in zip(outs, self.out_refs[op.name], strict=True)
                          if ref in self.grads]
                 pairs = [(o, g) for o, g in pairs if o.requires_grad]
+                sharded = i in self.gathers
+                if sharded:
+                    self._gather_into(i, op)
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 in_grads = [x.grad if x is not None and x.requires_grad else None for x in leaves]
+                if sharded:
+                    self._scatter_grads(i, op)
+                    self._release(op)
             for slot, eid in enumerate(flow.slot_edges[i]):
                 if eid is not None:
                     ref = flow.edges[eid].ref
@@ -297,6 +452,7 @@ class Executor:
         self.collectives = self.log.snapshot()
         self.values.clear()
         self.grads.clear()
+        self.kept.clear()
         self.where = "step"
 
     def _grad_of(self, e: SyncEntry) -> torch.Tensor:

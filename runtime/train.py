@@ -45,7 +45,7 @@ from runtime.checkpoint import Checkpoint, assemble, load_checkpoint, save_check
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
-from soap.lowering import StepPlan, lower
+from soap.lowering import StepPlan, chunk_numel, lower
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
@@ -161,9 +161,8 @@ def synthetic_batch(example: Sequence[torch.Tensor], *, step: int, seed: int, hi
 
 
 def strategy_from_configs(configs: Mapping[str, Mapping[str, Any]]) -> Strategy:
-    """A Strategy from `{op: {"degrees": {...}, "devices": [...]}}` (the strategy file's `ops`)."""
-    return Strategy({name: ParallelConfig(degrees=c["degrees"], devices=tuple(c["devices"]))
-                     for name, c in configs.items()})
+    """A Strategy from `{op: {"degrees": {...}, "devices": [...], ...}}` (the strategy file's `ops`)."""
+    return Strategy({name: ParallelConfig.from_dict(c) for name, c in configs.items()})
 
 
 def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -173,9 +172,50 @@ def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def chunk_of(value: torch.Tensor, chunk: tuple[int, int]) -> torch.Tensor:
+    """Chunk (index, count) of `value` flattened and zero-padded to a multiple of count (a sharded op's
+    layout, `soap.lowering`)."""
+    j, size = chunk
+    n = chunk_numel(value.numel(), size)
+    flat = torch.zeros(size * n, dtype=value.dtype)
+    flat[:value.numel()] = value.reshape(-1)
+    return flat[j * n:(j + 1) * n].clone()
+
+
+def merge_chunks(items: Sequence[tuple]) -> list[tuple]:
+    """`items` (fqn, region, tensor, chunk, *rest) from every rank with the chunks of each sharded region
+    joined into the region's tensor: (fqn, region, tensor, *rest) per region and replica of it. The
+    `rest` of a merged region (optimizer state) is merged alike where its tensors are chunk-shaped."""
+    out, parts = [], {}
+    for fqn, region, t, chunk, *rest in items:
+        if chunk is None:
+            out.append((fqn, region, t, *rest))
+        else:
+            parts.setdefault((fqn, region, chunk[1]), {}).setdefault(chunk[0], []).append((t, rest))
+    for (fqn, region, size), by_index in parts.items():
+        shape = tuple(hi - lo for lo, hi in region)
+        numel = math.prod(shape)
+
+        def join(pieces: list[torch.Tensor], numel: int = numel, shape: tuple[int, ...] = shape) -> torch.Tensor:
+            return torch.cat([p.reshape(-1) for p in pieces])[:numel].reshape(shape)
+
+        for r in range(min(len(v) for v in by_index.values())):  # one region per replica of its chunks
+            chunks = [by_index[j][r] for j in range(size)]
+            rest = []
+            for k, first in enumerate(chunks[0][1]):
+                if isinstance(first, dict):
+                    rest.append({key: join([c[1][k][key] for c in chunks])
+                                 if isinstance(v, torch.Tensor) and v.shape == chunks[0][0].shape and v.dim() else v
+                                 for key, v in first.items()})
+                else:
+                    rest.append(first)
+            out.append((fqn, region, join([c[0] for c in chunks]), *rest))
+    return out
+
+
 def _gather_params(executor: Executor, plan: StepPlan, rank: int) -> tuple[dict[str, torch.Tensor], float] | None:
     """Full parameters on rank 0 from every rank's shards, and the largest difference between replicas."""
-    items = [(fqn, region, t.detach().clone()) for fqn, region, t in executor.shard_items()]
+    items = [(fqn, region, t.detach().clone(), chunk) for fqn, region, t, chunk in executor.shard_items()]
     gathered: list[Any] = [None] * plan.num_devices if rank == 0 else None
     if plan.num_devices > 1:
         dist.gather_object(items, gathered, dst=0)
@@ -186,15 +226,15 @@ def _gather_params(executor: Executor, plan: StepPlan, rank: int) -> tuple[dict[
     full: dict[str, torch.Tensor] = {}
     seen: dict[tuple[str, Any], torch.Tensor] = {}
     replica_diff = 0.0
-    for rank_items in gathered:
-        for fqn, region, t in rank_items:
-            if (fqn, region) in seen:
-                replica_diff = max(replica_diff, float((seen[(fqn, region)] - t).abs().max()))
-                continue
-            seen[(fqn, region)] = t
-            if fqn not in full:
-                full[fqn] = torch.full(executor.param_shapes[fqn], float("nan"), dtype=t.dtype)
-            full[fqn][as_slices(region)] = t
+    merged = merge_chunks([item for rank_items in gathered for item in rank_items])
+    for fqn, region, t in merged:
+        if (fqn, region) in seen:
+            replica_diff = max(replica_diff, float((seen[(fqn, region)] - t).abs().max()))
+            continue
+        seen[(fqn, region)] = t
+        if fqn not in full:
+            full[fqn] = torch.full(executor.param_shapes[fqn], float("nan"), dtype=t.dtype)
+        full[fqn][as_slices(region)] = t
     return full, replica_diff
 
 
@@ -274,10 +314,13 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, executor: Executor, pla
     if ckpt.optimizer != options.setup.optimizer:
         raise ValueError(f"the checkpoint was written with optimizer {ckpt.optimizer}, this run uses "
                          f"{options.setup.optimizer}")
-    for fqn, region, shard in executor.shard_items():
+    for fqn, region, shard, chunk in executor.shard_items():
         full = ckpt.optimizer_state.get(fqn)
         if full:
             state = shard_state(full, region, executor.param_shapes[fqn])
+            if chunk is not None:
+                state = {k: chunk_of(v, chunk) if isinstance(v, torch.Tensor) and v.dim() else v
+                         for k, v in state.items()}
             optimizer.state[shard] = {k: v.to(shard.dtype) if isinstance(v, torch.Tensor) and v.dim() else v
                                       for k, v in state.items()}
 
@@ -288,9 +331,9 @@ def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: Ste
     """Gather every rank's shards, optimizer state and buffers on rank 0, which writes the checkpoint;
     returns once it is on disk (a barrier), so a rank that dies afterwards cannot spoil it."""
     items = []
-    for fqn, region, shard in executor.shard_items():
+    for fqn, region, shard, chunk in executor.shard_items():
         state = optimizer.state.get(shard, {}) if optimizer is not None else {}
-        items.append((fqn, region, shard.detach().clone(),
+        items.append((fqn, region, shard.detach().clone(), chunk,
                       {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}))
     buffers = [(fqn, region, t.clone()) for (fqn, region), t in sorted(executor.buffers.items())]
     gathered: list[Any] = [(items, buffers)]
@@ -299,7 +342,7 @@ def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: Ste
         dist.gather_object((items, buffers), gathered, dst=0)
     if rank == 0:
         initial = named_tensors(module)
-        all_items = [it for rank_items, _ in gathered for it in rank_items]
+        all_items = merge_chunks([it for rank_items, _ in gathered for it in rank_items])
         params = assemble([(f, r, t) for f, r, t, _ in all_items], initial)
         state: dict[str, dict[str, Any]] = {}
         for fqn, region, shard, shard_state_ in all_items:

@@ -1,4 +1,6 @@
-"""The baseline strategies: dp, mp, tp and expert, each a plain function returning a `Strategy`.
+"""The baseline strategies: dp, mp, tp, expert and fsdp, each a plain function returning a `Strategy`, and
+the parametric Megatron-LM layout `hybrid:tp=T[,shard=S][,recompute=none|full]` (`parse_baseline` reads
+any baseline name).
 
 They are presets of the general method (per-op `ParallelConfig`s), not special cases: the simulator,
 the search and the runtime treat them like any other strategy. Every baseline gives every op of any graph
@@ -12,9 +14,10 @@ Must not import torch or the runtime.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 
-from soap.config import ParallelConfig, parts
+from soap.config import ParallelConfig, param_replicas, parts, recompute_refusal
 from soap.graph import Operator, OperatorGraph
 from soap.opdef import DimKind, DimSpec, Region
 from soap.registry import dims_of, op_def
@@ -197,6 +200,149 @@ def expert(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
     return Strategy(configs)
 
 
+def _sharded(op: Operator, cfg: ParallelConfig, shard: int, shared: Mapping[str, tuple[str, ...]]) -> ParallelConfig:
+    """`cfg` with its parameters sharded over `shard` of their replicas where that is allowed (the op has
+    parameters no other op shares, and `shard` divides their replica count); `cfg` otherwise."""
+    if shard == 1 or not op.params or any(p.fqn in shared for p in op.params.values()):
+        return cfg
+    if param_replicas(op, cfg) % shard:
+        return cfg
+    return cfg.replace(shard=shard)
+
+
+def fsdp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
+    """Fully sharded data parallelism (ZeRO-3): `dp` with every op's parameters sharded over all their
+    replicas (parameters shared by several ops, tied embeddings, stay replicated)."""
+    base = dp(graph, topology)
+    shared = graph.shared_params()
+    return Strategy({op.name: _sharded(op, base[op.name], param_replicas(op, base[op.name]), shared)
+                     for op in graph})
+
+
+def recompute_full(graph: OperatorGraph, strategy: Strategy) -> Strategy:
+    """`strategy` with every op recomputing except the tensors a step keeps as checkpoints: outputs read
+    by two or more ops (a residual stream, a block's input), the loss, and ops that cannot recompute.
+
+    In a transformer that keeps the residual stream and the inputs the attention reads, and recomputes the
+    chains between them (Megatron-LM's full recomputation keeps only each layer's input)."""
+    configs = dict(strategy.configs)
+    last = graph.ops[-1].name
+    for op in graph:
+        if op.name != last and len(graph.consumers(op.name)) < 2 and recompute_refusal(op) is None:
+            configs[op.name] = configs[op.name].replace(recompute=True)
+    return Strategy(configs)
+
+
+def _with_sample(op: Operator, cfg: ParallelConfig, groups: int, group_size: int) -> ParallelConfig | None:
+    """`cfg` (a config over devices 0..group_size-1 of one group) replicated over `groups` consecutive
+    groups of devices, group g taking the g-th contiguous block of the batch (a sample split `groups`
+    times finer); None when the op cannot split its sample dim that far."""
+    if groups == 1:
+        return cfg
+    sample = _sample(op)
+    if sample is None:
+        return None
+    names = [d.name for d in dims_of(op)]
+    s = names.index(sample.name)
+    inner = [cfg.degree(name) for name in names]
+    k = inner[s]
+    outer = list(inner)
+    outer[s] = k * groups
+    degrees = {name: g for name, g in zip(names, outer, strict=True) if g > 1}
+    if not _allowed(op, degrees):
+        return None
+    device_of = dict(zip(itertools.product(*(range(g) for g in inner)), cfg.devices, strict=True))
+    devices = []
+    for idx in itertools.product(*(range(g) for g in outer)):  # part order, as `soap.config.parts`
+        group, local = divmod(idx[s], k)
+        devices.append(group * group_size + device_of[idx[:s] + (local,) + idx[s + 1:]])
+    return ParallelConfig(degrees=degrees, devices=tuple(devices))
+
+
+def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shard: int = 1,
+           recompute: str = "none") -> Strategy:
+    """The Megatron-LM layout: `tp` within groups of `tp_size` consecutive devices, data parallel over the
+    groups, parameters sharded over `shard` of their replicas, and with ``recompute="full"`` the
+    recomputation of `recompute_full`."""
+    n = topology.num_devices
+    if tp_size < 1 or n % tp_size:
+        raise BaselineNotApplicable(f"hybrid: tp={tp_size} does not divide the {n} devices")
+    groups = n // tp_size
+    if shard < 1 or groups % shard:
+        raise BaselineNotApplicable(f"hybrid: shard={shard} does not divide the {groups} data-parallel "
+                                    f"group(s) (tp={tp_size} over {n} devices)")
+    for op in graph:
+        if op.kind == "input":
+            sample = _sample(op)
+            if sample is not None and sample.size % groups:
+                raise BaselineNotApplicable(f"hybrid: the batch ({sample.size}) does not divide over the "
+                                            f"{groups} data-parallel groups")
+    inner = tp(graph, _Devices(tp_size))
+    shared = graph.shared_params()
+    configs = {}
+    for op in graph:
+        cfg = _with_sample(op, inner[op.name], groups, tp_size)
+        if cfg is None:
+            cfg = inner[op.name]  # no sample dim: it runs in the first group only
+        configs[op.name] = _sharded(op, cfg, shard, shared)
+    strategy = Strategy(configs)
+    return recompute_full(graph, strategy) if recompute == "full" else strategy
+
+
+class _Devices:
+    """The only thing `tp` reads of a topology: its device count."""
+
+    def __init__(self, num_devices: int):
+        self.num_devices = num_devices
+
+
 BASELINES: dict[str, Callable[[OperatorGraph, DeviceTopology], Strategy]] = {
-    "dp": dp, "mp": mp, "tp": tp, "expert": expert,
+    "dp": dp, "mp": mp, "tp": tp, "expert": expert, "fsdp": fsdp,
 }
+
+
+class BaselineSpecError(ValueError):
+    """A baseline name that is not one (a malformed ``hybrid:`` spec, say); the message says why."""
+
+
+def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strategy] | None:
+    """The baseline function `ref` names (a key of `BASELINES`, or ``hybrid:tp=T[,shard=S]
+    [,recompute=none|full]``), None when `ref` names no baseline; `BaselineSpecError` for a malformed
+    ``hybrid:`` spec, or one asking for pipelining (``pp``, ``microbatches``), which is not built yet."""
+    if ref in BASELINES:
+        return BASELINES[ref]
+    if not ref.startswith("hybrid:"):
+        return None
+    usage = "hybrid:tp=T[,shard=S][,recompute=none|full]"
+    fields: dict[str, str] = {}
+    for item in ref[len("hybrid:"):].split(","):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            raise BaselineSpecError(f"malformed baseline {ref!r}: {item!r} is not key=value; expected {usage}")
+        if key in fields:
+            raise BaselineSpecError(f"malformed baseline {ref!r}: {key} given twice")
+        fields[key] = value
+    if "pp" in fields or "microbatches" in fields:
+        raise BaselineSpecError(f"baseline {ref!r}: pipeline stages (pp) and micro-batches are not supported "
+                                f"yet; use {usage}")
+    unknown = sorted(set(fields) - {"tp", "shard", "recompute"})
+    if unknown:
+        raise BaselineSpecError(f"malformed baseline {ref!r}: unknown key(s) {', '.join(unknown)}; expected {usage}")
+    numbers = {}
+    for key in ("tp", "shard"):
+        if key in fields:
+            if not fields[key].isdigit() or int(fields[key]) < 1:
+                raise BaselineSpecError(f"malformed baseline {ref!r}: {key} must be a positive integer, "
+                                        f"got {fields[key]!r}")
+            numbers[key] = int(fields[key])
+    if "tp" not in numbers:
+        raise BaselineSpecError(f"malformed baseline {ref!r}: tp=T is required; expected {usage}")
+    recompute = fields.get("recompute", "none")
+    if recompute not in ("none", "full"):
+        raise BaselineSpecError(f"malformed baseline {ref!r}: recompute must be none or full, got {recompute!r}")
+
+    def make(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
+        return hybrid(graph, topology, tp_size=numbers["tp"], shard=numbers.get("shard", 1), recompute=recompute)
+
+    return make

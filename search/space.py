@@ -14,15 +14,20 @@ Owns `ConfigSpace`. A config of an op is a pair (degrees, devices):
     (q < devices per node), e.g. one device per node. Only on regular topologies (every node holds M
     devices, ids node-major), where such sets are what data parallelism across nodes uses.
 
+- *recompute*: true or false, where the op may recompute (`soap.config.recompute_refusal`);
+- *shard*: every divisor of the replica count of the op's parameters under its degrees
+  (`soap.config.param_replicas`), for ops with parameters no other op shares; 1 otherwise.
+
 Nothing is materialized up front: an op's degree combinations are enumerated the first time the op is
 touched (a few hundred at most even on 64 devices, since each degree divides the device count), and device
 sets per part count are listed on first use (at most a few hundred tuples). A config is drawn uniformly
-from the op's (degrees, devices) pairs with an explicit `random.Random`: degrees weighted by how many
-device sets their part count has, then a device set. The memo dicts are per instance and only cache pure
-functions of (graph, topology), so they never change a result.
+from the op's (degrees, devices, recompute, shard) combinations with an explicit `random.Random`:
+degrees weighted by how many combinations they have, then one of them. The memo dicts are per instance
+and only cache pure functions of (graph, topology), so they never change a result.
 
-Ops whose output exists on every device for free (`OpDef.everywhere`: the batch, constants) and ops with a single
-config are not proposal targets. Must not import torch, the runtime or soapflow.
+Ops whose output exists on every device for free (`OpDef.everywhere`: the batch, constants) and ops with a
+single config (on one device: ops that cannot recompute) are not proposal targets. Must not import torch,
+the runtime or soapflow.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 
-from soap.config import ParallelConfig
+from soap.config import ParallelConfig, param_replicas, recompute_refusal
 from soap.graph import Operator, OperatorGraph
 from soap.registry import dims_of, op_def
 from soap.strategy import Strategy
@@ -56,9 +61,12 @@ class ConfigSpace:
         self._degrees: dict[str, tuple[Degrees, ...]] = {}
         self._cumulative: dict[str, list[int]] = {}
         self._device_sets: dict[int, tuple[tuple[int, ...], ...]] = {}
-        # On one device every op has exactly one config, so there is nothing to propose.
+        self._recompute: dict[str, tuple[bool, ...]] = {}
+        self._shards: dict[tuple[str, Degrees], tuple[int, ...]] = {}
+        self._shared = graph.shared_params()
+        # On one device an op's only choice is whether it recomputes.
         self.ops: tuple[str, ...] = tuple(op.name for op in graph if not op_def(op.kind).everywhere
-                                          and self.num_devices > 1)
+                                          and (self.num_devices > 1 or len(self.recompute_options(op.name)) > 1))
 
     # -- enumeration ---------------------------------------------------------------------------------
 
@@ -78,6 +86,28 @@ class ConfigSpace:
             self._device_sets[num_parts] = found
         return found
 
+    def recompute_options(self, op_name: str) -> tuple[bool, ...]:
+        """(False,) or (False, True): whether the op may recompute."""
+        found = self._recompute.get(op_name)
+        if found is None:
+            found = self._recompute[op_name] = (False,) if recompute_refusal(self.graph[op_name]) else (False, True)
+        return found
+
+    def shard_options(self, op_name: str, degrees: Degrees) -> tuple[int, ...]:
+        """The shard degrees of the op under `degrees`: the divisors of its parameters' replica count
+        (only 1 for an op without parameters or with a parameter another op shares)."""
+        found = self._shards.get((op_name, degrees))
+        if found is None:
+            op = self.graph[op_name]
+            if not op.params or any(p.fqn in self._shared for p in op.params.values()):
+                found = (1,)
+            else:
+                n = math.prod(g for _, g in degrees)
+                found = tuple(_divisors(param_replicas(op, ParallelConfig(degrees=dict(degrees),
+                                                                          devices=tuple(range(n))))))
+            self._shards[(op_name, degrees)] = found
+        return found
+
     def num_configs(self, op_name: str) -> int:
         return self._weights(op_name)[-1]
 
@@ -85,7 +115,10 @@ class ConfigSpace:
         """Every config of the op, lazily, degrees-major."""
         for degrees in self.degree_options(op_name):
             for devices in self.device_sets(math.prod(g for _, g in degrees)):
-                yield ParallelConfig(degrees=dict(degrees), devices=devices)
+                for recompute in self.recompute_options(op_name):
+                    for shard in self.shard_options(op_name, degrees):
+                        yield ParallelConfig(degrees=dict(degrees), devices=devices, recompute=recompute,
+                                             shard=shard)
 
     def contains(self, op_name: str, cfg: ParallelConfig) -> bool:
         """Whether `cfg` is one of the op's configs in this space."""
@@ -93,7 +126,9 @@ class ConfigSpace:
         if any(name not in dims for name in cfg.degrees):
             return False
         degrees = tuple(sorted(cfg.degrees.items(), key=lambda kv: dims.index(kv[0])))
-        return degrees in self.degree_options(op_name) and cfg.devices in self.device_sets(cfg.num_parts)
+        return (degrees in self.degree_options(op_name) and cfg.devices in self.device_sets(cfg.num_parts)
+                and cfg.recompute in self.recompute_options(op_name)
+                and cfg.shard in self.shard_options(op_name, degrees))
 
     # -- sampling ------------------------------------------------------------------------------------
 
@@ -104,8 +139,11 @@ class ConfigSpace:
         k = bisect.bisect_right(cumulative, r)
         degrees = self.degree_options(op_name)[k]
         sets = self.device_sets(math.prod(g for _, g in degrees))
-        offset = r - (cumulative[k - 1] if k else 0)
-        return ParallelConfig(degrees=dict(degrees), devices=sets[offset])
+        recomputes = self.recompute_options(op_name)
+        shards = self.shard_options(op_name, degrees)
+        offset, rest = divmod(r - (cumulative[k - 1] if k else 0), len(recomputes) * len(shards))
+        return ParallelConfig(degrees=dict(degrees), devices=sets[offset], recompute=recomputes[rest // len(shards)],
+                              shard=shards[rest % len(shards)])
 
     def propose(self, rng: random.Random) -> tuple[str, ParallelConfig]:
         """A random proposal target (uniform over `ops`) with a uniformly drawn config."""
@@ -125,8 +163,10 @@ class ConfigSpace:
         found = self._cumulative.get(op_name)
         if found is None:
             total, found = 0, []
+            variants = len(self.recompute_options(op_name))
             for degrees in self.degree_options(op_name):
-                total += len(self.device_sets(math.prod(g for _, g in degrees)))
+                total += (len(self.device_sets(math.prod(g for _, g in degrees))) * variants
+                          * len(self.shard_options(op_name, degrees)))
                 found.append(total)
             self._cumulative[op_name] = found
         return found

@@ -62,14 +62,13 @@ class WorkerJob:
 
 
 def to_plain(strategy: Strategy) -> dict[str, Any]:
-    """`strategy` as plain dicts and lists (op -> [degrees, devices]), to cross a process boundary."""
-    return {op: [dict(cfg.degrees), list(cfg.devices)] for op, cfg in strategy.items()}
+    """`strategy` as plain dicts and lists (op -> `ParallelConfig.to_dict`), to cross a process boundary."""
+    return {op: cfg.to_dict() for op, cfg in strategy.items()}
 
 
 def from_plain(doc: Mapping[str, Any]) -> Strategy:
     """The `Strategy` of `to_plain`'s output."""
-    return Strategy({op: ParallelConfig(degrees=degrees, devices=tuple(devices))
-                     for op, (degrees, devices) in doc.items()})
+    return Strategy({op: ParallelConfig.from_dict(cfg) for op, cfg in doc.items()})
 
 
 # The loop a worker runs over its job's chains: (job, graph, progress or None) -> the worker's result.

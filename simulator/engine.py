@@ -178,14 +178,15 @@ class Simulator:
 
     @property
     def peak_memory_bytes(self) -> tuple[int, ...]:
+        """Per device, what it keeps plus its largest transient (`soap.lowering`'s memory rule)."""
         self._need_state()
-        return tuple(self._mem)
+        return tuple(m + t for m, t in zip(self._mem, self._tmax, strict=True))
 
     @property
     def memory_excess_bytes(self) -> int:
         """The largest amount by which a device's peak exceeds its capacity (0 when feasible)."""
         self._need_state()
-        return max(0, max(m - c for m, c in zip(self._mem, self.capacity, strict=True)))
+        return max(0, max(m + t - c for m, t, c in zip(self._mem, self._tmax, self.capacity, strict=True)))
 
     @property
     def feasible(self) -> bool:
@@ -269,7 +270,7 @@ class Simulator:
         end, dur = self._end, self._dur
         return Timeline(name=self.graph.name, num_devices=self.num_devices, link_names=links,
                         iteration_ns=self._iteration_ns, path_ns=(split[0], split[1], split[2]),
-                        bytes_moved=self._moved, peak_memory=list(self._mem), capacity=self.capacity,
+                        bytes_moved=self._moved, peak_memory=list(self.peak_memory_bytes), capacity=self.capacity,
                         order=list(self._order), keys=list(self._key), cats=list(self._cat),
                         res=list(self._res), start=[e - d for e, d in zip(end, dur, strict=True)],
                         end=list(end), nbytes=list(self._nbytes), namer=self.task_name, critical_path=critical)
@@ -333,9 +334,12 @@ class Simulator:
             self._syncs[sid] = self._new_sync(sid, members[sid], links)
         self._apply(links)
         self._mem = [0] * self.num_devices
+        self._trans: list[dict[int, int]] = [{} for _ in range(self.num_devices)]  # bytes -> how many parts
+        self._tmax = [0] * self.num_devices
         self._moved = 0
         for plan in self._plans:
             self._add_mem(plan.mem, 1)
+            self._add_transient(plan.transient, 1)
         for plan in self._params:
             self._add_mem(plan.mem, 1)
         for e in range(len(flow.edges)):
@@ -356,6 +360,21 @@ class Simulator:
         mem = self._mem
         for d, b in table.items():
             mem[d] += sign * b
+
+    def _add_transient(self, table: Mapping[int, int], sign: int) -> None:
+        """Add (`sign` 1) or take out (-1) one op's transients (device -> bytes), keeping each device's
+        largest in `_tmax`."""
+        for d, b in table.items():
+            counts = self._trans[d]
+            n = counts.get(b, 0) + sign
+            if n:
+                counts[b] = n
+            else:
+                del counts[b]
+            if sign > 0:
+                self._tmax[d] = max(self._tmax[d], b)
+            elif not n and b == self._tmax[d]:
+                self._tmax[d] = max(counts, default=0)
 
     def _edge_plan(self, e: int) -> EdgePlan:
         edge = self.flow.edges[e]
@@ -635,6 +654,7 @@ class Simulator:
                  sign: int) -> None:
         """Add (`sign` 1) or take out (-1) the memory and bytes of an op's units and its unit's all-reduces."""
         self._add_mem(plan.mem, sign)
+        self._add_transient(plan.transient, sign)
         if params is not None:
             self._add_mem(params.mem, sign)
         for e in edges:
@@ -738,6 +758,8 @@ class Simulator:
             else:
                 self._edge_units[ident] = unit
         self._configs[j.op] = j.cfg
+        self._add_transient(self._plans[j.op].transient, -1)
+        self._add_transient(j.plan.transient, 1)
         self._plans[j.op] = j.plan
         self._mem = j.mem
         self._moved = j.moved

@@ -12,7 +12,12 @@ Tasks of a step plan:
 
 - per part of an op: a forward task and (when the op runs backward) a backward task on its device; ops
   of kind ``input`` and ``constant`` have none (zero compute: the batch is loaded where its parts are,
-  buffers are everywhere);
+  buffers are everywhere). A recomputing part's backward task includes its forward again. A sharded
+  part's forward task includes the all-gather of its parameters and its backward task the second
+  all-gather and the reduce-scatter of their gradient, ring collectives over its shard group
+  (`simulator.comm`), since the runtime issues them synchronously around the part's compute (no
+  prefetch); they do not occupy the links as separate tasks, so their contention with concurrent
+  exchanges is not modeled;
 - per edge and pass: pieces between parts on one device are dependencies; the pieces that cross devices
   make ONE exchange task (`Comm.exchange`: the union of their routes, the largest latency plus the
   busiest link's bytes), after every sending part and before every receiving part, as the runtime's one
@@ -33,7 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.comm import Comm, ms_to_ns
+from simulator.comm import ALLGATHER, REDUCE_SCATTER, Comm, ms_to_ns
 from simulator.costmodel import CostModel
 from soap.config import ParallelConfig
 from soap.lowering import EdgeStep, GradFlow, OpStep, ParamStep, lower_edge, lower_op, lower_params
@@ -137,10 +142,10 @@ class SyncShare(NamedTuple):
 
 class OpPlan:
     """The timed tasks of one op under one config: `step` (the lowering), per part the forward and
-    backward durations and keys (empty lists when the op has no such tasks), and `mem` (device -> bytes
-    kept for backward)."""
+    backward durations and keys (empty lists when the op has no such tasks), `mem` (device -> bytes
+    kept for backward) and `transient` (device -> the largest bytes a part holds only while it runs)."""
 
-    __slots__ = ("step", "devices", "fwd_ns", "bwd_ns", "fwd_keys", "bwd_keys", "mem")
+    __slots__ = ("step", "devices", "fwd_ns", "bwd_ns", "fwd_keys", "bwd_keys", "mem", "transient")
 
     def __init__(self, step: OpStep):
         self.step = step
@@ -150,12 +155,14 @@ class OpPlan:
         self.fwd_keys: list[int] = []
         self.bwd_keys: list[int] = []
         self.mem: dict[int, int] = {}
+        self.transient: dict[int, int] = {}
 
 
 class EdgePlan:
     """The timed tasks of one edge: dependencies (producer part, consumer part) on one device, the exchange
     and reduce tasks of each pass (backward: sending consumer parts, receiving producer parts), `recv`
-    (device -> bytes it receives and adds up) and `moved` (bytes crossing devices, both passes)."""
+    (device -> bytes it receives and adds up or keeps, `EdgeStep.mem_bytes`) and `moved` (bytes crossing
+    devices, both passes)."""
 
     __slots__ = ("step", "fwd_dep", "fwd_xfer", "fwd_reduce", "bwd_dep", "bwd_xfer", "bwd_reduce", "recv",
                  "moved")
@@ -168,7 +175,7 @@ class EdgePlan:
         self.bwd_dep: list[tuple[int, int]] = []
         self.bwd_xfer: Exchange | None = None
         self.bwd_reduce: list[Reduce] = []
-        self.recv: Mapping[int, int] = step.recv_bytes
+        self.recv: Mapping[int, int] = step.mem_bytes
         self.moved = step.moved_bytes
 
 
@@ -228,16 +235,28 @@ class Planner:
         if flow.everywhere[i]:
             return plan
         op = flow.ops[i]
-        for d, nbytes in zip(step.devices, step.activation_bytes, strict=True):
+        for d, nbytes, extra in zip(step.devices, step.activation_bytes, step.transient_bytes, strict=True):
             plan.mem[d] = plan.mem.get(d, 0) + nbytes
+            if extra:
+                plan.transient[d] = max(plan.transient.get(d, 0), extra)
         fpos, bpos = keys.fwd_pos(i), keys.bwd_pos(i)
         grads = flow.grad_inputs[i]
         for c, (b, d) in enumerate(zip(step.boxes, step.devices, strict=True)):
             fwd_ms, bwd_ms = self.cost_model.compute_ms(op, b, self.topology.devices[d], grads)
-            plan.fwd_ns.append(ms_to_ns(fwd_ms))
+            fwd_ns, bwd_ns = ms_to_ns(fwd_ms), ms_to_ns(bwd_ms)
+            if step.recompute:
+                bwd_ns += fwd_ns  # the forward again, right before the backward
+            group = step.shard_groups[c] if step.shard_groups else ()
+            if len(group) > 1:
+                # the runtime gathers synchronously before each pass and reduce-scatters after backward
+                gather = self.comm.collective(group, step.gather_bytes[c], ALLGATHER)[1]
+                fwd_ns += gather
+                bwd_ns += gather * (2 if step.recompute else 1)
+                bwd_ns += self.comm.collective(group, step.scatter_bytes[c], REDUCE_SCATTER)[1]
+            plan.fwd_ns.append(fwd_ns)
             plan.fwd_keys.append(keys.make(fpos, SUB_COMPUTE, 0, c, 0))
             if step.runs_bwd:
-                plan.bwd_ns.append(ms_to_ns(bwd_ms))
+                plan.bwd_ns.append(bwd_ns)
                 plan.bwd_keys.append(keys.make(bpos, SUB_COMPUTE, 0, c, 0))
         return plan
 

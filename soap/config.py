@@ -1,7 +1,20 @@
-"""`ParallelConfig`: how one op is split (a degree per iteration dim) and where its parts run.
+"""`ParallelConfig`: how one op is split (a degree per iteration dim) and where its parts run, whether it
+recomputes its activations and over how many replicas its parameters are sharded.
 
 Parts are numbered row-major over the op's iteration dims in registry order (the last dim varies
-fastest); part `i` runs on `devices[i]`. Must not import torch, the simulator, the search or the runtime.
+fastest); part `i` runs on `devices[i]`.
+
+- `recompute`: the op keeps nothing for backward; its forward runs again on each of its devices before
+  its backward (and before the recomputation of a consumer that reads it). What it reads from other
+  devices is kept, so recomputation moves nothing (`soap.lowering` states the rule). Not for sources
+  (they compute nothing) nor for ops with running statistics (a second forward would update them twice).
+- `shard` (S >= 1): each parameter region the op's parts hold on R devices (R identical replicas) is
+  sharded over groups of S of those devices (S divides R; S = R is FSDP / ZeRO-3, S < R hybrid sharding):
+  each device keeps 1/S of the region with its gradient and optimizer state, the group all-gathers the
+  region before the op's forward and again before its backward, and reduce-scatters its gradient. Only
+  for ops with parameters that no other op shares.
+
+Must not import torch, the simulator, the search or the runtime.
 """
 
 from __future__ import annotations
@@ -27,8 +40,14 @@ class ParallelConfig:
 
     degrees: Mapping[str, int]
     devices: tuple[int, ...]
+    recompute: bool = False
+    shard: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"recompute must be true or false, got {self.recompute!r}")
+        if isinstance(self.shard, bool) or not isinstance(self.shard, int) or self.shard < 1:
+            raise ValueError(f"shard must be an integer >= 1, got {self.shard!r}")
         degrees = {str(k): int(v) for k, v in dict(self.degrees).items()}
         bad = {k: v for k, v in degrees.items() if v < 1}
         if bad:
@@ -52,7 +71,7 @@ class ParallelConfig:
 
     def key(self) -> tuple:
         """A hashable identity (the mapping is not hashable)."""
-        return (tuple(sorted(self.degrees.items())), self.devices)
+        return (tuple(sorted(self.degrees.items())), self.devices, self.recompute, self.shard)
 
     def __hash__(self) -> int:
         return hash(self.key())
@@ -61,7 +80,21 @@ class ParallelConfig:
         return isinstance(other, ParallelConfig) and self.key() == other.key()
 
     def to_dict(self) -> dict:
-        return {"degrees": dict(self.degrees), "devices": list(self.devices)}
+        return {"degrees": dict(self.degrees), "devices": list(self.devices), "recompute": self.recompute,
+                "shard": self.shard}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping) -> ParallelConfig:
+        """The config of `to_dict`'s output (`recompute` and `shard` may be left out)."""
+        return cls(degrees=doc.get("degrees", {}), devices=tuple(doc["devices"]),
+                   recompute=doc.get("recompute", False), shard=doc.get("shard", 1))
+
+    def replace(self, **changes) -> ParallelConfig:
+        """This config with the given fields changed."""
+        fields = {"degrees": self.degrees, "devices": self.devices, "recompute": self.recompute,
+                  "shard": self.shard}
+        fields.update(changes)
+        return ParallelConfig(**fields)
 
     @classmethod
     def single(cls, device: int) -> ParallelConfig:
@@ -77,14 +110,49 @@ def validate(op: Operator, cfg: ParallelConfig, num_devices: int | None = None) 
         if dims[name].size % degree:
             raise ConfigError(f"op {op.name!r}: degree {degree} does not divide dim {name!r} "
                               f"of size {dims[name].size}")
-    reason = op_def(op.kind).check(op, cfg.degrees)
+    entry = op_def(op.kind)
+    reason = entry.check(op, cfg.degrees)
     if reason:
         raise ConfigError(f"op {op.name!r}: {reason}")
+    if cfg.recompute:
+        reason = recompute_refusal(op)
+        if reason:
+            raise ConfigError(f"op {op.name!r} cannot recompute: {reason}")
+    if cfg.shard > 1:
+        if not op.params:
+            raise ConfigError(f"op {op.name!r} ({op.kind}) has no parameters to shard (shard {cfg.shard})")
+        replicas = param_replicas(op, cfg)
+        if replicas % cfg.shard:
+            raise ConfigError(f"op {op.name!r}: shard {cfg.shard} does not divide the {replicas} replica(s) "
+                              f"of its parameters under degrees {dict(cfg.degrees) or '{}'}")
     if num_devices is not None:
         missing = [d for d in cfg.devices if not 0 <= d < num_devices]
         if missing:
             raise ConfigError(f"op {op.name!r}: device(s) {missing} not in the topology "
                               f"(it has devices 0..{num_devices - 1})")
+
+
+def recompute_refusal(op: Operator) -> str | None:
+    """Why `op` cannot recompute (None: it can)."""
+    entry = op_def(op.kind)
+    if entry.everywhere:
+        return f"it is a source ({op.kind}) and computes nothing"
+    if entry.buffer_regions(op, tuple((0, d.size) for d in dims_of(op))):
+        return "it updates running statistics, which a second forward would update twice"
+    return None
+
+
+def param_replicas(op: Operator, cfg: ParallelConfig) -> int:
+    """How many of the op's parts hold each parameter region (the same for every region: parts are a
+    grid), 1 for an op without parameters."""
+    if not op.params:
+        return 1
+    entry = op_def(op.kind)
+    counts: dict[tuple, int] = {}
+    for box, _ in parts(op, cfg):
+        key = tuple(sorted((name, tuple(map(tuple, r))) for name, r in entry.param_regions(op, box).items()))
+        counts[key] = counts.get(key, 0) + 1
+    return min(counts.values())
 
 
 def parts(op: Operator, cfg: ParallelConfig) -> list[tuple[Box, int]]:

@@ -177,7 +177,7 @@ class OperatorGraph:
     of an earlier op.
     """
 
-    __slots__ = ("name", "batch_size", "ops", "_index", "_consumers", "_fingerprint")
+    __slots__ = ("name", "batch_size", "ops", "_index", "_consumers", "_fingerprint", "_shared")
 
     def __init__(self, ops: list[Operator] | tuple[Operator, ...], *, name: str = "", batch_size: int = 0):
         self.name = name
@@ -205,6 +205,7 @@ class OperatorGraph:
         self.ops = tuple(ops)
         self._consumers = {k: tuple(v) for k, v in consumers.items()}
         self._fingerprint: str | None = None
+        self._shared: dict[str, tuple[str, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -230,6 +231,16 @@ class OperatorGraph:
 
     def tensor(self, ref: TensorRef) -> TensorSpec:
         return self[ref.op].outputs[ref.index]
+
+    def shared_params(self) -> dict[str, tuple[str, ...]]:
+        """Parameter fqn -> the names of the ops that use it, for parameters used by two or more ops."""
+        if self._shared is None:
+            users: dict[str, list[str]] = {}
+            for op in self.ops:
+                for fqn in dict.fromkeys(p.fqn for p in op.params.values()):
+                    users.setdefault(fqn, []).append(op.name)
+            self._shared = {fqn: tuple(names) for fqn, names in users.items() if len(names) > 1}
+        return self._shared
 
     @property
     def num_params(self) -> int:

@@ -45,9 +45,30 @@ The rules, each stated once:
   buckets, all-reduces and updates stay float32. Under mixed precision a device also keeps a
   compute-dtype copy of each shard it holds (what its ops compute with, saved for their backward).
 
-Memory of a device (an upper bound, no liveness analysis): the outputs of its parts and the batch regions
-they read (activations kept for backward), the input pieces it receives and its partial-sum buffers, and
-the parameters, gradients and optimizer state of its shards.
+- **Recomputation.** An op whose config recomputes keeps none of its outputs for backward: each device
+  drops its part's outputs once its consumers' forwards have read them, and runs the part's forward again
+  in backward, just before the backward of op `recompute_at(P)`: its own, or a recomputing consumer's
+  recomputation point if that comes earlier in backward (so a chain of recomputing ops is recomputed from
+  the last tensors kept, in forward order, at the same point on every device). What a part reads from other
+  devices (received pieces, partial sums) is kept as for any op, so a recomputation moves nothing and
+  issues no collective; a consumer that does not recompute keeps what it reads locally from a producer
+  that does (`EdgeStep.kept_bytes`). The simulator charges the forward again in the part's backward task.
+- **Sharded parameters.** Under `shard` S a parameter region that R parts of the op hold is held 1/S per
+  device (flattened, padded to a multiple of S) by groups of S of those devices (`OpStep.shard_groups`:
+  the sorted holders cut into consecutive runs of S). Each part all-gathers its op's regions in the
+  compute dtype before its forward and again before its backward (one all-gather per part and pass over
+  all its parameters; a recomputing part gathers once more for its recomputation), and reduce-scatters
+  their gradient in the parameters' dtype after its backward; when S < R the
+  chunks are then all-reduced among the devices holding the same chunk (a `SyncEntry` per chunk over
+  that group, bucketed as any other). Only ops whose parameters no other op uses shard.
+
+Memory of a device, over the step: what it keeps — the outputs of its parts and the batch regions they
+read (activations kept for backward; none for recomputing parts), the input pieces it receives and its
+partial-sum buffers, what it keeps of a recomputing producer's output, the parameters, gradients and
+optimizer state of its shards (1/S of a sharded region) — plus the largest transient of one part (what
+a recomputing part recomputes; the gathered parameters of a sharded part and their gradient). The kept
+sum is an upper bound (no liveness analysis); the transient is the peak of one op at a time, as the
+runtime frees a part's transients before the next op's.
 
 Regions are in global tensor coordinates, half-open; device `d` is rank `d` of the runtime. Pure Python
 with numpy: must not import torch, the simulator, the search or the runtime.
@@ -75,6 +96,8 @@ FIRST_BUCKET_BYTES = 2**20
 # The kinds of collective a step issues, as `StepPlan.collectives` and the runtime report them.
 ALL_TO_ALL = "all_to_all"
 ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
 
 
 class Edge:
@@ -245,18 +268,37 @@ def run_graph(graph: OperatorGraph, setup: TrainSetup) -> OperatorGraph:
     return OperatorGraph(ops, name=graph.name, batch_size=graph.batch_size)
 
 
+def recompute_points(flow: GradFlow, recompute: Sequence[bool]) -> list[int | None]:
+    """Per op position P, the op position before whose backward P is recomputed (the module docstring's
+    rule; None: P does not recompute, or nothing needs its recomputation), given each op's flag."""
+    at: list[int | None] = [None] * flow.num_ops
+    for i in range(flow.num_ops - 1, -1, -1):
+        if not recompute[i]:
+            continue
+        points = [i] if flow.needs_bwd[i] else []
+        points += [at[flow.edges[e].dst] for e in flow.out_edges[i] if at[flow.edges[e].dst] is not None]
+        at[i] = max(points) if points else None
+    return at
+
+
 class OpStep:
     """One op under one config: its parts and what each reads and holds.
 
     `devices[c]` and `boxes[c]` per part c; `out_regions[o]` and `in_regions[s]` are (parts, axes, 2)
     arrays of output o's and input slot s's regions (an input a part does not read is an empty region;
     `reads[s][c]` is its region or None); `reduced`: the parts hold partial sums; `runs_bwd`: the parts
-    run a backward; `activation_bytes[c]`: what part c keeps for backward (its outputs and the batch
-    regions it reads).
+    run a backward; `activation_bytes[c]`: what part c keeps for backward (its outputs, unless it
+    recomputes, and the batch regions it reads); `recompute` and `shard`: the config's; under `shard` > 1
+    `shard_groups[c]` and `cross_groups[c]` are part c's shard group and the devices holding the same
+    chunk as its device (module docstring), else None; `gather_bytes[c]` and `scatter_bytes[c]`: the
+    buffer bytes of part c's all-gather (each pass) and reduce-scatter (0 when none);
+    `transient_bytes[c]`: what part c holds only while it runs (recomputed outputs, gathered parameters
+    and their gradient).
     """
 
     __slots__ = ("op", "devices", "boxes", "out_regions", "in_regions", "reads", "reduced", "runs_bwd",
-                 "activation_bytes", "_in_overlap", "_out_overlap")
+                 "activation_bytes", "recompute", "shard", "shard_groups", "cross_groups", "gather_bytes",
+                 "scatter_bytes", "transient_bytes", "_in_overlap", "_out_overlap")
 
     def __init__(self) -> None:
         self._in_overlap: dict[int, np.ndarray] = {}
@@ -316,11 +358,18 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig) -> OpStep:
     assert all(flags) == any(flags), f"{op.name}: some parts hold partial sums and some do not"
     step.reduced = flags[0] if flags else False
     step.runs_bwd = flow.needs_bwd[i]
+    step.recompute = cfg.recompute
+    step.shard = cfg.shard
     act = [0] * n
+    transient = [0] * n
     if not flow.everywhere[i]:
         for c, b in enumerate(boxes):
-            act[c] = sum(region_numel(entry.output_region(op, b, o)) * DTYPE_BYTES[spec.dtype]
-                         for o, spec in enumerate(op.outputs))
+            out_bytes = sum(region_numel(entry.output_region(op, b, o)) * DTYPE_BYTES[spec.dtype]
+                            for o, spec in enumerate(op.outputs))
+            if cfg.recompute:
+                transient[c] = out_bytes
+            else:
+                act[c] = out_bytes
         for s, ref in enumerate(op.inputs):
             # The batch moves nothing, but each device's loader holds what it reads.
             src = flow.ops[flow.index[ref.op]]
@@ -329,7 +378,50 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig) -> OpStep:
                 for c, r in enumerate(rows[s]):
                     act[c] += region_numel(r) * itemsize
     step.activation_bytes = tuple(act)
+    _lower_shards(flow, op, step, cfg.shard)
+    step.transient_bytes = tuple(t + g + r for t, g, r in zip(transient, step.gather_bytes, step.scatter_bytes,
+                                                             strict=True))
     return step
+
+
+def chunk_numel(numel: int, shard: int) -> int:
+    """Elements of one device's chunk of a region of `numel` elements sharded over `shard` devices."""
+    return -(-numel // shard)
+
+
+def param_keys(op, box) -> tuple[tuple[str, Region], ...]:
+    """(fqn, region) of every parameter a part of `op` with `box` holds, in the op's parameter order."""
+    return tuple((op.params[name].fqn, tuple((int(lo), int(hi)) for lo, hi in region))
+                 for name, region in op_def(op.kind).param_regions(op, box).items())
+
+
+def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int) -> None:
+    """The shard groups, cross groups and collective bytes of `step` (module docstring)."""
+    n = step.num_parts
+    step.shard_groups = step.cross_groups = None
+    step.gather_bytes = step.scatter_bytes = (0,) * n
+    if shard == 1 or not op.params:
+        return
+    keys = [param_keys(op, b) for b in step.boxes]
+    holders: dict[tuple, list[int]] = {}
+    for k, d in zip(keys, step.devices, strict=True):
+        holders.setdefault(k, []).append(d)
+    shard_groups, cross_groups, gather, scatter = [], [], [], []
+    compute = DTYPE_BYTES[flow.setup.compute_dtype]
+    for k, d in zip(keys, step.devices, strict=True):
+        group = sorted(holders[k])
+        j = group.index(d)
+        start = j - j % shard
+        shard_groups.append(tuple(group[start:start + shard]))
+        cross_groups.append(tuple(group[j % shard::shard]))
+        padded = [shard * chunk_numel(region_numel(region), shard) for _, region in k]
+        specs = {p.fqn: p for p in op.params.values()}
+        gather.append(sum(m * (compute if specs[f].dtype in FLOAT_DTYPES else DTYPE_BYTES[specs[f].dtype])
+                          for m, (f, _) in zip(padded, k, strict=True)))
+        scatter.append(sum(m * DTYPE_BYTES[specs[f].dtype] for m, (f, _) in zip(padded, k, strict=True))
+                       if step.runs_bwd else 0)
+    step.shard_groups, step.cross_groups = tuple(shard_groups), tuple(cross_groups)
+    step.gather_bytes, step.scatter_bytes = tuple(gather), tuple(scatter)
 
 
 class EdgeStep:
@@ -341,11 +433,13 @@ class EdgeStep:
     (empty: nothing moves). `sums` lists (consumer part, contributions, bytes of its input region) where a
     consumer adds two or more partial sums; `grad_sums` (producer part, contributions, bytes of its output
     region) where a producer part adds overlapping gradients. `recv_bytes` maps a device to the bytes it
-    receives and adds up (memory); `moved_bytes` counts bytes crossing devices, both passes.
+    receives and adds up; `kept_bytes` maps a device to the bytes a consumer part that does not recompute
+    keeps of a recomputing producer's output it reads locally; `mem_bytes` is their sum per device (the
+    edge's memory); `moved_bytes` counts bytes crossing devices, both passes.
     """
 
-    __slots__ = ("edge", "pieces", "moving", "ranks", "sums", "grad_sums", "recv_bytes", "moved_bytes",
-                 "reduced", "grad")
+    __slots__ = ("edge", "pieces", "moving", "ranks", "sums", "grad_sums", "recv_bytes", "kept_bytes",
+                 "mem_bytes", "moved_bytes", "reduced", "grad")
 
 
 def _piece_pairs(prod: OpStep, cons: OpStep, out: np.ndarray, inp: np.ndarray, same: bool
@@ -440,6 +534,17 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep) -> EdgeStep
                     grad_sums.append((p, len(cs_p), out_bytes[p]))
     step.grad_sums = tuple(grad_sums)
     step.recv_bytes = recv
+    kept: dict[int, int] = {}
+    if prod.recompute and not cons.recompute and cons.runs_bwd:
+        moving_set = set(step.moving)
+        for k, (_, c, nbytes, _) in enumerate(step.pieces):
+            if k not in moving_set:
+                kept[cdev[c]] = kept.get(cdev[c], 0) + nbytes
+    step.kept_bytes = kept
+    mem = dict(recv)
+    for d, nbytes in kept.items():
+        mem[d] = mem.get(d, 0) + nbytes
+    step.mem_bytes = mem
     step.moved_bytes = moved
     return step
 
@@ -491,6 +596,10 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
                 holders.setdefault(key, []).append((i, c))
                 devices.setdefault(key, set()).add(d)
     out.shards = {k: tuple(sorted(v)) for k, v in sorted(devices.items())}
+    members = flow.units[unit]
+    shard = steps[members[0]].shard if len(members) == 1 else 1
+    assert shard == 1 or steps[members[0]].shard_groups is not None
+    assert all(steps[i].shard == 1 for i in members) or len(members) == 1, "shared parameters do not shard"
     copies = flow.setup.optimizer_state_copies
     compute_itemsize = DTYPE_BYTES[flow.setup.compute_dtype]
     update: dict[int, int] = {}
@@ -503,16 +612,26 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
         itemsize = DTYPE_BYTES[spec.dtype]
         copy = compute_itemsize if spec.dtype != flow.setup.compute_dtype and spec.dtype in FLOAT_DTYPES else 0
         for key in keys:
-            nbytes = region_numel(key[1]) * itemsize
+            numel = chunk_numel(region_numel(key[1]), shard)
+            nbytes = numel * itemsize
             for d in out.shards[key]:
-                memory[d] = (memory.get(d, 0) + nbytes * (1 + (0 if bucket is None else 1 + copies))
-                             + region_numel(key[1]) * copy)
+                memory[d] = memory.get(d, 0) + nbytes * (1 + (0 if bucket is None else 1 + copies)) + numel * copy
                 if bucket is not None:
                     update[d] = update.get(d, 0) + nbytes
         if bucket is None:
             continue
         regions = [k[1] for k in keys]
-        if _pairwise_equal_or_disjoint(regions):
+        if shard > 1:
+            # each chunk is all-reduced among the devices holding the same chunk (hybrid sharding)
+            step = steps[members[0]]
+            for key in keys:
+                numel = chunk_numel(region_numel(key[1]), shard)
+                cross = {g for c, d in enumerate(step.devices) if (members[0], c) in holders[key]
+                         for g in [step.cross_groups[c]] if len(g) > 1}
+                for group in sorted(cross):
+                    mine = tuple(sorted(h for h in holders[key] if step.devices[h[1]] in group))
+                    sync.append(SyncEntry(fqn, key[1], group, bucket, numel, numel * itemsize, mine))
+        elif _pairwise_equal_or_disjoint(regions):
             for key in keys:
                 group = out.shards[key]
                 if len(group) > 1:
@@ -581,13 +700,16 @@ class StepPlan:
         creates one group each."""
         groups = {step.ranks for step in self.edges if step.ranks}
         groups |= {a.group for a in self.all_reduces if len(a.group) > 1}
+        groups |= {g for step in self.ops if step.shard_groups for g in step.shard_groups if len(g) > 1}
         return sorted(groups)
 
     def collectives(self) -> list[dict[str, dict[str, int]]]:
         """Per device, per kind, the count and bytes of the collectives one step issues.
 
         ``all_to_all``: one per exchange a device takes part in, bytes it sends to other devices;
-        ``all_reduce``: one per all-reduce over two or more devices, bytes of the buffer reduced."""
+        ``all_reduce``: one per all-reduce over two or more devices, bytes of the buffer reduced;
+        ``all_gather`` and ``reduce_scatter`` (sharded parts): one per part and pass, bytes of the whole
+        (gathered or reduced) buffer."""
         out: list[dict[str, dict[str, int]]] = [{} for _ in range(self.num_devices)]
 
         def add(device: int, kind: str, nbytes: int) -> None:
@@ -613,21 +735,36 @@ class StepPlan:
             if len(a.group) > 1:
                 for d in a.group:
                     add(d, ALL_REDUCE, a.nbytes)
+        for step in self.ops:
+            if not step.shard_groups:
+                continue
+            for c, d in enumerate(step.devices):
+                if len(step.shard_groups[c]) < 2:
+                    continue
+                add(d, ALL_GATHER, step.gather_bytes[c])
+                if step.runs_bwd:
+                    if step.recompute:
+                        add(d, ALL_GATHER, step.gather_bytes[c])
+                    add(d, ALL_GATHER, step.gather_bytes[c])
+                    add(d, REDUCE_SCATTER, step.scatter_bytes[c])
         return out
 
     def memory_bytes(self) -> list[int]:
-        """Per device, the step's memory (module docstring: an upper bound)."""
+        """Per device, the step's memory (module docstring: what it keeps, an upper bound, plus its largest
+        transient)."""
         mem = [0] * self.num_devices
+        peak = [0] * self.num_devices
         for step in self.ops:
-            for d, nbytes in zip(step.devices, step.activation_bytes, strict=True):
+            for d, nbytes, extra in zip(step.devices, step.activation_bytes, step.transient_bytes, strict=True):
                 mem[d] += nbytes
+                peak[d] = max(peak[d], extra)
         for step in self.edges:
-            for d, nbytes in step.recv_bytes.items():
+            for d, nbytes in step.mem_bytes.items():
                 mem[d] += nbytes
         for step in self.params:
             for d, nbytes in step.memory_bytes.items():
                 mem[d] += nbytes
-        return mem
+        return [m + p for m, p in zip(mem, peak, strict=True)]
 
 
 def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devices: int, *,
@@ -647,6 +784,6 @@ def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devic
     return StepPlan(flow, strategy, num_devices, ops, edges, params)
 
 
-__all__ = ["ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow", "OpStep",
-           "ParamStep", "StepPlan", "SyncEntry", "all_reduces", "lower", "lower_edge", "lower_op",
-           "lower_params", "run_graph"]
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow",
+           "OpStep", "ParamStep", "REDUCE_SCATTER", "StepPlan", "SyncEntry", "all_reduces", "chunk_numel", "lower",
+           "lower_edge", "lower_op", "lower_params", "param_keys", "recompute_points", "run_graph"]

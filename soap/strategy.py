@@ -6,14 +6,16 @@ File layout (JSON, human-editable)::
      "topology": "cpu-2", "num_devices": 2, "predicted_iteration_time_ms": 1.23,
      "setup": {"optimizer": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "precision": "fp32",
                "bucket_mb": 25.0},
-     "ops": {"fc1": {"degrees": {"out_features": 2}, "devices": [0, 1]}, ...}}
+     "ops": {"fc1": {"degrees": {"out_features": 2}, "devices": [0, 1], "recompute": false, "shard": 1},
+             ...}}
 
 `setup` is the training setup (`soap.setup.TrainSetup`) the strategy was found for: the step it was
 timed on depends on it (optimizer state in memory, gradient buckets). Version 1 files (no `setup`) are
 still read. An op missing from the file defaults to data parallel (with a warning); a fingerprint
 mismatch warns and the file still applies by op name; a recorded setup that differs from the one the file
 is used with warns (naming the fields) and the file still applies; a config that does not fit the graph
-raises `StrategyError` naming the op and the reason. Must not import torch, the simulator, the search or
+raises `StrategyError` naming the op and the reason. `recompute` and `shard` may be left out (false and 1;
+`soap.config` states what they mean). Must not import torch, the simulator, the search or
 the runtime.
 """
 
@@ -91,6 +93,20 @@ def validate_strategy(graph: OperatorGraph, strategy: Strategy, num_devices: int
     extra = [name for name in strategy if name not in graph]
     if extra:
         raise StrategyError(f"strategy names op(s) the graph lacks: {', '.join(extra[:5])}")
+    check_shared_shards(graph, strategy)
+
+
+def check_shared_shards(graph: OperatorGraph, strategy: Strategy | Mapping[str, ParallelConfig]) -> None:
+    """Raise `StrategyError` when an op with `shard` > 1 shares a parameter with another op."""
+    shared = graph.shared_params()
+    for op in graph:
+        cfg = strategy[op.name] if op.name in strategy else None
+        if cfg is not None and cfg.shard > 1:
+            for spec in op.params.values():
+                others = [name for name in shared.get(spec.fqn, ()) if name != op.name]
+                if others:
+                    raise StrategyError(f"op {op.name!r} shares parameter {spec.fqn!r} with op {others[0]!r}; "
+                                        f"shared parameters are not sharded (use shard 1)")
 
 
 def strategy_to_dict(strategy: Strategy, graph: OperatorGraph, *, topology: str, num_devices: int,
@@ -181,7 +197,7 @@ def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices
             raise StrategyError(f"{source}: op {name!r} has devices {entry['devices']!r}; expected a list of "
                                 "device ids (integers)")
         try:
-            cfg = ParallelConfig(degrees=degrees, devices=tuple(entry["devices"]))
+            cfg = ParallelConfig.from_dict(entry)
         except (ValueError, TypeError) as exc:
             raise StrategyError(f"{source}: op {name!r}: {exc}") from None
         try:
@@ -197,6 +213,10 @@ def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices
                       f"{', ...' if len(missing) > 3 else ''}); they run data parallel", stacklevel=2)
         for name in missing:
             configs[name] = default[name]
+    try:
+        check_shared_shards(graph, configs)
+    except StrategyError as exc:
+        raise StrategyError(f"{source}: {exc}") from None
     return Strategy({op.name: configs[op.name] for op in graph})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from search.baselines import BASELINES, BaselineNotApplicable, dp
+from search.baselines import BASELINES, BaselineNotApplicable, BaselineSpecError, dp, parse_baseline
 from soap.capture import capture
 from soap.graph import OperatorGraph
 from soap.setup import TrainSetup
@@ -38,19 +38,24 @@ def capture_model(ref: str, *, batch_size: int | None = None) -> tuple[ModelSpec
 
 def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology,
                      setup: TrainSetup) -> Strategy:
-    """A baseline name (dp, mp, tp, expert) or a strategy file, validated against graph and topology.
+    """A baseline name (dp, mp, tp, expert, fsdp, hybrid:tp=T[,shard=S][,recompute=none|full]) or a strategy
+    file, validated against graph and topology.
 
     Ops a file leaves out run data parallel (with a warning); where data parallelism is not defined
     for the graph, they run whole on device 0. A file found for another training setup than `setup`
     warns, naming the fields that differ.
     """
-    if ref in BASELINES:
-        strategy = BASELINES[ref](graph, topology)
+    try:
+        make = parse_baseline(ref)
+    except BaselineSpecError as exc:
+        raise StrategyError(str(exc)) from None
+    if make is not None:
+        strategy = make(graph, topology)
         validate_strategy(graph, strategy, topology.num_devices)
         return strategy
     if not Path(ref).exists():
-        raise StrategyError(f"strategy {ref!r} is neither a baseline ({', '.join(BASELINES)}) "
-                            f"nor an existing file")
+        raise StrategyError(f"strategy {ref!r} is neither a baseline ({', '.join(BASELINES)}, "
+                            f"hybrid:tp=T[,shard=S][,recompute=none|full]) nor an existing file")
     try:
         default = dp(graph, topology)
     except BaselineNotApplicable:

@@ -28,7 +28,7 @@ from runtime.train import (
     train_rank,
 )
 from soap.capture import capture
-from soap.config import ParallelConfig, validate
+from soap.config import ParallelConfig, param_replicas, recompute_refusal, validate
 from soap.graph import Operator, OperatorGraph
 from soap.registry import dims_of, op_def
 from soap.setup import TrainSetup
@@ -246,14 +246,21 @@ def _degree_choices(op: Operator, num_devices: int) -> list[dict[str, int]]:
 
 def random_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random) -> Strategy:
     """Every op gets a uniformly drawn valid config: any allowed degrees, on a random device subset in a
-    random order (so layouts change between ops, across device sets, and with partial sums)."""
+    random order (so layouts change between ops, across device sets, and with partial sums), recomputing
+    or not where it may, its parameters sharded over a random divisor of their replicas where it may."""
     out = {}
+    shared = graph.shared_params()
     for op in graph:
         degrees = rng.choice(_degree_choices(op, num_devices))
         count = 1
         for g in degrees.values():
             count *= g
         cfg = ParallelConfig(degrees=degrees, devices=tuple(rng.sample(range(num_devices), count)))
+        if recompute_refusal(op) is None:
+            cfg = cfg.replace(recompute=rng.random() < 0.5)
+        if op.params and not any(p.fqn in shared for p in op.params.values()):
+            replicas = param_replicas(op, cfg)
+            cfg = cfg.replace(shard=rng.choice([d for d in range(1, replicas + 1) if replicas % d == 0]))
         validate(op, cfg, num_devices)
         out[op.name] = cfg
     return Strategy(out)
@@ -370,13 +377,14 @@ def graph_of(model: str) -> OperatorGraph:
 
 
 def baseline_case(model: str, name: str, num_devices: int, **kwargs: Any) -> dict[str, Any] | None:
-    """A case for baseline `name` (dp, mp, tp, expert), or None where it does not apply to the model."""
-    from search.baselines import BASELINES, BaselineNotApplicable
+    """A case for baseline `name` (dp, mp, tp, expert, fsdp, hybrid:...), or None where it does not apply to
+    the model."""
+    from search.baselines import BaselineNotApplicable, parse_baseline
     from soap.topology import load_topology
 
     graph = graph_of(model)
     try:
-        strategy = BASELINES[name](graph, load_topology(f"cpu-{num_devices}"))
+        strategy = parse_baseline(name)(graph, load_topology(f"cpu-{num_devices}"))
     except BaselineNotApplicable:
         return None
     return train_case(f"{model}/{name}", model, strategy, graph, **kwargs)
@@ -389,8 +397,7 @@ def planned_collectives(case: dict[str, Any], num_devices: int) -> list[dict[str
     from soap.topology import load_topology
 
     graph = OperatorGraph.from_dict(case["graph"])
-    strategy = Strategy({name: ParallelConfig(degrees=c["degrees"], devices=tuple(c["devices"]))
-                         for name, c in case["strategy"].items()})
+    strategy = Strategy({name: ParallelConfig.from_dict(c) for name, c in case["strategy"].items()})
     sim = Simulator(graph, load_topology(f"cpu-{num_devices}"), setup=case["options"].setup)
     sim.full(strategy)
     return sim.collectives()

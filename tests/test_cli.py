@@ -252,7 +252,7 @@ def test_optimize_json_keys_and_strategy_file(capsys, tmp_path):
                    "--proposals", "200", "-o", str(out), "--lr", "0.05")
     assert {"best", "baselines", "speedup_vs_dp", "num_proposals", "proposals_per_s", "elapsed_s",
             "history"} <= set(doc)
-    assert doc["best"]["strategy_file"] == str(out) and set(doc["baselines"]) == {"dp", "mp", "tp", "expert"}
+    assert doc["best"]["strategy_file"] == str(out) and set(doc["baselines"]) == {"dp", "mp", "tp", "expert", "fsdp"}
     assert doc["best"]["iteration_time_ms"] <= min(ms for ms in doc["baselines"].values() if ms is not None)
     assert json.loads(out.read_text())["setup"] == doc["setup"] == TrainSetup(lr=0.05).to_dict()
     # The written file is a strategy that simulates to the reported time.
@@ -263,7 +263,7 @@ def test_optimize_json_keys_and_strategy_file(capsys, tmp_path):
 def test_compare_json_rows(capsys):
     doc = run_json(capsys, "compare", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "tp")
     rows = {r["strategy"]: r for r in doc["rows"]}
-    assert [r["strategy"] for r in doc["rows"]] == ["dp", "mp", "tp", "expert"]  # baselines always, once
+    assert [r["strategy"] for r in doc["rows"]] == ["dp", "mp", "tp", "expert", "fsdp"]  # baselines always, once
     for r in rows.values():
         assert {"strategy", "simulated_ms", "measured_ms", "error", "speedup_vs_dp"} <= set(r)
         assert r["simulated_ms"] > 0 and r["measured_ms"] is None

@@ -59,7 +59,7 @@ def test_optimize_report_keys_table_and_strategy_file(tmp_path):
     out = _optimize(tmp_path, progress=seen.append)
     assert OPTIMIZE_KEYS <= set(out)
     assert set(out["best"]) >= {"iteration_time_ms", "strategy_file"}
-    assert set(out["baselines"]) == {"dp", "mp", "tp", "expert"}
+    assert set(out["baselines"]) == {"dp", "mp", "tp", "expert", "fsdp"}
     best = out["best"]["iteration_time_ms"]
     assert best <= min(ms for ms in out["baselines"].values() if ms is not None)
     assert out["speedup_vs_dp"] == pytest.approx(out["baselines"]["dp"] / best)
@@ -67,7 +67,7 @@ def test_optimize_report_keys_table_and_strategy_file(tmp_path):
     assert out["history"][0][0] == 0 and out["history"][-1][2] == best
     # the table: the best first, then every baseline, with time, speed-up over dp and peak memory
     table = out["table"]
-    assert [r["strategy"] for r in table] == ["best", "dp", "mp", "tp", "expert"]
+    assert [r["strategy"] for r in table] == ["best", "dp", "mp", "tp", "expert", "fsdp"]
     assert all(r["peak_memory_bytes"] > 0 for r in table)
     assert next(r for r in table if r["strategy"] == "dp")["speedup_vs_dp"] == pytest.approx(1.0)
     # the strategy file holds the best strategy, which simulates to the reported time
@@ -167,7 +167,7 @@ def test_compare_simulated_rows_and_text(tmp_path):
     found = _optimize(tmp_path)["best"]["strategy_file"]
     out = compare("mlp", "cpu-2", strategies=["dp", "tp", found], batch=8)
     rows = {r["strategy"]: r for r in out["rows"]}
-    assert list(rows) == ["dp", "mp", "tp", "expert", found]
+    assert list(rows) == ["dp", "mp", "tp", "expert", "fsdp", found]
     for r in rows.values():
         assert {"strategy", "simulated_ms", "measured_ms", "error", "speedup_vs_dp"} <= set(r)
         assert r["simulated_ms"] > 0 and r["measured_ms"] is None and r["error"] is None
@@ -175,7 +175,7 @@ def test_compare_simulated_rows_and_text(tmp_path):
     assert rows[found]["speedup_vs_dp"] == pytest.approx(rows["dp"]["simulated_ms"] / rows[found]["simulated_ms"])
     text = compare_text(out)
     assert "simulated" in text and "best.json" in text
-    assert [r["strategy"] for r in compare("mlp", "cpu-2", batch=8)["rows"]] == ["dp", "mp", "tp", "expert"]
+    assert [r["strategy"] for r in compare("mlp", "cpu-2", batch=8)["rows"]] == ["dp", "mp", "tp", "expert", "fsdp"]
 
 
 def test_compare_measure_needs_this_machine():

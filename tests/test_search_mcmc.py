@@ -262,7 +262,7 @@ def test_time_budget_stops_when_the_best_stalls_for_half_the_budget():
     result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=SlowFlatEvaluators(), budget_s=2.0)
     assert all(c.stop == "stalled" for c in result.chains)
     assert 0.9 <= result.elapsed_s < 1.8, result.elapsed_s
-    assert result.num_proposals > 0 and result.best_source in ("dp", "mp", "tp", "expert")
+    assert result.num_proposals > 0 and result.best_source in ("dp", "mp", "tp", "expert", "fsdp")
 
 
 class CountingEvaluators:
@@ -286,9 +286,9 @@ def test_chains_from_baselines_reuse_the_baselines_simulations():
     evaluators = CountingEvaluators()
     result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=evaluators, max_proposals=100,
                     random_chains=2)
-    # four baselines, then only the two random starts: dp's and expert's chains take over their evaluators
+    # five baselines, then only the two random starts: the baselines' chains take over their evaluators
     assert {"dp", "expert", "random0", "random1"} <= {c.name for c in result.chains}
-    assert evaluators.starts == 4 + 2
+    assert evaluators.starts == 5 + 2
 
 
 class SlowStartEvaluators:
@@ -311,4 +311,4 @@ def test_chains_are_not_started_past_the_time_budget():
     result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=SlowStartEvaluators(), budget_s=0.5)
     stops = {c.name: c.stop for c in result.chains}
     assert stops["random0"] == "not started: time"
-    assert result.elapsed_s < 1.3 and result.best_source in ("dp", "mp", "tp", "expert")
+    assert result.elapsed_s < 1.3 and result.best_source in ("dp", "mp", "tp", "expert", "fsdp")

@@ -61,7 +61,7 @@ def test_compare_csv_rows_are_the_json_rows(capsys, tmp_path):
     assert_same_rows(read_csv_rows(path), doc["rows"])
     code, out, err = run_cli(capsys, "compare", "mlp", "--batch", "8", "-t", "cpu-2", "--csv", str(path))
     assert code == 0 and f"rows written to {path}" in out, err
-    assert [r["strategy"] for r in read_csv_rows(path)] == ["dp", "mp", "tp", "expert"]
+    assert [r["strategy"] for r in read_csv_rows(path)] == ["dp", "mp", "tp", "expert", "fsdp"]
 
 
 def test_validate_csv_rows_are_the_json_rows(capsys, tmp_path, monkeypatch):
