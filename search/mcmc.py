@@ -7,7 +7,8 @@ worker's chains (`_run_chains`). The worker processes themselves are `search.wor
 The method:
 
 - target p(S) ∝ exp(-β·cost(S)), cost = simulated iteration time (ms), infinite when a device runs out of
-  memory; proposal = a uniformly drawn op given a uniformly drawn valid config (`search.space`), which is
+  memory; proposal = a uniformly drawn op given a uniformly drawn valid config, or half the time for an
+  op with recompute or shard choices, its current layout with those redrawn (`search.space`), which is
   symmetric, so a proposal S' is accepted with min(1, exp(β·(cost(S) - cost(S')))). A proposal that does
   not fit in memory is always rejected. A chain whose current strategy does not fit (a random start)
   walks downhill on the memory excess until it fits, then follows the rule above.
@@ -17,12 +18,14 @@ The method:
   chain uses the same β, so chains from different starts sample the same distribution.
 - every baseline (dp, mp, tp, expert; dp skipped where it is not defined) is simulated first and the
   best of them seeds the running best, so the result is never worse than the best baseline. Chains start
-  from dp, expert, the best baseline when it is neither, and `random_chains` random strategies.
+  from dp, expert, the best baseline when it is neither (when none fits, the one with the least memory
+  excess), and `random_chains` random strategies.
 - budgets: a time budget (`budget_s`, wall clock for the whole search, baselines included) and/or a
   proposal budget (`max_proposals`, split evenly over the chains). The search also stops early when its
   best has not improved for half the budget: under a time budget, when the best (baselines and chains;
   with `jobs` > 1, the best each worker knows) has not improved for half the time budget; under a
-  proposal budget, each chain when its own best has not improved for half its proposals (per chain, so
+  proposal budget, each chain when its own best has not improved (nor, while nothing it saw fits, its
+  memory excess shrunk) for half its proposals (per chain, so
   that the result does not depend on how chains are grouped into workers). A chain whose start would
   need a full simulation after the time budget is spent (large graphs on many devices) is not started.
 - `jobs` > 1 runs the chains in that many worker processes (each chain whole in one worker; a worker
@@ -132,11 +135,12 @@ class _Chain:
         self.improved_at = 0  # proposal count when the best last improved
         self.improved_s = 0.0
         self.min_peak = (self.cost.peak_memory_bytes, name)
+        self.min_excess = self.cost.memory_excess_bytes
         self.stop = ""
 
     def step(self) -> bool:
         """Make one proposal; True when it improved the chain's best."""
-        op, cfg = self.space.propose(self.rng)
+        op, cfg = self.space.propose(self.rng, self.current)
         self.num_proposals += 1
         if cfg == self.current[op]:
             return False  # the null move: accepted, nothing to simulate
@@ -153,6 +157,9 @@ class _Chain:
             self.best, self.best_cost = self.current, cost
             self.improved_at = self.num_proposals
             return True
+        if not self.best_cost.feasible and cost.memory_excess_bytes < self.min_excess:
+            self.improved_at = self.num_proposals  # closer to fitting counts as progress for the early stop
+        self.min_excess = min(self.min_excess, cost.memory_excess_bytes)
         return False
 
     def _accept(self, new: Cost) -> bool:
@@ -303,7 +310,14 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     beta = _beta_per_ms(beta_scale, feasible[best_baseline].time_ms) if best_baseline else 0.0
 
     starts = [n for n in ("dp", "expert") if n in strategies]
-    if best_baseline is not None and best_baseline not in starts:
+    if best_baseline is None and costs:
+        # nothing fits: also start from the baseline closest to fitting
+        best_baseline = min((n for n, c in costs.items() if c is not None),
+                            key=lambda n: costs[n].memory_excess_bytes, default=None)
+        closest, best_baseline = best_baseline, None
+        if closest is not None and closest not in starts:
+            starts.append(closest)
+    elif best_baseline is not None and best_baseline not in starts:
         starts.append(best_baseline)
     unique: list[str] = []
     for name in starts:

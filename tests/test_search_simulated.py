@@ -41,3 +41,32 @@ def test_worker_processes_agree_with_one_process():
 def test_search_beats_data_parallel_on_the_mlp_with_the_simulator():
     result = _search("mlp", "cpu-2", evaluators=SimulatorEvaluators(), max_proposals=400)
     assert result.best_cost.time_ms < result.baseline_ms()["dp"]
+
+
+def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompute_and_shard(tmp_path):
+    """Memory between what dp, mp, tp and expert need and what fsdp with full recomputation needs: those
+    baselines are infeasible, and the search still reports a feasible strategy (recomputing or sharding),
+    never an infeasible one."""
+    import json
+
+    import runtime_cases as rc
+
+    from search.baselines import BASELINES, fsdp, recompute_full
+    from soap.topology import read_topology
+
+    graph = rc.graph_of("transformer")
+    big = load_topology("p100-2x2")
+    peaks = {name: max(simulate(graph, make(graph, big), big).peak_memory_bytes) for name, make in BASELINES.items()
+             if name != "fsdp"}
+    lean = max(simulate(graph, recompute_full(graph, fsdp(graph, big)), big).peak_memory_bytes)
+    cap = (lean + min(peaks.values())) / 2
+    assert lean < cap < min(peaks.values())
+    doc = {"format": "soapflow.topology/1", "name": "small",
+           "devices": [{"id": i, "kind": "p100", "node": 0, "memory_gb": cap / 1e9} for i in range(4)],
+           "links": [{"src": f"gpu{i}", "dst": f"gpu{j}", "kind": "nvlink", "spec": "nvlink1"}
+                     for i in range(4) for j in range(i + 1, 4)]}
+    (tmp_path / "small.json").write_text(json.dumps(doc))
+    topo = read_topology(tmp_path / "small.json")
+    result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=2)
+    assert result.best_cost.feasible and result.best_cost.peak_memory_bytes <= cap
+    assert any(cfg.recompute or cfg.shard > 1 for cfg in result.best.configs.values())
