@@ -126,14 +126,7 @@ def recompute_shard_cases(per_model: int, nproc: int, seed: int, *, precision: s
     sharding its parameters over a random divisor of their replicas (`rc.random_strategy` and the search's
     own space, alternately), checked to include both choices."""
     options = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, precision=precision), verify=True)
-    rng = random.Random(seed)
-    cases = []
-    for model in LARGE_MODEL_MODELS:
-        graph = rc.graph_of(model)
-        for i in range(per_model):
-            draw = rc.space_strategy if i % 2 == 0 else rc.random_strategy
-            cases.append(rc.train_case(f"{model}/rs{i}/{precision}", model, draw(graph, nproc, rng), graph,
-                                       options=options))
+    cases = drawn_cases(LARGE_MODEL_MODELS, per_model, nproc, seed, f"rs/{precision}", options)
     configs = [c for case in cases for c in case["strategy"].values()]
     assert sum(c["recompute"] for c in configs) >= len(cases)
     assert sum(c["shard"] > 1 for c in configs) >= len(cases) // 2
@@ -169,15 +162,21 @@ COLLECTIVE_MODELS = ("mlp", "cnn", "transformer", "rnnlm", "llama")
 def collective_cases(per_model: int, nproc: int, seed: int) -> list[dict]:
     """`per_model` random strategies of each model, one step each without verification: the runtime's
     issued collectives are checked against the plan, not its numbers (the other tests do that)."""
-    one_step = TrainOptions(steps=1, setup=TrainSetup(lr=0.05))
+    return drawn_cases(COLLECTIVE_MODELS, per_model, nproc, seed, "collectives",
+                       TrainOptions(steps=1, setup=TrainSetup(lr=0.05)))
+
+
+def drawn_cases(models: tuple[str, ...], per_model: int, nproc: int, seed: int, tag: str,
+                options: TrainOptions) -> list[dict]:
+    """`per_model` random strategies of each model, from the search's space and `rc.random_strategy`
+    alternately, labelled ``model/tag/i``."""
     rng = random.Random(seed)
     cases = []
-    for model in COLLECTIVE_MODELS:
+    for model in models:
         graph = rc.graph_of(model)
         for i in range(per_model):
             draw = rc.space_strategy if i % 2 == 0 else rc.random_strategy
-            cases.append(rc.train_case(f"{model}/collectives{i}", model, draw(graph, nproc, rng), graph,
-                                       options=one_step))
+            cases.append(rc.train_case(f"{model}/{tag}/{i}", model, draw(graph, nproc, rng), graph, options=options))
     return cases
 
 
