@@ -274,13 +274,10 @@ class Executor:
         """The input regions of op position `i`'s part here (None where it has none or does not read
         one), every edge's exchange taken part in whether or not this rank has a part."""
         box_part = self.parts[i]
-        reads = self.plan.ops[i].reads
         out: list[torch.Tensor | None] = []
         for slot, eid in enumerate(self.flow.slot_edges[i]):
             if eid is None:
-                # a source: every rank holds it whole and slices what its part reads
-                want = reads[slot][box_part] if box_part is not None else None
-                out.append(None if want is None else self.sources[op.inputs[slot].op][as_slices(want)])
+                out.append(self._source_input(i, op, slot))
                 continue
             e = self.flow.edges[eid]
             values = self.values.get(self.flow.ops[e.src].name)
@@ -292,19 +289,23 @@ class Executor:
             out.append(mover.assemble(output, received))
         return out
 
+    def _source_input(self, i: int, op: Operator, slot: int) -> torch.Tensor | None:
+        """Input `slot` of op position `i`'s part here, read from a source: every rank holds it whole and
+        slices what its part reads (None: no part here, or it does not read the input)."""
+        part = self.parts[i]
+        want = self.plan.ops[i].reads[slot][part] if part is not None else None
+        return None if want is None else self.sources[op.inputs[slot].op][as_slices(want)]
+
     def _recompute(self, i: int) -> None:
         """Run op position `i`'s part forward again, from the outputs kept here, the pieces it received in
         forward and the recomputed outputs of recomputing producers (recomputed before it)."""
         op = self.graph.ops[i]
-        box_part = self.parts[i]
-        if box_part is None:
+        if self.parts[i] is None:
             return
-        reads = self.plan.ops[i].reads
         inputs: list[torch.Tensor | None] = []
         for slot, eid in enumerate(self.flow.slot_edges[i]):
             if eid is None:
-                want = reads[slot][box_part]
-                inputs.append(None if want is None else self.sources[op.inputs[slot].op][as_slices(want)])
+                inputs.append(self._source_input(i, op, slot))
                 continue
             e = self.flow.edges[eid]
             mover = self.movers[eid]

@@ -156,7 +156,11 @@ def tp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
     the output projection after attention is row parallel), except attention, which splits on its heads;
     every other op runs data parallel.
     """
-    devices = tuple(range(topology.num_devices))
+    return _tensor_parallel(graph, tuple(range(topology.num_devices)))
+
+
+def _tensor_parallel(graph: OperatorGraph, devices: tuple[int, ...]) -> Strategy:
+    """`tp` over `devices`."""
     configs: dict[str, ParallelConfig] = {}
     for op in graph:
         cfg = None
@@ -277,7 +281,7 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
             if sample is not None and sample.size % groups:
                 raise BaselineNotApplicable(f"hybrid: the batch ({sample.size}) does not divide over the "
                                             f"{groups} data-parallel groups")
-    inner = tp(graph, _Devices(tp_size))
+    inner = _tensor_parallel(graph, tuple(range(tp_size)))
     shared = graph.shared_params()
     configs = {}
     for op in graph:
@@ -287,13 +291,6 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
         configs[op.name] = _sharded(op, cfg, shard, shared)
     strategy = Strategy(configs)
     return recompute_full(graph, strategy) if recompute == "full" else strategy
-
-
-class _Devices:
-    """The only thing `tp` reads of a topology: its device count."""
-
-    def __init__(self, num_devices: int):
-        self.num_devices = num_devices
 
 
 BASELINES: dict[str, Callable[[OperatorGraph, DeviceTopology], Strategy]] = {

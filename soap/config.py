@@ -19,6 +19,7 @@ Must not import torch, the simulator, the search or the runtime.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from soap.graph import Operator
-from soap.opdef import Box, split_range
+from soap.opdef import Box, Region, split_range
 from soap.registry import dims_of, op_def
 
 
@@ -90,11 +91,8 @@ class ParallelConfig:
                    recompute=doc.get("recompute", False), shard=doc.get("shard", 1))
 
     def replace(self, **changes) -> ParallelConfig:
-        """This config with the given fields changed."""
-        fields = {"degrees": self.degrees, "devices": self.devices, "recompute": self.recompute,
-                  "shard": self.shard}
-        fields.update(changes)
-        return ParallelConfig(**fields)
+        """This config with the given fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def single(cls, device: int) -> ParallelConfig:
@@ -147,12 +145,17 @@ def param_replicas(op: Operator, cfg: ParallelConfig) -> int:
     grid), 1 for an op without parameters."""
     if not op.params:
         return 1
-    entry = op_def(op.kind)
     counts: dict[tuple, int] = {}
     for box, _ in parts(op, cfg):
-        key = tuple(sorted((name, tuple(map(tuple, r))) for name, r in entry.param_regions(op, box).items()))
+        key = param_keys(op, box)
         counts[key] = counts.get(key, 0) + 1
     return min(counts.values())
+
+
+def param_keys(op: Operator, box: Box) -> tuple[tuple[str, Region], ...]:
+    """(fqn, region) of every parameter a part of `op` with `box` holds, in the op's parameter order."""
+    return tuple((op.params[name].fqn, tuple((int(lo), int(hi)) for lo, hi in region))
+                 for name, region in op_def(op.kind).param_regions(op, box).items())
 
 
 def parts(op: Operator, cfg: ParallelConfig) -> list[tuple[Box, int]]:

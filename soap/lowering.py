@@ -81,7 +81,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from soap.config import ParallelConfig, parts
+from soap.config import ParallelConfig, param_keys, parts
 from soap.graph import DTYPE_BYTES, OperatorGraph, TensorRef
 from soap.opdef import Region, intersect, region_numel
 from soap.registry import op_def
@@ -389,12 +389,6 @@ def chunk_numel(numel: int, shard: int) -> int:
     return -(-numel // shard)
 
 
-def param_keys(op, box) -> tuple[tuple[str, Region], ...]:
-    """(fqn, region) of every parameter a part of `op` with `box` holds, in the op's parameter order."""
-    return tuple((op.params[name].fqn, tuple((int(lo), int(hi)) for lo, hi in region))
-                 for name, region in op_def(op.kind).param_regions(op, box).items())
-
-
 def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int) -> None:
     """The shard groups, cross groups and collective bytes of `step` (module docstring)."""
     n = step.num_parts
@@ -408,18 +402,18 @@ def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int) -> None:
         holders.setdefault(k, []).append(d)
     shard_groups, cross_groups, gather, scatter = [], [], [], []
     compute = DTYPE_BYTES[flow.setup.compute_dtype]
+    specs = {p.fqn: p for p in op.params.values()}
+    # per parameter, bytes per element as gathered (the compute dtype for float ones) and as reduced
+    gathered = {f: compute if p.dtype in FLOAT_DTYPES else DTYPE_BYTES[p.dtype] for f, p in specs.items()}
     for k, d in zip(keys, step.devices, strict=True):
         group = sorted(holders[k])
         j = group.index(d)
         start = j - j % shard
         shard_groups.append(tuple(group[start:start + shard]))
         cross_groups.append(tuple(group[j % shard::shard]))
-        padded = [shard * chunk_numel(region_numel(region), shard) for _, region in k]
-        specs = {p.fqn: p for p in op.params.values()}
-        gather.append(sum(m * (compute if specs[f].dtype in FLOAT_DTYPES else DTYPE_BYTES[specs[f].dtype])
-                          for m, (f, _) in zip(padded, k, strict=True)))
-        scatter.append(sum(m * DTYPE_BYTES[specs[f].dtype] for m, (f, _) in zip(padded, k, strict=True))
-                       if step.runs_bwd else 0)
+        padded = [(f, shard * chunk_numel(region_numel(region), shard)) for f, region in k]
+        gather.append(sum(m * gathered[f] for f, m in padded))
+        scatter.append(sum(m * DTYPE_BYTES[specs[f].dtype] for f, m in padded) if step.runs_bwd else 0)
     step.shard_groups, step.cross_groups = tuple(shard_groups), tuple(cross_groups)
     step.gather_bytes, step.scatter_bytes = tuple(gather), tuple(scatter)
 
@@ -626,8 +620,7 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
             step = steps[members[0]]
             for key in keys:
                 numel = chunk_numel(region_numel(key[1]), shard)
-                cross = {g for c, d in enumerate(step.devices) if (members[0], c) in holders[key]
-                         for g in [step.cross_groups[c]] if len(g) > 1}
+                cross = {step.cross_groups[c] for _, c in holders[key] if len(step.cross_groups[c]) > 1}
                 for group in sorted(cross):
                     mine = tuple(sorted(h for h in holders[key] if step.devices[h[1]] in group))
                     sync.append(SyncEntry(fqn, key[1], group, bucket, numel, numel * itemsize, mine))
@@ -786,4 +779,4 @@ def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devic
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow",
            "OpStep", "ParamStep", "REDUCE_SCATTER", "StepPlan", "SyncEntry", "all_reduces", "chunk_numel", "lower",
-           "lower_edge", "lower_op", "lower_params", "param_keys", "recompute_points", "run_graph"]
+           "lower_edge", "lower_op", "lower_params", "recompute_points", "run_graph"]
