@@ -44,6 +44,14 @@ duration of the synchronous step formula::
 where load_l is the number of hops whose route uses link l. The reduction arithmetic of an all-reduce is
 not charged (it is memory-bound and overlapped with the next step on real hardware).
 
+Each hop takes the topology's route between its two devices, so the links a ring occupies are those of
+the hardware it crosses: on a preset with one NIC per GPU (`soap.topology`: a100, h100, h200 over several
+nodes) a hop between nodes leaves through the sender's own NIC and enters through the receiver's, so the
+data-parallel ring over GPU i of every node occupies rail i only (NIC i of each node and its port), and
+the rings of the other tensor-parallel ranks, on other rails, run at the same time instead of queueing.
+A ring over all the GPUs of several nodes crosses each node boundary once, on one rail (NCCL would run
+several rings, one per NIC; not modelled).
+
 Times are integer nanoseconds (1 GB/s = 1 byte/ns), rounded once per task, so simulation arithmetic is
 exact and the delta simulation can equal the full one bit for bit. Must import only `soap`.
 """

@@ -5,7 +5,9 @@ endpoints; a full-duplex connection is two links, one per direction, and each li
 (transfers on it run one at a time). Endpoint names:
 
 - ``gpu3`` / ``cpu3``: device 3 (``cpu`` for devices of kind ``cpu``, ``gpu`` for every other kind);
-- ``node0.pcie``, ``node0.nvswitch``, ``node0.nic``, ``node0.loopback``: a node's switches and NIC;
+- ``node0.pcie``, ``node0.nvswitch``, ``node0.loopback``: a node's switches;
+- ``node0.nic``: a node's one NIC, which all its devices share; ``node0.nic3``: in a node with one NIC
+  per GPU, the NIC of its GPU with local index 3 (device ``k * M + 3`` on node k of M GPUs each);
 - ``net``: the network switch between nodes.
 
 Link kinds: ``nvlink`` (direct GPU <-> GPU NVLink; the bandwidth is all the bricks between the pair),
@@ -24,16 +26,23 @@ p100      NVLink 1: M <= 4 all-to-all, 5..8 DGX-1      PCIe 3.0 (one NIC)       
           hybrid cube-mesh
 v100      NVLink 2: as p100, DGX-1V brick counts       PCIe 3.0 (one NIC)          IB EDR
 k80       one PCIe 3.0 switch (``nodeK.pcie``)         via the PCIe switch         IB FDR
-a100      NVSwitch (600 GB/s per GPU, both ways)       PCIe 4.0, one NIC per GPU   IB HDR x M
-h100/200  NVSwitch (900 GB/s per GPU, both ways)       PCIe 5.0, one NIC per GPU   IB NDR x M
+a100      NVSwitch (600 GB/s per GPU, both ways)       PCIe 4.0, one NIC per GPU   IB HDR per NIC
+h100/200  NVSwitch (900 GB/s per GPU, both ways)       PCIe 5.0, one NIC per GPU   IB NDR per NIC
 ========  ===========================================  ==========================  ==========
 
 In an all-to-all NVLink node each GPU's bricks (P100: 4, V100: 6) are spread evenly over its M-1 peers;
 the 5..8-GPU nodes are the DGX-1 hybrid cube-mesh (quads 0-3 and 4-7 all-to-all, plus i <-> i+4)
-restricted to GPUs 0..M-1. P100/V100/K80 nodes have one NIC; NVSwitch nodes one per GPU (DGX), so the
-node's uplink carries M times the InfiniBand rate. A GPU reaches its node's NIC in one ``nic`` hop (K80:
-through ``nodeK.pcie``). ``cpu-N``: N local processes on node 0, each linked to ``node0.loopback``. A
-single node has no NIC.
+restricted to GPUs 0..M-1. P100/V100/K80 nodes have one NIC (``nodeK.nic``), which a GPU reaches in one
+``nic`` hop (K80: through ``nodeK.pcie``), and one InfiniBand port to ``net``, which all the node's
+traffic to other nodes shares. NVSwitch nodes have one NIC per GPU, as a DGX A100/H100 has (eight 200 or
+400 Gb/s ports, rail-optimized): local GPU i reaches ``nodeK.nici`` in one ``nic`` hop and that NIC has
+its own port to ``net`` at the per-NIC rate, so a transfer between GPUs of different nodes goes through
+the sender's own NIC and the receiver's own NIC (``gpuA -> nodeK.nici -> net -> nodeL.nicj -> gpuB``) and
+never through another GPU's. A ring over GPU i of every node (the data-parallel ring of one
+tensor-parallel rank) uses only rail i, so the rings of different ranks run at once, each at one NIC's
+rate. ``net`` is one non-blocking switch (the leaf and spine switches of a rail-optimized fabric are not
+modelled). ``cpu-N``: N local processes on node 0, each linked to ``node0.loopback``. A single node has no
+NIC.
 The FlexFlow paper's clusters are ``p100-4x4`` and ``k80-16x4``. Figures come from `soap.devices`. A
 topology, preset or file, has at most `MAX_DEVICES` devices.
 
@@ -53,6 +62,11 @@ kind (``peak_tflops`` per dtype; the other dtypes keep the datasheet value); a d
 the table must give all three. ``bidirectional`` (default true) makes the entry two links, forward first.
 ``spec`` (optional) names the physical link; when it is a known spec (``nvlink2``, ``ib-edr``, ...)
 ``bandwidth_gbps`` and ``latency_us`` default to its figures. Other top-level keys are ignored.
+A file says how many NICs a node has by its links, nothing else: one NIC per GPU is the links
+``gpuK <-> nodeN.nicI`` and ``nodeN.nicI <-> net`` per GPU, as the presets write them; one ``nodeN.nic``
+with a single link to ``net`` (what soapflow wrote for a100/h100/h200 presets before they had rails: an
+``ib-hdr x8`` uplink of 8 x 25 GB/s) still loads and means that: one uplink, on which transfers and
+collectives of all the node's GPUs run one at a time.
 
 Must not import torch, the simulator, the search or the runtime.
 """
@@ -369,7 +383,8 @@ def _role(endpoint: str) -> str:
     m = _DEVICE_ENDPOINT.match(endpoint)
     if m:
         return m.group(1)
-    return re.sub(r"^node\d+\.", "node.", endpoint)
+    # 'node3.pcie' -> 'node.pcie'; 'node3.nic5' -> 'node.nic': a node's per-GPU NICs are alike
+    return re.sub(r"^node\.nic\d+$", "node.nic", re.sub(r"^node\d+\.", "node.", endpoint))
 
 
 def _check_ids(name: str, devices: tuple[Device, ...], links: tuple[Link, ...]) -> None:
@@ -569,7 +584,7 @@ class _NodeWiring:
     intra_spec: str  # the link inside the node (soap.devices.LINK_SPECS)
     nic_spec: str  # the hop into the node's NIC
     network_spec: str  # NIC <-> network switch
-    nic_per_gpu: bool  # one NIC per GPU (DGX A100/H100): the node's uplink carries all of them
+    nic_per_gpu: bool  # one NIC and network port per GPU (DGX A100/H100: rails); else one NIC per node
     max_per_node: int
     machine: str
 
@@ -649,7 +664,6 @@ def build_preset(kind: str, *, num_nodes: int, devices_per_node: int, name: str 
     devices = [Device.of_kind(kind, id=n * m + i, node=n) for n in range(num_nodes) for i in range(m)]
     for n in range(num_nodes):
         gpus = [f"gpu{n * m + i}" for i in range(m)]
-        nic = f"node{n}.nic"
         hub = {"pcie-switch": f"node{n}.pcie", "nvswitch": f"node{n}.nvswitch"}.get(wiring.fabric)
         if wiring.fabric == "nvlink-mesh" and m > 1:
             for (a, b), bricks in _nvlink_pairs(kind, m).items():
@@ -660,10 +674,16 @@ def build_preset(kind: str, *, num_nodes: int, devices_per_node: int, name: str 
         elif wiring.fabric == "pcie-switch" and (m > 1 or num_nodes > 1):
             for g in gpus:
                 connect(g, hub, "pcie", wiring.intra_spec)
-        if num_nodes > 1:
+        if num_nodes > 1 and wiring.nic_per_gpu:
+            # rails: local GPU i leaves and enters the node only through its own NIC i and port
+            for i, g in enumerate(gpus):
+                connect(g, f"node{n}.nic{i}", "nic", wiring.nic_spec)
+                connect(f"node{n}.nic{i}", "net", "network", wiring.network_spec)
+        elif num_nodes > 1:
+            nic = f"node{n}.nic"
             for src in [hub] if wiring.fabric == "pcie-switch" else gpus:
                 connect(src, nic, "nic", wiring.nic_spec)
-            connect(nic, "net", "network", wiring.network_spec, m if wiring.nic_per_gpu else 1)
+            connect(nic, "net", "network", wiring.network_spec)
     return DeviceTopology(name=name, devices=tuple(devices), links=tuple(links))
 
 

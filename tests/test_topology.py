@@ -1,8 +1,10 @@
-"""DeviceTopology: preset wiring, routes (shape, determinism), the topology file (round trip and every
-bad-input case) and the datasheet table."""
+"""DeviceTopology: preset wiring (one NIC per GPU on NVSwitch nodes: rails that simulated rings use
+independently), routes (shape, determinism), the topology file (round trip, the old one-uplink form and
+every bad-input case) and the datasheet table."""
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import subprocess
@@ -10,8 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_simulator_support import Net
 
+from simulator import FixedCostModel, simulate
+from simulator.comm import Comm
+from soap.config import ParallelConfig
 from soap.devices import DEVICE_SPECS, LINK_SPECS
+from soap.strategy import Strategy
 from soap.topology import (
     FORMAT,
     Device,
@@ -96,13 +103,148 @@ def test_k80_goes_through_the_pcie_switch():
 
 
 def test_nvswitch_nodes_have_one_nic_per_gpu():
+    """DESIGN section 10's DGX A100: 8 GPUs on an NVSwitch, 8 x 200 Gb/s HDR InfiniBand, one NIC per GPU;
+    the DGX H100/H200 the same with 400 Gb/s NDR. Each GPU has its own PCIe hop into its own NIC, and
+    each NIC its own port to the switch at the per-NIC rate (no aggregated node uplink)."""
+    for name, nic_spec, port_spec, port_gbps in (("a100-2x8", "pcie4-x16", "ib-hdr", 200 / 8),
+                                                  ("h100-2x8", "pcie5-x16", "ib-ndr", 400 / 8),
+                                                  ("h200-3x4", "pcie5-x16", "ib-ndr", 400 / 8)):
+        topo = load_topology(name)
+        per_node = topo.num_devices // topo.num_nodes
+        for d in topo.devices:
+            nic = f"node{d.node}.nic{d.id % per_node}"
+            (hop,) = [link for link in topo.links if link.src == d.endpoint and link.kind == "nic"]
+            assert (hop.dst, hop.spec, hop.bandwidth_gbps) == (nic, nic_spec, LINK_SPECS[nic_spec].bandwidth_gbps)
+            assert [link.dst for link in topo.links if link.src == nic] == [d.endpoint, "net"]
+            assert [link.src for link in topo.links if link.dst == nic] == [d.endpoint, "net"]
+            (port,) = [link for link in topo.links if link.src == nic and link.dst == "net"]
+            assert (port.dst, port.kind, port.spec, port.bandwidth_gbps) == ("net", "network", port_spec, port_gbps)
+        ports = [link for link in topo.links if link.kind == "network" and link.dst == "net"]
+        assert len(ports) == topo.num_devices  # one port per GPU: M per node
     topo = load_topology("a100-2x8")
-    assert topo.path(0, 7) == ("gpu0", "node0.nvswitch", "gpu7")
+    assert topo.path(0, 7) == ("gpu0", "node0.nvswitch", "gpu7")  # inside a node: NVSwitch as before
     assert topo.route_bandwidth_gbps(0, 7) == 300.0  # 600 GB/s both directions
-    assert topo.path(0, 8) == ("gpu0", "node0.nic", "net", "node1.nic", "gpu8")
-    uplink = topo.link(topo.route(0, 8)[1])
-    assert (uplink.kind, uplink.spec, uplink.bandwidth_gbps) == ("network", "ib-hdr x8", 200.0)
+    # between nodes: the sender's own NIC, the switch, the receiver's own NIC
+    assert topo.path(0, 8) == ("gpu0", "node0.nic0", "net", "node1.nic0", "gpu8")
+    assert topo.path(3, 13) == ("gpu3", "node0.nic3", "net", "node1.nic5", "gpu13")
+    assert kinds_on_route(topo, 3, 13) == ["nic", "network", "network", "nic"]
+    assert topo.route_bandwidth_gbps(3, 13) == 24.0  # PCIe 4.0 effective, below HDR's 25
     assert load_topology("h200-1x8").route_bandwidth_gbps(0, 1) == 450.0
+    # the summary groups a node's NICs together
+    rows = {(r["kind"], r["where"]): (r["count"], r["spec"], r["bandwidth_gbps"]) for r in topo.describe()
+            if r["what"] == "link"}
+    assert rows == {("nvswitch", "gpu <-> node.nvswitch"): (32, "nvswitch-a100", 300.0),
+                    ("nic", "gpu <-> node.nic"): (32, "pcie4-x16", 24.0),
+                    ("network", "net <-> node.nic"): (32, "ib-hdr", 25.0)}
+
+
+def test_one_nic_presets_and_single_nodes_are_unchanged():
+    """Nodes with one NIC (P100, V100, K80) share it and its one port; a single node and cpu-N have none."""
+    for name, port in (("p100-2x4", "ib-edr"), ("v100-2x8", "ib-edr"), ("k80-2x4", "ib-fdr")):
+        topo = load_topology(name)
+        ports = [link for link in topo.links if link.kind == "network"]
+        assert [(link.src, link.dst) for link in ports] == [("node0.nic", "net"), ("net", "node0.nic"),
+                                                           ("node1.nic", "net"), ("net", "node1.nic")]
+        assert {link.spec for link in ports} == {port}
+    for name in ("a100-1x8", "h100-1x4", "v100-1x8", "cpu-4"):
+        assert not {"nic", "network"} & {link.kind for link in load_topology(name).links}
+
+
+def _rails_graph():
+    """x[4, 1024] feeds two linears fa and fb (4 MiB of weight each), added, against y: each linear's
+    gradient all-reduce is over the devices of its own config."""
+    net = Net("two_linears", 4)
+    x = net.input("x", (4, 1024))
+    a, b = net.linear("fa", x, 1024), net.linear("fb", x, 1024)
+    net.mse("loss", net.add2("add", a, b), net.input("y", (4, 1024), role="target"))
+    return net.graph()
+
+
+def _two_syncs(topo: DeviceTopology, fb_devices: tuple[int, int]) -> list:
+    """The all-reduce records of `_rails_graph` with fa data parallel over GPUs 0 and 8 and fb over
+    `fb_devices`; compute costs about nothing, so the all-reduces are free to overlap."""
+    on = functools.partial(ParallelConfig, degrees={"sample": 2})
+    rails = on(devices=(0, 8))
+    strategy = Strategy({"x": rails, "fa": rails, "fb": on(devices=fb_devices), "add": rails, "y": rails,
+                         "loss": rails})
+    costs = FixedCostModel(fwd_each_ms=0.001, bwd_each_ms=0.002, update_each_ms=0.001)
+    timeline = simulate(_rails_graph(), strategy, topo, costs)
+    return [r for r in timeline.tasks() if r.category == "allreduce"]
+
+
+def _span_ns(records) -> int:
+    return round((max(r.end_ms for r in records) - min(r.start_ms for r in records)) * 1e6)
+
+
+SYNC_BYTES = (1024 * 1024 + 1024) * 4  # one linear's weight and bias, float32
+
+
+def test_rings_on_different_rails_run_at_once_and_on_the_same_gpus_queue():
+    topo = load_topology("a100-2x8")
+    (_, one), (_, other) = Comm(topo).collective((0, 8), SYNC_BYTES), Comm(topo).collective((1, 9), SYNC_BYTES)
+    assert one == other
+    # GPU 0 of both nodes and GPU 1 of both nodes: rails 0 and 1, no link in common
+    rails = _two_syncs(topo, (1, 9))
+    assert len(rails) == 2 and not set(rails[0].links) & set(rails[1].links)
+    assert [round((r.end_ms - r.start_ms) * 1e6) for r in rails] == [one, one]
+    assert one <= _span_ns(rails) <= 1.05 * one  # both together take about as long as one alone
+    # both on GPUs 0 and 8: the same links, one ring after the other
+    same = _two_syncs(topo, (0, 8))
+    assert len(same) == 2 and set(same[0].links) == set(same[1].links)
+    assert _span_ns(same) >= 2 * one
+
+
+def test_a_ring_over_gpu_i_of_every_node_uses_rail_i():
+    topo = load_topology("a100-4x8")
+    comm = Comm(topo)
+
+    def rail(i: int) -> set[int]:
+        ends = {f"gpu{8 * n + i}" for n in range(4)} | {f"node{n}.nic{i}" for n in range(4)}
+        return {link.id for link in topo.links if {link.src, link.dst} <= ends | {"net"}
+                and link.kind in ("nic", "network")}
+
+    for i in range(8):
+        res, _ = comm.collective(tuple(range(i, 32, 8)), SYNC_BYTES)
+        assert {r - topo.num_devices for r in res} == rail(i)
+    # tp=4: the data-parallel ring of rank r (GPUs r, r+4, r+8, ...) crosses nodes from GPU r+4's NIC into
+    # the next node's GPU r's NIC: the four rings share no link
+    rings = [set(comm.collective(tuple(range(r, 32, 4)), SYNC_BYTES)[0]) for r in range(4)]
+    assert all(not rings[a] & rings[b] for a in range(4) for b in range(a + 1, 4))
+
+
+def _aggregated_uplink_doc() -> dict:
+    """a100-2x8 as soapflow saved it before presets had one NIC per GPU: every GPU's PCIe hop into one
+    node NIC, and one uplink of 8 x 25 GB/s from each node's NIC to the switch."""
+    figures = {"nvswitch": ("nvswitch-a100", 300.0, 1.5), "nic": ("pcie4-x16", 24.0, 5.0),
+               "network": ("ib-hdr x8", 200.0, 1.0)}
+
+    def link(src: str, dst: str, kind: str) -> dict:
+        spec, bandwidth, latency = figures[kind]
+        return {"src": src, "dst": dst, "kind": kind, "spec": spec, "bandwidth_gbps": bandwidth,
+                "latency_us": latency, "bidirectional": True}
+
+    links = []
+    for n in range(2):
+        links += [link(f"gpu{8 * n + i}", f"node{n}.nvswitch", "nvswitch") for i in range(8)]
+        links += [link(f"gpu{8 * n + i}", f"node{n}.nic", "nic") for i in range(8)]
+        links.append(link(f"node{n}.nic", "net", "network"))
+    return {"format": FORMAT, "name": "a100-2x8",
+            "devices": [{"id": i, "kind": "a100", "node": i // 8} for i in range(16)], "links": links}
+
+
+def test_a_file_with_one_node_uplink_keeps_its_meaning(tmp_path):
+    doc = _aggregated_uplink_doc()
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    topo = load_topology(str(path))
+    assert topo.to_dict() == doc and topo != load_topology("a100-2x8")
+    assert topo.path(0, 9) == ("gpu0", "node0.nic", "net", "node1.nic", "gpu9")
+    uplink = topo.link(topo.route(0, 9)[1])
+    assert (uplink.kind, uplink.spec, uplink.bandwidth_gbps) == ("network", "ib-hdr x8", 200.0)
+    # one uplink per node, a shared resource: rings of GPUs 0 and 1 of both nodes still queue on it
+    _, one = Comm(topo).collective((0, 8), SYNC_BYTES)
+    rings = _two_syncs(topo, (1, 9))
+    assert set(rings[0].links) & set(rings[1].links) and _span_ns(rings) >= 2 * one
 
 
 def test_cpu_processes_share_the_loopback_hub():
@@ -132,7 +274,7 @@ def test_routes_are_deterministic():
 
 
 def test_round_trip_keeps_routes(tmp_path):
-    for name in ("p100-4x4", "k80-2x4", "v100-2x8", "a100-2x4", "cpu-3"):
+    for name in ("p100-4x4", "k80-2x4", "v100-2x8", "a100-2x4", "h100-2x8", "cpu-3"):
         topo = load_topology(name)
         doc = json.loads(json.dumps(topo.to_dict()))
         assert doc["format"] == FORMAT
