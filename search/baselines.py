@@ -223,16 +223,27 @@ def fsdp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
                      for op in graph})
 
 
-def recompute_full(graph: OperatorGraph, strategy: Strategy) -> Strategy:
-    """`strategy` with every op recomputing except the tensors a step keeps as checkpoints: outputs read
-    by two or more ops (a residual stream, a block's input), the loss, and ops that cannot recompute.
+def _branch_point(graph: OperatorGraph, op: Operator) -> bool:
+    """Whether one of `op`'s outputs is read by two or more ops (counted per output: a split into q, k
+    and v whose outputs are each read once is not a branch point)."""
+    readers: dict[int, set[str]] = {}
+    for consumer, _, index in graph.consumers(op.name):
+        readers.setdefault(index, set()).add(consumer)
+    return any(len(ops) >= 2 for ops in readers.values())
 
-    In a transformer that keeps the residual stream and the inputs the attention reads, and recomputes the
-    chains between them (Megatron-LM's full recomputation keeps only each layer's input)."""
+
+def recompute_full(graph: OperatorGraph, strategy: Strategy) -> Strategy:
+    """`strategy` with every op recomputing except the tensors a step keeps as checkpoints: the ops one of
+    whose outputs is read by two or more ops (branch points: a residual stream, a block's input), the
+    loss, and ops that cannot recompute.
+
+    In a transformer that keeps the residual stream (each block's input and the sum after its attention)
+    and recomputes the chains between them, the q, k, v split and the attention included (Megatron-LM's
+    full recomputation keeps only each layer's input)."""
     configs = dict(strategy.configs)
     last = graph.ops[-1].name
     for op in graph:
-        if op.name != last and len(graph.consumers(op.name)) < 2 and recompute_refusal(op) is None:
+        if op.name != last and not _branch_point(graph, op) and recompute_refusal(op) is None:
             configs[op.name] = configs[op.name].replace(recompute=True)
     return Strategy(configs)
 

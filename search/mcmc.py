@@ -1,8 +1,9 @@
 """The strategy search: Metropolis-Hastings MCMC over strategies, as in FlexFlow (SysML 2019, section 5).
 
 Owns `search` (the stage `search` of capture -> validate -> simulate -> search -> export -> execute), its
-result `SearchResult`, `NoFeasibleStrategy`, one Markov chain (`_Chain`) and the loop that steps a
-worker's chains (`_run_chains`). The worker processes themselves are `search.workers`.
+result `SearchResult`, `NoFeasibleStrategy`, the recomputing chain starts (`recompute_starts`), one Markov
+chain (`_Chain`) and the loop that steps a worker's chains (`_run_chains`). The worker processes
+themselves are `search.workers`.
 
 The method:
 
@@ -16,18 +17,34 @@ The method:
   (else the chain's first feasible cost): a proposal 1% slower than the current strategy is accepted
   with probability e^-1 ≈ 0.37, 5% slower with e^-5 ≈ 0.007, whatever the model's time scale. Every
   chain uses the same β, so chains from different starts sample the same distribution.
-- every baseline (dp, mp, tp, expert; dp skipped where it is not defined) is simulated first and the
-  best of them seeds the running best, so the result is never worse than the best baseline. Chains start
-  from dp, expert, the best baseline when it is neither (when none fits, the one with the least memory
-  excess), and `random_chains` random strategies.
+- every baseline of `BASELINES` (dp, mp, tp, expert, fsdp; dp and fsdp skipped where they are not
+  defined) is simulated first and the best of them seeds the running best, so the result is never worse
+  than the best baseline. Chains start, in this order, from dp, expert, the best baseline when it is
+  neither (when none fits, the one with the least memory excess), then, when no baseline fits (on more
+  than one device), from the closest (`_closeness`: the fastest that fits, else the least memory
+  excess) of the recomputing strategies of `recompute_starts` if it is closer than every baseline, so
+  that a model that fits only with recomputation, sharded parameters and tensor parallelism has a
+  chain that starts feasible or close to it. Those candidates are ``hybrid:tp=T,recompute=full`` and
+  ``hybrid:tp=T,shard=S,recompute=full`` with S = devices / T (the parameters sharded over all
+  data-parallel groups), for T = the devices of the smallest node and T = 1, then fsdp with full
+  recomputation (``fsdp+recompute=full``); a spec whose tp, shard or batch does not divide is skipped.
+  They are simulated in full after the baselines (those the time budget leaves time for), but are not
+  baselines: they are not in `SearchResult.baselines`. Where a baseline fits, recomputation only costs
+  time and the chains are as they were; a single chain from the candidates (not one each) keeps the
+  other chains' shares of the proposal budget from thinning. Last come `random_chains` random
+  strategies. A start equal to an earlier one is dropped.
 - budgets: a time budget (`budget_s`, wall clock for the whole search, baselines included) and/or a
-  proposal budget (`max_proposals`, split evenly over the chains). The search also stops early when its
-  best has not improved for half the budget: under a time budget, when the best (baselines and chains;
-  with `jobs` > 1, the best each worker knows) has not improved for half the time budget; under a
-  proposal budget, each chain when its own best has not improved (nor, while nothing it saw fits, its
-  memory excess shrunk) for half its proposals (per chain, so
-  that the result does not depend on how chains are grouped into workers). A chain whose start would
-  need a full simulation after the time budget is spent (large graphs on many devices) is not started.
+  proposal budget (`max_proposals`, split evenly over the chains). The search also stops early when it
+  has made no progress for half the budget. Progress has one definition (`_closeness`): a strategy
+  closer to the goal than any seen, where one that fits is closer than any that does not, one that
+  fits is closer the faster it is and one that does not the smaller its memory excess. So while
+  nothing known fits, a shrinking memory excess is progress; once something fits, only a faster
+  fitting strategy is. Under a time budget the search stops when what it knows (the best baseline and
+  the chains; with `jobs` > 1, what each worker knows) has made no progress for half the time budget;
+  under a proposal budget, each chain stops when it has made no progress itself for half its
+  proposals (per chain, so that the result does not depend on how chains are grouped into workers). A
+  chain whose start would need a full simulation after the time budget is spent (large graphs on many
+  devices) is not started.
 - `jobs` > 1 runs the chains in that many worker processes (each chain whole in one worker; a worker
   steps its chains round-robin, as the search itself does with `jobs` 1). With a proposal budget only,
   the result depends on the seed alone, not on `jobs` or the machine's speed: each chain draws from its
@@ -45,12 +62,13 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from search.baselines import BASELINES, BaselineNotApplicable
+from search.baselines import BASELINES, BaselineNotApplicable, fsdp, parse_baseline, recompute_full
 from search.evaluate import Cost, Evaluator, EvaluatorFactory
 from search.space import ConfigSpace
 from search.workers import ChainSpec, Progress, WorkerJob, from_plain, run_workers, to_plain
@@ -132,14 +150,14 @@ class _Chain:
         if self.beta == 0.0 and self.cost.feasible:
             self.beta = _beta_per_ms(beta_scale, self.cost.time_ms)
         self.num_proposals = self.num_accepted = 0
-        self.improved_at = 0  # proposal count when the best last improved
-        self.improved_s = 0.0
+        self.closest = _closeness(self.cost)  # the closest the chain has been to the goal
+        self.progressed_at = 0  # proposal count when `closest` last dropped
         self.min_peak = (self.cost.peak_memory_bytes, name)
-        self.min_excess = self.cost.memory_excess_bytes
         self.stop = ""
 
     def step(self) -> bool:
-        """Make one proposal; True when it improved the chain's best."""
+        """Make one proposal; True when the chain made progress (`_closeness` of what it accepted dropped
+        below the closest it had been)."""
         op, cfg = self.space.propose(self.rng, self.current)
         self.num_proposals += 1
         if cfg == self.current[op]:
@@ -155,11 +173,9 @@ class _Chain:
         self.num_accepted += 1
         if cost.value < self.best_cost.value:
             self.best, self.best_cost = self.current, cost
-            self.improved_at = self.num_proposals
+        if _closeness(cost) < self.closest:
+            self.closest, self.progressed_at = _closeness(cost), self.num_proposals
             return True
-        if not self.best_cost.feasible and cost.memory_excess_bytes < self.min_excess:
-            self.improved_at = self.num_proposals  # closer to fitting counts as progress for the early stop
-        self.min_excess = min(self.min_excess, cost.memory_excess_bytes)
         return False
 
     def _accept(self, new: Cost) -> bool:
@@ -179,6 +195,14 @@ class _Chain:
 
 def _beta_per_ms(beta_scale: float, cost_ref_ms: float) -> float:
     return beta_scale / cost_ref_ms if cost_ref_ms > 0 else 0.0
+
+
+def _closeness(cost: Cost) -> tuple[int, float]:
+    """How far `cost` is from the goal, lower is closer: a strategy that fits by its time (ms), before any
+    that does not, by its memory excess (bytes). The search's one definition of progress, for both early
+    stops: a new low of the closeness seen, per chain under a proposal budget, per worker under a time
+    budget."""
+    return (0, cost.time_ms) if cost.feasible else (1, cost.memory_excess_bytes)
 
 
 # ----------------------------------------------------------------------------------- running the chains
@@ -202,13 +226,13 @@ def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -
         chain = _Chain(spec.name, from_plain(spec.start), evaluator or job.evaluators(graph, job.topology), space,
                        random.Random(spec.seed), job.beta_per_ms, job.beta_scale, spec.max_proposals,
                        start_cost=cost)
-        chain.improved_s = time.monotonic() - t0
-        events.append((total, job.offset_s + chain.improved_s, chain.best_cost.value))
+        events.append((total, job.offset_s + time.monotonic() - t0, chain.best_cost.value))
         chains.append(chain)
     best_ms = min((c.best_cost.value for c in chains), default=math.inf)
-    # Under a time budget the worker stops when the best it knows (the baselines' and its chains') has not
-    # improved for `stall_s`, counted from when its chains are set up (the first moment it knows a best).
-    known_best, known_improved_s = min(best_ms, job.best_ms), time.monotonic() - t0
+    # Under a time budget the worker stops when the closest it knows (the best baseline's, its chains')
+    # has not dropped for `stall_s`, counted from when its chains are set up (the first moment it knows one).
+    known = min([c.closest for c in chains] + [(0, job.best_ms) if math.isfinite(job.best_ms) else (1, math.inf)])
+    known_s = time.monotonic() - t0
     last_report = -math.inf
     active = chains if space.ops else []
     for c in chains:
@@ -217,22 +241,22 @@ def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -
         still = []
         now = time.monotonic() - t0
         for chain in active:
-            improved = chain.step()
+            best_before = chain.best_cost.value
+            progressed = chain.step()
             total += 1
             now = time.monotonic() - t0
-            if improved:
-                chain.improved_s = now
+            if chain.best_cost.value < best_before:
                 events.append((total, job.offset_s + now, chain.best_cost.value))
-                if chain.best_cost.value < known_best:
-                    known_best, known_improved_s = chain.best_cost.value, now
+            if progressed and chain.closest < known:
+                known, known_s = chain.closest, now
             if chain.max_proposals is not None and chain.num_proposals >= chain.max_proposals:
                 chain.stop = "proposals"
             elif chain.max_proposals is not None and \
-                    chain.num_proposals - chain.improved_at >= max(1, chain.max_proposals // 2):
+                    chain.num_proposals - chain.progressed_at >= max(1, chain.max_proposals // 2):
                 chain.stop = "stalled"
             elif job.budget_s is not None and now >= job.budget_s:
                 chain.stop = "time"
-            elif job.stall_s is not None and now - known_improved_s >= job.stall_s:
+            elif job.stall_s is not None and now - known_s >= job.stall_s:
                 chain.stop = "stalled"
             else:
                 still.append(chain)
@@ -295,7 +319,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     strategies: dict[str, Strategy] = {}
     costs: dict[str, Cost | None] = {}
     errors: dict[str, str] = {}
-    probes: dict[str, tuple[Evaluator, Cost]] = {}  # one evaluator per baseline, reused by its chain
+    probes: dict[str, tuple[Evaluator, Cost]] = {}  # one evaluator per simulated start, reused by its chain
     for name, make in BASELINES.items():
         try:
             strategies[name] = make(graph, topology)
@@ -319,14 +343,27 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
             starts.append(closest)
     elif best_baseline is not None and best_baseline not in starts:
         starts.append(best_baseline)
-    unique: list[str] = []
+    # When no baseline fits, the recomputing starts, simulated in full like the baselines while the time
+    # budget lasts: one chain starts from the closest of them.
+    recomputing: dict[str, Strategy] = {}
+    for name, strategy in ([] if feasible else recompute_starts(graph, topology)):
+        if budget_s is not None and time.monotonic() - t0 >= budget_s:
+            break
+        probe = evaluators(graph, topology)
+        recomputing[name] = strategy
+        probes[name] = (probe, probe.start(strategy))
+    closest_recomputing = min(recomputing, key=lambda n: _closeness(probes[n][1]), default=None)
+    closest_baseline = min((_closeness(c) for c in costs.values() if c is not None), default=(1, math.inf))
+    if closest_recomputing is not None and _closeness(probes[closest_recomputing][1]) < closest_baseline:
+        starts.append(closest_recomputing)
+    strategies_and_starts = strategies | recomputing
+    named: list[tuple[str, Strategy]] = []
     for name in starts:
-        if all(strategies[name] != strategies[u] for u in unique):
-            unique.append(name)
+        if all(strategies_and_starts[name] != s for _, s in named):
+            named.append((name, strategies_and_starts[name]))
     rng = random.Random(f"soapflow.search/{seed}/random-starts")
     space = ConfigSpace(graph, topology)
     base = strategies["expert"]
-    named = [(n, strategies[n]) for n in unique]
     named += [(f"random{i}", space.random_strategy(rng, base)) for i in range(random_chains)]
     per_chain = [None] * len(named)
     if max_proposals is not None:
@@ -382,6 +419,31 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
         baseline_errors=MappingProxyType(errors), chains=tuple(reports),
         num_proposals=sum(o["num_proposals"] for o in outcomes), elapsed_s=time.monotonic() - t0,
         search_s=search_s, beta_per_ms=beta, history=history)
+
+
+def recompute_starts(graph: OperatorGraph, topology: DeviceTopology) -> list[tuple[str, Strategy]]:
+    """The candidate recomputing chain starts (see the module docstring) as (name, strategy), each
+    strategy once; none on one device."""
+    n = topology.num_devices
+    if n == 1:
+        return []
+    per_node = min(Counter(d.node for d in topology.devices).values())
+    specs = []
+    for tp_size in dict.fromkeys((per_node, 1)):
+        specs.append(f"hybrid:tp={tp_size},recompute=full")
+        if n % tp_size == 0 and n // tp_size > 1:
+            specs.append(f"hybrid:tp={tp_size},shard={n // tp_size},recompute=full")
+    makers = [(spec, parse_baseline(spec)) for spec in specs]
+    makers.append(("fsdp+recompute=full", lambda g, t: recompute_full(g, fsdp(g, t))))
+    starts: list[tuple[str, Strategy]] = []
+    for name, make in makers:
+        try:
+            strategy = make(graph, topology)
+        except BaselineNotApplicable:
+            continue  # tp, shard or the batch does not divide
+        if all(strategy != s for _, s in starts):
+            starts.append((name, strategy))
+    return starts
 
 
 def _with_rate(progress: Progress, offset_s: float) -> Progress:

@@ -15,10 +15,12 @@ import random
 import pytest
 from test_search_fixtures import GRAPHS
 
+from search import mcmc
 from search.evaluate import Cost, FullEvaluator
-from search.mcmc import NoFeasibleStrategy, _Chain, search
+from search.mcmc import NoFeasibleStrategy, _Chain, _run_chains, recompute_starts, search
 from search.space import ConfigSpace
-from soap.config import validate
+from search.workers import ChainSpec, WorkerJob, to_plain
+from soap.config import recompute_refusal, validate
 from soap.opdef import DimKind
 from soap.registry import dims_of
 from soap.strategy import Strategy
@@ -266,10 +268,11 @@ def test_time_budget_stops_when_the_best_stalls_for_half_the_budget():
 
 
 class CountingEvaluators:
-    """`ToyEvaluators` that count how many strategies are simulated from scratch (`start`)."""
+    """Evaluators of `cost(graph, topology)` (default `ToyCost`) that count how many strategies are
+    simulated from scratch (`start`)."""
 
-    def __init__(self):
-        self.starts = 0
+    def __init__(self, cost=ToyCost):
+        self.starts, self.cost = 0, cost
 
     def __call__(self, graph, topology):
         factory = self
@@ -279,7 +282,7 @@ class CountingEvaluators:
                 factory.starts += 1
                 return super().start(strategy)
 
-        return Counting(ToyCost(graph, topology))
+        return Counting(self.cost(graph, topology))
 
 
 def test_chains_from_baselines_reuse_the_baselines_simulations():
@@ -287,6 +290,7 @@ def test_chains_from_baselines_reuse_the_baselines_simulations():
     result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=evaluators, max_proposals=100,
                     random_chains=2)
     # five baselines, then only the two random starts: the baselines' chains take over their evaluators
+    # (a baseline fits: the recomputing starts are not simulated)
     assert {"dp", "expert", "random0", "random1"} <= {c.name for c in result.chains}
     assert evaluators.starts == 5 + 2
 
@@ -312,3 +316,112 @@ def test_chains_are_not_started_past_the_time_budget():
     stops = {c.name: c.stop for c in result.chains}
     assert stops["random0"] == "not started: time"
     assert result.elapsed_s < 1.3 and result.best_source in ("dp", "mp", "tp", "expert", "fsdp")
+
+
+class FakeClock:
+    """Stands in for the `time` module in `search.mcmc`: a monotonic clock that moves only when told."""
+
+    def __init__(self):
+        self.now_s = 0.0
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+
+class LongWalk:
+    """An `Evaluator` on which fitting in memory is a long walk away: the start exceeds memory by `steps`
+    bytes, every accepted change takes one byte off, every strategy takes 10 ms, and costing a change
+    takes `step_s` seconds of `clock`."""
+
+    def __init__(self, clock: FakeClock, *, steps: int, step_s: float):
+        self.clock, self.steps, self.step_s = clock, steps, step_s
+        self.excess = self.pending = steps
+
+    @staticmethod
+    def _cost(excess: int) -> Cost:
+        return Cost(time_ms=10.0, feasible=excess == 0, peak_memory_bytes=1000.0 + excess,
+                    memory_excess_bytes=float(excess))
+
+    def start(self, strategy):
+        self.excess = self.steps
+        return self._cost(self.excess)
+
+    def propose(self, op, cfg):
+        self.clock.now_s += self.step_s
+        self.pending = max(self.excess - 1, 0)
+        return self._cost(self.pending)
+
+    def accept(self):
+        self.excess = self.pending
+
+    def reject(self):
+        pass
+
+
+@pytest.mark.parametrize("budget_s, max_proposals", [(1.0, None), (None, 200)])
+def test_early_stops_count_a_shrinking_memory_excess_as_progress(monkeypatch, budget_s, max_proposals):
+    """Fitting is 70 accepted changes away, 0.01 s each: the walk outlasts half of either budget (the
+    stall limit of either early stop) but not the budget itself. Both early stops count a shrinking
+    memory excess as progress while nothing known fits, so the chain walks on until its strategy fits."""
+    clock = FakeClock()
+    monkeypatch.setattr(mcmc, "time", clock)
+    graph, topo = GRAPHS["mlp"](), load_topology("cpu-2")
+    spec = ChainSpec(name="dp", start=to_plain(search_baseline(graph, topo, "dp")), seed="walk",
+                     max_proposals=max_proposals)
+    job = WorkerJob(graph=graph.to_dict(), topology=topo,
+                    evaluators=lambda g, t: LongWalk(clock, steps=70, step_s=0.01), chains=[spec],
+                    budget_s=budget_s, stall_s=None if budget_s is None else budget_s / 2, offset_s=0.0,
+                    beta_per_ms=0.0, beta_scale=100.0, best_ms=math.inf)
+    [chain] = _run_chains(job, graph, None)["chains"]
+    assert chain["best_cost"].feasible, chain["report"]
+    if budget_s:  # it ran to the end of the budget, not stalled at half of it
+        assert chain["report"].stop == "time" and clock.now_s == pytest.approx(budget_s)
+
+
+class RecomputeFits:
+    """A cost on which a strategy fits in memory only when every op but the loss that can recompute does
+    (the excess: the output bytes of those that do not); each recomputing op adds 1 ms to 10 ms. With
+    `fits_anyway`, everything fits."""
+
+    def __init__(self, graph, topology, *, fits_anyway: bool = False):
+        self.graph, self.fits_anyway = graph, fits_anyway
+
+    def __call__(self, strategy: Strategy) -> Cost:
+        kept = sum(op.output.nbytes for op in self.graph.ops[:-1]
+                   if not strategy[op.name].recompute and recompute_refusal(op) is None)
+        time_ms = 10.0 + sum(cfg.recompute for cfg in strategy.configs.values())
+        if self.fits_anyway or not kept:
+            return Cost(time_ms=time_ms, peak_memory_bytes=1.0)
+        return Cost(time_ms=time_ms, feasible=False, peak_memory_bytes=1.0 + kept, memory_excess_bytes=kept)
+
+
+def test_chains_also_start_from_a_recomputing_strategy_that_beats_the_baselines():
+    """On more than one device the candidates are the Megatron layouts with full recomputation (tp within
+    a node and tp 1, parameters replicated or sharded over all data-parallel groups) and fsdp with full
+    recomputation, those the graph admits, each strategy once; when no baseline fits, one chain starts
+    from the closest of them to fitting."""
+    graph, topo = GRAPHS["mlp"](), load_topology("p100-4x4")  # 4 nodes of 4 devices
+    starts = recompute_starts(graph, topo)
+    # fsdp with full recomputation is hybrid:tp=1,shard=16 with full recomputation here: listed once
+    assert [name for name, _ in starts] == ["hybrid:tp=4,recompute=full", "hybrid:tp=4,shard=4,recompute=full",
+                                            "hybrid:tp=1,recompute=full", "hybrid:tp=1,shard=16,recompute=full"]
+    assert all(any(cfg.recompute for cfg in s.configs.values()) for _, s in starts)
+    assert any(cfg.shard > 1 for cfg in starts[1][1].configs.values())
+    # 8 samples: tp 1 over 16 devices (16 data-parallel groups) and fsdp do not divide the batch
+    small = GRAPHS["cnn"](batch=8)
+    assert [name for name, _ in recompute_starts(small, topo)] == ["hybrid:tp=4,recompute=full",
+                                                                   "hybrid:tp=4,shard=4,recompute=full"]
+    assert recompute_starts(graph, load_topology("cpu-1")) == []
+    assert [name for name, _ in recompute_starts(graph, load_topology("cpu-2"))] == [
+        "hybrid:tp=2,recompute=full", "hybrid:tp=1,recompute=full", "hybrid:tp=1,shard=2,recompute=full"]
+
+    # only full recomputation fits: no baseline does, every candidate does (all equally fast: the first)
+    evaluators = CountingEvaluators(RecomputeFits)
+    result = search(graph, topo, evaluators=evaluators, max_proposals=300)
+    assert [c.name for c in result.chains] == ["dp", "expert", "hybrid:tp=4,recompute=full", "random0"]
+    assert result.best_cost.feasible and result.history[0][0] == 0
+    assert evaluators.starts == 5 + 4 + 1  # the candidates' chain takes over its evaluator
+    # everything fits and recomputation only costs time: the candidates are not even simulated
+    evaluators = CountingEvaluators(lambda g, t: RecomputeFits(g, t, fits_anyway=True))
+    result = search(graph, topo, evaluators=evaluators, max_proposals=300)
+    assert [c.name for c in result.chains] == ["dp", "expert", "random0"] and evaluators.starts == 5 + 1

@@ -3,11 +3,14 @@ the result is never worse than the best baseline, and chains in worker processes
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_search_fixtures import GRAPHS
 
+from search import mcmc
 from search.evaluate import SimulatorEvaluators
-from search.mcmc import search
+from search.mcmc import NoFeasibleStrategy, search
 from simulator.engine import simulate
 from soap.topology import load_topology
 
@@ -43,10 +46,12 @@ def test_search_beats_data_parallel_on_the_mlp_with_the_simulator():
     assert result.best_cost.time_ms < result.baseline_ms()["dp"]
 
 
-def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompute_and_shard(tmp_path):
+def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompute_and_shard(tmp_path,
+                                                                                            monkeypatch):
     """Memory between what dp, mp, tp and expert need and what fsdp with full recomputation needs: those
     baselines are infeasible, and the search still reports a feasible strategy (recomputing or sharding),
-    never an infeasible one."""
+    never an infeasible one. A recomputing start fits, so the search knows a feasible strategy before its
+    first proposal: at least as early, and as fast, as chains from the baselines and a random start alone."""
     import json
 
     import runtime_cases as rc
@@ -67,6 +72,18 @@ def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompu
                      for i in range(4) for j in range(i + 1, 4)]}
     (tmp_path / "small.json").write_text(json.dumps(doc))
     topo = read_topology(tmp_path / "small.json")
-    result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=2)
+    result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
     assert result.best_cost.feasible and result.best_cost.peak_memory_bytes <= cap
     assert any(cfg.recompute or cfg.shard > 1 for cfg in result.best.configs.values())
+    first_fit, _, first_ms = result.history[0]  # no baseline fits: the first entry is the first fit found
+    assert first_fit == 0 and first_ms < math.inf
+    recomputing = [c for c in result.chains if c.name.endswith("recompute=full")]
+    assert len(recomputing) == 1 and recomputing[0].start_ms == first_ms
+
+    monkeypatch.setattr(mcmc, "recompute_starts", lambda graph, topology: [])
+    try:
+        without = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
+        without_fit, without_ms = without.history[0][0], without.best_cost.time_ms
+    except NoFeasibleStrategy:  # (with seeds 0 to 2, 600 proposals find none)
+        without_fit, without_ms = math.inf, math.inf
+    assert first_fit <= without_fit and result.best_cost.time_ms <= without_ms
