@@ -27,13 +27,16 @@ backpropagated with gradient 1; the step's loss is the sum over ranks of the loc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from runtime import kernels
 from runtime.collectives import CollectiveLog, EdgeMover, GradSync, make_groups
+from runtime.materialize import PieceKey, take_piece
 from soap.graph import Operator, OperatorGraph, TensorRef
 from soap.lowering import ALL_GATHER, REDUCE_SCATTER, StepPlan, SyncEntry, chunk_numel, recompute_points
 from soap.opdef import Region
@@ -54,12 +57,29 @@ def as_slices(region: Region) -> tuple[slice, ...]:
     return tuple(slice(lo, hi) for lo, hi in region)
 
 
+def pieces_needed(plan: StepPlan, rank: int) -> list[PieceKey]:
+    """The parameter pieces (fqn, region, chunk) the parts of `rank` hold under `plan`: what an `Executor`
+    reads from its `tensors` (a sharded part's chunk of each region, else the region), buffers aside."""
+    out = []
+    for step, op in zip(plan.ops, plan.flow.graph, strict=True):
+        p = step.part_on(rank)
+        if p is None:
+            continue
+        groups = step.shard_groups
+        group = groups[p] if groups is not None else (rank,)
+        chunk = (group.index(rank), len(group)) if len(group) > 1 else None
+        for name, region in op_def(op.kind).param_regions(op, step.boxes[p]).items():
+            out.append((op.params[name].fqn, tuple(tuple(r) for r in region), chunk))
+    return out
+
+
 class Executor:
     """Runs `graph` under the step plan `plan` on rank `rank` (torch.distributed already initialized when
     the plan spans more than one device).
 
-    `tensors` maps every parameter and buffer fqn of the model to its full value (every rank builds the
-    whole model from the same seed and keeps only the shards its parts read). `float_dtype` is the dtype
+    `tensors` maps every parameter and buffer fqn of the model to its full value, or is the
+    `runtime.materialize.Pieces` of `pieces_needed` (the rank built the model on the meta device and
+    materialized only those); the executor copies the pieces its parts hold. `float_dtype` is the dtype
     of the parameters (the master weights, float64 for tight verification) and, under fp32, of the
     computation; under mixed precision the executor runs the plan's `run_graph`: each op computes in the
     setup's compute dtype on a cast copy of its parameters (autograd carries the gradient back to the
@@ -92,6 +112,7 @@ class Executor:
         self.op_params: dict[str, dict[str, torch.Tensor]] = {}
         self.op_buffers: dict[str, dict[str, torch.Tensor]] = {}
         self.param_shapes = {p.fqn: p.shape for op in graph for p in op.params.values()}
+        self.buffer_shapes = {fqn: tuple(t.shape) for fqn, t in tensors.items() if fqn not in self.param_shapes}
         # Outputs every rank holds whole (`OpDef.everywhere`): the buffers, and each step's global batch.
         self.sources: dict[str, torch.Tensor] = {}
         # Per op position, the part on this rank (None: none) and its box.
@@ -118,7 +139,7 @@ class Executor:
                 fqn = op.params[name].fqn
                 key = (fqn, tuple(tuple(r) for r in region))
                 if key not in self.shards:
-                    value = tensors[fqn][as_slices(key[1])]
+                    value = take_piece(tensors, fqn, key[1])
                     self.shards[key] = self._cast(value).detach().clone().requires_grad_(True)
                 params[name] = self.shards[key]
             if not sharded:
@@ -128,7 +149,7 @@ class Executor:
                 fqn = op.attrs[name]
                 key = (fqn, tuple(tuple(r) for r in region))
                 if key not in self.buffers:
-                    self.buffers[key] = self._cast(tensors[fqn][as_slices(key[1])]).detach().clone()
+                    self.buffers[key] = self._cast(take_piece(tensors, fqn, key[1])).detach().clone()
                 buffers[name] = self.buffers[key]
             self.op_buffers[op.name] = buffers
         flow = self.flow
@@ -193,13 +214,12 @@ class Executor:
         for name, region in op_def(op.kind).param_regions(op, self.boxes[i]).items():
             fqn = op.params[name].fqn
             key = (fqn, tuple(tuple(r) for r in region))
-            value = self._cast(tensors[fqn][as_slices(key[1])]).detach().reshape(-1)
-            numel, chunk = value.numel(), chunk_numel(value.numel(), size)
-            flat = torch.zeros(size * chunk, dtype=value.dtype)
-            flat[:numel] = value
-            self.shards[key] = flat[j * chunk:(j + 1) * chunk].clone().requires_grad_(True)
+            shape = tuple(hi - lo for lo, hi in key[1])
+            numel = math.prod(shape)
+            value = self._cast(take_piece(tensors, fqn, key[1], (j, size))).detach()
+            self.shards[key] = value.clone().requires_grad_(True)
             self.chunks[key] = (j, size)
-            layout.append((name, key, numel, chunk, tuple(hi - lo for lo, hi in key[1])))
+            layout.append((name, key, numel, chunk_numel(numel, size), shape))
         self.gathers[i] = (group, layout)
         self.op_params[op.name] = {}
 
@@ -215,8 +235,9 @@ class Executor:
         rows = out.view(len(group), flat.numel())
         params, offset = {}, 0
         for name, _, numel, chunk, shape in layout:
+            # a copy, or a view of `out` when the layout has one parameter (its data is freed alike)
             value = rows[:, offset:offset + chunk].reshape(-1)[:numel].reshape(shape)
-            params[name] = value.clone().requires_grad_(True)
+            params[name] = value.requires_grad_(True)
             offset += chunk
         self.op_params[op.name] = params
 
@@ -227,6 +248,24 @@ class Executor:
         for name, w in self.op_params[op.name].items():
             held[name].data = w.detach()
         self.op_params[op.name] = held
+
+    def _param_hooks(self, op: Operator) -> tuple[Any, Any]:
+        """Saved-tensor hooks that store a tensor on a gathered parameter's storage as (parameter, view)."""
+        by_storage = {w.untyped_storage().data_ptr(): w for w in self.op_params[op.name].values()}
+
+        def pack(t: torch.Tensor) -> Any:
+            w = by_storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+            if w is None:
+                return t
+            return w, tuple(t.size()), tuple(t.stride()), t.storage_offset() - w.storage_offset()
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, torch.Tensor):
+                return saved
+            w, size, stride, offset = saved
+            return w.as_strided(size, stride, w.storage_offset() + offset)
+
+        return pack, unpack
 
     def _release(self, op: Operator) -> None:
         """Free a sharded part's gathered parameters (autograd keeps the tensors, not their data)."""
@@ -239,14 +278,21 @@ class Executor:
         group, layout = self.gathers[i]
         size = len(group)
         total = sum(chunk for _, _, _, chunk, _ in layout)
-        buf = torch.zeros(size, total, dtype=self.float_dtype)
+        buf = torch.empty(size, total, dtype=self.float_dtype)
         offset = 0
         for name, _, numel, chunk, _ in layout:
             grad = self.op_params[op.name][name].grad
-            if grad is not None:
-                padded = torch.zeros(size * chunk, dtype=self.float_dtype)
-                padded[:numel] = grad.reshape(-1)
-                buf[:, offset:offset + chunk] = padded.view(size, chunk)
+            dst = buf[:, offset:offset + chunk]
+            if grad is None:
+                dst.zero_()
+            else:  # the gradient flattened into rows of `chunk`, the padding of the last row zero
+                flat, full = grad.reshape(-1), numel // chunk
+                dst[:full].copy_(flat[:full * chunk].view(full, chunk))
+                if full < size:
+                    rest = numel - full * chunk
+                    dst[full, :rest].copy_(flat[full * chunk:])
+                    dst[full, rest:].zero_()
+                    dst[full + 1:].zero_()
             offset += chunk
         out = torch.empty(total, dtype=self.float_dtype)
         dist.reduce_scatter_single(out, buf.view(-1), group=self.groups[group])
@@ -254,8 +300,8 @@ class Executor:
         offset = 0
         for _, key, _, chunk, _ in layout:
             shard = self.shards[key]
-            piece = out[offset:offset + chunk]
-            shard.grad = piece.clone() if shard.grad is None else shard.grad + piece
+            piece = out[offset:offset + chunk]  # `out` is fresh per call and its pieces are disjoint
+            shard.grad = piece if shard.grad is None else shard.grad + piece
             offset += chunk
 
     def parameters(self) -> list[torch.Tensor]:
@@ -323,7 +369,14 @@ class Executor:
             self._gather(i, op)
         leaves = [x.detach().requires_grad_(True) if x is not None and grad and keep else x
                   for grad, x in zip(self.flow.grad_inputs[i], inputs, strict=True)]
-        if keep:
+        if keep and i in self.gathers:
+            # What autograd saves of the gathered parameters (views of them, as a linear saves its weight
+            # transposed) would keep their data alive after `_release`: save a recipe instead, which
+            # reads the parameter again once backward has gathered it back (`_gather_into`).
+            with torch.autograd.graph.saved_tensors_hooks(*self._param_hooks(op)):
+                outs = self._compute(op, self.boxes[i], leaves)
+            self.saved[op.name] = (leaves, outs)
+        elif keep:
             outs = self._compute(op, self.boxes[i], leaves)
             self.saved[op.name] = (leaves, outs)
         else:

@@ -6,9 +6,10 @@ checkpoints, optionally gather and verify), `train_step` (one step, what is time
 `integer_highs`, `reference_train` and `compare`. Imports `soap`, torch and the other `runtime` modules
 only (no simulator, no search, no soapflow: the caller passes a picklable `build` function instead).
 
-Checkpoints (`runtime.checkpoint`) are gathered on rank 0 as full tensors and restored by loading them
-into the freshly built model before it is sharded, and by slicing the optimizer state per shard: a run
-resumes under any strategy and process count.
+Checkpoints (`runtime.checkpoint`, through torch.distributed.checkpoint): every rank saves the pieces it
+holds (parameters, buffers, the optimizer state shaped like them) as boxes of the full tensors, and on
+resume loads straight into the executor's pieces and a pre-created optimizer state whatever strategy and
+process count wrote them; no rank gathers or holds a full tensor.
 
 Synthetic data: step `s` draws every example tensor from a generator seeded by (seed, s, position), the
 same on every rank and in the reference. Floating tensors are standard normal (drawn in float32, then
@@ -27,6 +28,7 @@ exactly DDP's computation, which the tests check against `DistributedDataParalle
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
@@ -41,11 +43,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.checkpoint import Checkpoint, assemble, load_checkpoint, save_checkpoint, shard_state
-from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices
+from runtime.checkpoint import (
+    CheckpointInfo,
+    boxes_of,
+    buffer_key,
+    check_resumable,
+    load_checkpoint,
+    optimizer_key,
+    param_key,
+    read_info,
+    save_checkpoint,
+    saved_tensors,
+)
+from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices, pieces_needed
+from runtime.materialize import MaterializeError, install_buffers, record, replay
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
-from soap.lowering import StepPlan, chunk_numel, lower
+from soap.lowering import StepPlan, lower
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
@@ -77,7 +91,7 @@ class TrainOptions:
     `dtype` is the dtype floating tensors compute in (float64 makes verification tight); `verify` gathers
     the parameters on rank 0 and compares losses and parameters with single-process training.
     `checkpoint_dir` receives a checkpoint every `checkpoint_every` steps (0: only after the last step);
-    `resume_from` is a checkpoint file to continue from (its step count is the first step run).
+    `resume_from` is a checkpoint directory to continue from (its step count is the first step run).
     `fault` = (kind, rank, step) is a test hook: at the start of that step that rank raises inside its first
     op's forward (`"raise"`) or SIGKILLs itself (`"kill"`).
     """
@@ -170,16 +184,6 @@ def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     out = {name: p.detach() for name, p in module.named_parameters(remove_duplicate=False)}
     out.update({name: b.detach() for name, b in module.named_buffers(remove_duplicate=False)})
     return out
-
-
-def chunk_of(value: torch.Tensor, chunk: tuple[int, int]) -> torch.Tensor:
-    """Chunk (index, count) of `value` flattened and zero-padded to a multiple of count (a sharded op's
-    layout, `soap.lowering`)."""
-    j, size = chunk
-    n = chunk_numel(value.numel(), size)
-    flat = torch.zeros(size * n, dtype=value.dtype)
-    flat[:value.numel()] = value.reshape(-1)
-    return flat[j * n:(j + 1) * n].clone()
 
 
 def merge_chunks(items: Sequence[tuple]) -> list[tuple]:
@@ -294,83 +298,102 @@ def train_step(executor: Executor, optimizer: torch.optim.Optimizer | None, batc
     return local
 
 
-def _restore(module: nn.Module, ckpt: Checkpoint) -> None:
-    """Load a checkpoint's full parameters and buffers into the freshly built `module`."""
-    tensors = named_tensors(module)
-    saved = {**ckpt.params, **ckpt.buffers}
-    for name, value in saved.items():
-        if name not in tensors:
-            raise ValueError(f"checkpoint tensor {name!r} is not in the model")
-        if tuple(tensors[name].shape) != tuple(value.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
-                             f"the model's is {tuple(tensors[name].shape)}")
-    with torch.no_grad():
-        for name, value in saved.items():
-            tensors[name].copy_(value)
-
-
-def _restore_optimizer(optimizer: torch.optim.Optimizer, executor: Executor, plan: StepPlan, ckpt: Checkpoint,
-                       options: TrainOptions) -> None:
-    if ckpt.optimizer != options.setup.optimizer:
-        raise ValueError(f"the checkpoint was written with optimizer {ckpt.optimizer}, this run uses "
-                         f"{options.setup.optimizer}")
+def _checkpoint_state(executor: Executor, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """This rank's part of a checkpoint (`runtime.checkpoint`), views of its own tensors: its parameter
+    pieces, the optimizer state shaped like them (as `Boxes`) and the optimizer's scalars (AdamW's step,
+    the first piece's tensor of each parameter, as every piece steps alike), and its buffers."""
+    by_fqn: dict[str, list[tuple[Any, torch.Tensor, tuple[int, int] | None]]] = {}
     for fqn, region, shard, chunk in executor.shard_items():
-        full = ckpt.optimizer_state.get(fqn)
-        if full:
-            state = shard_state(full, region, executor.param_shapes[fqn])
-            if chunk is not None:
-                state = {k: chunk_of(v, chunk) if isinstance(v, torch.Tensor) and v.dim() else v
-                         for k, v in state.items()}
-            optimizer.state[shard] = {k: v.to(shard.dtype) if isinstance(v, torch.Tensor) and v.dim() else v
-                                      for k, v in state.items()}
+        by_fqn.setdefault(fqn, []).append((region, shard, chunk))
+    state: dict[str, Any] = {}
+    for fqn, pieces in by_fqn.items():
+        shape = executor.param_shapes[fqn]
+        state[param_key(fqn)] = boxes_of(shape, pieces)
+        held = [optimizer.state.get(shard, {}) for _, shard, _ in pieces] if optimizer is not None else []
+        for name, first in (held[0] if held else {}).items():
+            state[optimizer_key(fqn, name)] = first if first.dim() == 0 else boxes_of(
+                shape, [(region, h[name], chunk) for (region, _, chunk), h in zip(pieces, held, strict=True)])
+    buffer_shapes = {name: tuple(t.shape) for name, t in named_tensors(executor.module).items()}
+    by_buffer: dict[str, list[tuple[Any, torch.Tensor, None]]] = {}
+    for (fqn, region), t in sorted(executor.buffers.items()):
+        by_buffer.setdefault(fqn, []).append((region, t, None))
+    for fqn, pieces in by_buffer.items():
+        state[buffer_key(fqn)] = boxes_of(buffer_shapes[fqn], pieces)
+    return {key: value for key, value in state.items() if value is not None}
 
 
-def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, plan: StepPlan, *, rank: int,
-          module: nn.Module, step: int, losses: Sequence[float], options: TrainOptions,
-          meta: Mapping[str, Any]) -> None:
-    """Gather every rank's shards, optimizer state and buffers on rank 0, which writes the checkpoint;
-    returns once it is on disk (a barrier), so a rank that dies afterwards cannot spoil it."""
-    items = []
-    for fqn, region, shard, chunk in executor.shard_items():
-        state = optimizer.state.get(shard, {}) if optimizer is not None else {}
-        items.append((fqn, region, shard.detach().clone(), chunk,
-                      {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}))
-    buffers = [(fqn, region, t.clone()) for (fqn, region), t in sorted(executor.buffers.items())]
-    gathered: list[Any] = [(items, buffers)]
-    if plan.num_devices > 1:
-        gathered = [None] * plan.num_devices if rank == 0 else None
-        dist.gather_object((items, buffers), gathered, dst=0)
-    if rank == 0:
-        initial = named_tensors(module)
-        all_items = merge_chunks([it for rank_items, _ in gathered for it in rank_items])
-        params = assemble([(f, r, t) for f, r, t, _ in all_items], initial)
-        state: dict[str, dict[str, Any]] = {}
-        for fqn, region, shard, shard_state_ in all_items:
-            for key, value in shard_state_.items():
-                if isinstance(value, torch.Tensor) and value.dim() and value.shape == shard.shape:
-                    full = state.setdefault(fqn, {}).get(key)
-                    if full is None:
-                        full = state[fqn][key] = torch.zeros(executor.param_shapes[fqn], dtype=value.dtype)
-                    full[as_slices(region)] = value
-                else:
-                    state.setdefault(fqn, {}).setdefault(key, value)
-        bufs = assemble([b for _, rank_buffers in gathered for b in rank_buffers], initial)
-        save_checkpoint(options.checkpoint_dir, Checkpoint(
-            step=step, params=params, buffers=bufs, optimizer=options.setup.optimizer, optimizer_state=state,
-            losses=tuple(losses), meta=dict(meta)))
-    if plan.num_devices > 1:
-        dist.barrier()
+def _restore(executor: Executor, optimizer: torch.optim.Optimizer | None, path: str, *, options: TrainOptions,
+             meta: Mapping[str, Any]) -> CheckpointInfo:
+    """Load checkpoint `path` straight into this rank's pieces, buffers and optimizer state (each rank
+    reads what it holds, whatever strategy and process count wrote it); returns its info."""
+    info = read_info(path)
+    check_resumable(path, info, graph=meta["graph"], fingerprint=meta["fingerprint"],
+                    optimizer=options.setup.optimizer)
+    if optimizer is not None:
+        # The state the checkpoint holds, created here for the load to fill (the optimizer creates it
+        # lazily, in its first step, and then keeps what it finds): by key prefix, (name, shape, dtype).
+        saved: dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
+        for key, (shape, dtype) in saved_tensors(path).items():
+            prefix, _, name = key.rpartition("/")
+            saved.setdefault(f"{prefix}/", []).append((name, shape, dtype))
+        for fqn, _, shard, _ in executor.shard_items():
+            for name, shape, dtype in saved.get(optimizer_key(fqn, ""), []):
+                optimizer.state[shard][name] = torch.zeros_like(shard) if shape else torch.zeros((), dtype=dtype)
+    state = _checkpoint_state(executor, optimizer)
+    load_checkpoint(path, state)
+    if optimizer is not None:
+        with torch.no_grad():
+            for fqn, _, shard, _ in executor.shard_items():
+                for name, value in optimizer.state[shard].items():
+                    if value.dim() == 0:  # a scalar the state loaded into one piece's tensor
+                        value.copy_(state[optimizer_key(fqn, name)])
+    return info
+
+
+def _save(executor: Executor, optimizer: torch.optim.Optimizer | None, *, step: int, losses: Sequence[float],
+          options: TrainOptions, meta: Mapping[str, Any]) -> None:
+    """Write checkpoint `step` (`runtime.checkpoint`): every rank its own pieces, nothing gathered; returns
+    once it is in place (a barrier), so a rank that dies afterwards cannot spoil it."""
+    save_checkpoint(options.checkpoint_dir, _checkpoint_state(executor, optimizer),
+                    CheckpointInfo(step=step, optimizer=options.setup.optimizer, losses=tuple(losses), meta=meta))
+
+
+def build_rank(build: Callable[[], Workload], plan: StepPlan, rank: int, *, seed: int
+               ) -> tuple[Workload, Mapping[str, torch.Tensor], str | None]:
+    """Build the model for `rank` from `seed` without holding it (`runtime.materialize`): the workload,
+    whose module lives on the meta device but for its buffers, and the parameter pieces the rank's
+    parts hold, equal to the eager build's. A build that cannot run on the meta device is built whole;
+    the third item then says why (None otherwise)."""
+    torch.manual_seed(seed)
+    try:
+        construction = record(build)
+        workload = construction.value
+        if not isinstance(workload, Workload):
+            raise MaterializeError(f"the build returned {type(workload).__name__}, not a Workload")
+        pieces = replay(construction, workload.module, pieces_needed(plan, rank))
+    except MaterializeError as exc:
+        torch.manual_seed(seed)
+        workload = build()
+        return workload, named_tensors(workload.module), str(exc)
+    install_buffers(workload.module, pieces)
+    del construction
+    gc.collect()  # the recording's reference cycles would hold replayed storages until the next collection
+    return workload, pieces, None
 
 
 def _executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[str, Mapping[str, Any]],
-              module: nn.Module, options: TrainOptions) -> tuple[StepPlan, Executor, torch.optim.Optimizer | None]:
-    """This rank's plan, executor over `module`'s tensors, and optimizer (None where the rank holds no
-    parameter: every op with weights placed elsewhere)."""
+              build: Callable[[], Workload], options: TrainOptions
+              ) -> tuple[StepPlan, Executor, torch.optim.Optimizer | None, Workload, str | None]:
+    """This rank's plan, executor over the pieces of the model it holds, optimizer (None where the rank
+    holds no parameter: every op with weights placed elsewhere), workload (its module on the meta device
+    unless built whole) and why it was built whole (None: it was not)."""
     plan = lower(g, strategy_from_configs(strategy), options.setup, world_size)
-    executor = Executor(g, plan, rank=rank, tensors=named_tensors(module), module=module,
+    workload, tensors, whole = build_rank(build, plan, rank, seed=options.seed)
+    module = workload.module.to(TORCH_DTYPES[options.dtype])
+    executor = Executor(g, plan, rank=rank, tensors=tensors, module=module,
                         float_dtype=TORCH_DTYPES[options.dtype], timeout_s=options.timeout_s)
     optimizer = make_optimizer(executor.parameters(), options.setup) if executor.parameters() else None
-    return plan, executor, optimizer
+    return plan, executor, optimizer, workload, whole
 
 
 class StrategyFailed(RuntimeError):
@@ -395,13 +418,10 @@ def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload]
     if steps < 1 or rounds < 1:
         raise ValueError(f"steps and rounds must be positive, got {steps} and {rounds}")
     g = OperatorGraph.from_dict(graph)
-    torch.manual_seed(options.seed)
     runs = {}
     for name, configs in strategies.items():
-        workload = build()
-        module = workload.module.to(TORCH_DTYPES[options.dtype])
-        runs[name] = (workload, *_executor(rank, world_size, g, configs, module, options)[1:],
-                      loss_scaler(options.setup))
+        _, executor, optimizer, workload, _ = _executor(rank, world_size, g, configs, build, options)
+        runs[name] = (workload, executor, optimizer, loss_scaler(options.setup))
     highs = integer_highs(g, next(iter(runs.values()))[0].module) if runs else {}
     mine: dict[str, list[list[float]]] = {name: [] for name in runs}
     step = 0
@@ -461,22 +481,18 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
     `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
     """
     g = OperatorGraph.from_dict(graph)
-    torch.manual_seed(options.seed)
-    workload = build()
-    module = workload.module.to(TORCH_DTYPES[options.dtype])
-    ckpt = load_checkpoint(options.resume_from) if options.resume_from is not None else None
-    if ckpt is not None:
-        _restore(module, ckpt)
-    plan, executor, optimizer = _executor(rank, world_size, g, strategy, module, options)
+    plan, executor, optimizer, workload, built_whole = _executor(rank, world_size, g, strategy, build, options)
+    module = executor.module
+    meta = {"graph": g.name, "fingerprint": g.fingerprint, "seed": options.seed, "num_devices": world_size}
+    first_step, history = 0, []  # history: the losses of the steps before the first (the checkpoint's)
+    if options.resume_from is not None:
+        resumed = _restore(executor, optimizer, options.resume_from, options=options, meta=meta)
+        first_step, history = resumed.step, list(resumed.losses)
     scaler = loss_scaler(options.setup)
-    if ckpt is not None and optimizer is not None:
-        _restore_optimizer(optimizer, executor, plan, ckpt, options)
-    first_step = ckpt.step if ckpt is not None else 0
     dtype = TORCH_DTYPES[options.dtype]
     highs = integer_highs(g, module)
     losses: list[float] = []
     times_ms: list[float] = []
-    meta = {"graph": g.name, "fingerprint": g.fingerprint, "seed": options.seed, "num_devices": world_size}
     for step in range(first_step, options.steps):
         batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
         fault = options.fault is not None and options.fault[1:] == (rank, step)
@@ -491,8 +507,7 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         done = step + 1
         if options.checkpoint_dir is not None and (
                 done == options.steps or (options.checkpoint_every and done % options.checkpoint_every == 0)):
-            _save(executor, optimizer, plan, rank=rank, module=module, step=done, losses=losses,
-                  options=options, meta=meta)
+            _save(executor, optimizer, step=done, losses=history + losses, options=options, meta=meta)
     per_rank: list[Any] = [times_ms]
     if world_size > 1:
         per_rank = [None] * world_size
@@ -504,6 +519,7 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         dist.all_gather_object(collectives, executor.collectives)
     result: dict[str, Any] = {
         "rank": rank, "first_step": first_step, "losses": losses, "step_time_ms": times_ms,
+        "built_whole": built_whole,
         "collectives": collectives,
         "median_step_time_ms": median_ms, "step_time_ms_per_rank": per_rank,
         "median_step_time_ms_per_rank": [statistics.median(t) if t else float("nan") for t in per_rank]}
@@ -566,7 +582,7 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
     for step in range(options.steps):
         batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
         with torch.autocast("cpu", dtype=TORCH_DTYPES[compute], enabled=compute != "float32"):
-            loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).float()
+            loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).to(dtype)
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
             (loss * (scaler.scale if scaler is not None else 1.0)).backward()

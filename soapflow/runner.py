@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint import checkpoint_step, latest_checkpoint
+from runtime.checkpoint import check_resumable, checkpoint_step, latest_checkpoint, read_info
 from runtime.launch import (
     DEFAULT_TIMEOUT_S,
     LaunchError,
@@ -93,11 +93,12 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     per kind, the count and bytes of the collectives its last step issued: `StepPlan.collectives`'
     shape), `verify` (against single-process training, `runtime.train.compare`: `passed`,
     `max_loss_rel_diff`, `max_param_rel_diff` (of each parameter's update), `max_param_abs_diff`, ...; None
-    unless `verify`), `checkpoint` (the newest checkpoint file written or None), and the resolved `nproc`,
+    unless `verify`), `checkpoint` (the newest checkpoint directory or None), and the resolved `nproc`,
     `batch_size`, `steps`, `strategy`, `setup`. `nproc` defaults to the strategy file's device count, else 2.
 
-    `checkpoint_dir` receives a full (unsharded) checkpoint every `checkpoint_every` steps and after the
-    last; `resume` continues from its newest complete checkpoint (any strategy, any process count). Every
+    `checkpoint_dir` receives a checkpoint (a directory; each rank writes the pieces it holds) every
+    `checkpoint_every` steps and after the last; `resume` continues from its newest complete checkpoint
+    (saved under any strategy and process count; one saved for another model is refused). Every
     process group has the timeout `timeout_s`. Bad input raises `ValueError` (one line); a rank that fails
     or dies raises `LaunchError` (a RuntimeError, one line naming the rank and, when known, the op).
     """
@@ -128,6 +129,9 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     if env is not None and nproc is not None and nproc != world:
         raise ValueError(f"--nproc {nproc} disagrees with torchrun's WORLD_SIZE {world}")
     spec, graph = capture_model(model_ref, batch_size=batch)
+    if resume_from is not None:
+        check_resumable(resume_from, read_info(resume_from), graph=graph.name, fingerprint=graph.fingerprint,
+                        optimizer=setup.optimizer)
     topology = load_topology(f"cpu-{world}")
     strategy = resolve_strategy(strategy_ref, graph=graph, topology=topology, setup=setup)
     kwargs = {"build": functools.partial(build_workload, model_ref, spec.batch_size),

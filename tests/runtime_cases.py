@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.materialize import Pieces, piece_of, record, replay
 from runtime.train import (
     TrainOptions,
     Workload,
@@ -216,6 +217,40 @@ MODELS: dict[str, Callable[[], Workload]] = {
 def capture_workload(build: Callable[[], Workload]) -> OperatorGraph:
     w = build()
     return capture(w.module, w.inputs, w.target, w.loss_fn, name="test", batch_size=w.inputs[0].shape[0])
+
+
+# ---------------------------------------------------------------------- materialization
+
+
+def named(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def whole_pieces(module: nn.Module) -> list:
+    return [(fqn, tuple((0, s) for s in t.shape), None) for fqn, t in module.named_parameters(remove_duplicate=False)]
+
+
+def same_as_eager(build, wanted_of, seed: int = 3) -> Pieces:
+    """Materialize `wanted_of(module)` from a recorded build and compare with an eager build from `seed`;
+    the generator must end where the eager build leaves it."""
+    torch.manual_seed(seed)
+    eager = named(build().module)
+    after_eager = torch.rand(4)
+    torch.manual_seed(seed)
+    construction = record(build)
+    module = construction.value.module
+    assert all(t.is_meta for t in module.parameters()), "the recorded build is not on the meta device"
+    wanted = wanted_of(module)
+    pieces = replay(construction, module, wanted)
+    assert torch.equal(torch.rand(4), after_eager), "the random generator is not where an eager build leaves it"
+    for fqn, region, chunk in wanted:
+        assert torch.equal(pieces.piece(fqn, region, chunk), piece_of(eager[fqn], region, chunk)), (fqn, region, chunk)
+    for fqn, value in pieces.items():
+        assert torch.equal(value, eager[fqn]), fqn
+    assert set(pieces) == {n for n, _ in build().module.named_buffers(remove_duplicate=False)}
+    return pieces
+
 
 
 # ---------------------------------------------------------------------- strategies
@@ -440,3 +475,35 @@ def small_mlp(batch_size: int = 8) -> tuple:
 
 def small_transformer(batch_size: int = 4) -> tuple:
     return zoo.ZOO["transformer"].build(batch_size, layers=2, d_model=16, heads=2, seq=8, context=None, vocab=32)
+
+
+# ---------------------------------------------------------------------- training under a memory cap
+
+
+def peak_train(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any]:
+    """`train_rank`, with `peak_bytes`: the most tensor bytes this rank held at once from the start (its
+    build included) to the end of training (`runtime.memory.track_peak`); verification, whose
+    single-process reference holds the whole model by design, is not counted."""
+    import runtime.train as train
+    from runtime.memory import track_peak
+    tracking = track_peak()
+    peak = tracking.__enter__()
+    gather = train._gather_params
+
+    def stop_then_gather(*args: Any, **kw: Any) -> Any:
+        tracking.__exit__(None, None, None)
+        return gather(*args, **kw)
+
+    train._gather_params = stop_then_gather
+    try:
+        result = train_rank(rank, world_size, **kwargs)
+    finally:
+        train._gather_params = gather
+    return result | {"peak_bytes": peak.peak_bytes, "peak_by_kind": peak.by_kind}
+
+
+def built_whole(build: Callable[[], Workload]) -> Workload:
+    """`build()`, refusing the meta device (reads a value): the runtime then builds the model whole."""
+    if torch.empty(1).is_meta:
+        float(torch.empty(1).sum())
+    return build()
