@@ -44,18 +44,15 @@ Where the comparison misses (what the simulation does not model as Megatron runs
   else at 50% or bound by 80% of the 2,039 GB/s HBM bandwidth, plus 5 us per kernel launch. Megatron's
   whole step sustained 135-142 TFLOP/s per GPU (44-46% of peak) including its communication, so where
   communication is small the prediction is faster than published;
-- the network: the preset models a node's eight NICs (one per GPU, 25 GB/s each) as one NIC endpoint
-  whose link to the InfiniBand switch carries 8 x 25 GB/s, and a link runs one transfer or collective
-  at a time (`soap.topology`, `simulator.comm`). Under TP=T the T data-parallel rings (one per
-  tensor-parallel rank) all cross every node's uplink and are serialized on it instead of sharing it,
-  so the gradient all-reduce takes about T times its ring time. The diagnostics table re-runs each row
-  on the same devices and link figures wired as rails (each GPU its own NIC and its own 25 GB/s link to
-  the switch) to show how much of the prediction that accounts for; a diagnostic, not the comparison;
-- recomputation: `recompute_full` keeps every op's outputs that two or more uses read, plus what a kept
-  op reads from a recomputing producer. In this GPT that is the residual stream twice per block (after
-  attention and after the MLP), the q/k/v split (an op with three outputs, each read once, but three
-  consumers) and the qkv projection's output that the split reads; Megatron keeps only each block's
-  input. The diagnostics table shows the memory with the split recomputing too;
+- the network: the preset gives each GPU its own NIC and its own 25 GB/s InfiniBand port (rails), so
+  the T data-parallel rings under TP=T (one per tensor-parallel rank) run side by side, each on its own
+  rail; one ring per data-parallel group crosses each node boundary once, on one rail, where NCCL would
+  run several rings over all of a node's NICs (not modelled: the 1.7B row, one ring, is hurt most). The
+  switch is one non-blocking crossbar (no leaf/spine). The diagnostics' "rails" column now repeats the
+  preset;
+- recomputation: `recompute_full` keeps the outputs that two or more ops read (per output), plus what a
+  kept op reads from a recomputing producer: in this GPT the residual stream twice per block (after
+  attention and after the MLP); Megatron keeps only each block's input;
 - tensor parallelism: the hybrid layout runs the ops between the linears (LayerNorm, dropout, residual
   adds) split on the batch inside the TP group, so the inputs of the column-parallel linears are
   gathered and the partial sums of the row-parallel ones sent back; and since the column split of the
@@ -79,7 +76,8 @@ Where the comparison misses (what the simulation does not model as Megatron runs
 512, fp16, AdamW) for `--budget` seconds (300 by default) and reports its best strategy's predicted time
 against the published configuration's predicted time (target: no slower) and whether it fits in memory.
 The search starts its chains from the plain baselines (dp, mp, tp, expert, fsdp), none of which recomputes or
-fits in 80 GB on that row, and from random strategies; where it finds nothing that fits, the report lists
+fits in 80 GB on that row, from random strategies, and, since none fits, from the closest of the
+recomputing starts (`search.mcmc.recompute_starts`); where it finds nothing that fits, the report lists
 the baselines' memory instead.
 
 Writes a table to stdout and to benchmarks/results/<name>.md, the raw figures to <name>.json::
