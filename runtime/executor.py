@@ -27,8 +27,10 @@ backpropagated with gradient 1; the step's loss is the sum over ranks of the loc
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -112,7 +114,6 @@ class Executor:
         self.op_params: dict[str, dict[str, torch.Tensor]] = {}
         self.op_buffers: dict[str, dict[str, torch.Tensor]] = {}
         self.param_shapes = {p.fqn: p.shape for op in graph for p in op.params.values()}
-        self.buffer_shapes = {fqn: tuple(t.shape) for fqn, t in tensors.items() if fqn not in self.param_shapes}
         # Outputs every rank holds whole (`OpDef.everywhere`): the buffers, and each step's global batch.
         self.sources: dict[str, torch.Tensor] = {}
         # Per op position, the part on this rank (None: none) and its box.
@@ -369,19 +370,19 @@ class Executor:
             self._gather(i, op)
         leaves = [x.detach().requires_grad_(True) if x is not None and grad and keep else x
                   for grad, x in zip(self.flow.grad_inputs[i], inputs, strict=True)]
-        if keep and i in self.gathers:
+        if not keep:
+            context: AbstractContextManager = torch.no_grad()
+        elif i in self.gathers:
             # What autograd saves of the gathered parameters (views of them, as a linear saves its weight
             # transposed) would keep their data alive after `_release`: save a recipe instead, which
             # reads the parameter again once backward has gathered it back (`_gather_into`).
-            with torch.autograd.graph.saved_tensors_hooks(*self._param_hooks(op)):
-                outs = self._compute(op, self.boxes[i], leaves)
-            self.saved[op.name] = (leaves, outs)
-        elif keep:
-            outs = self._compute(op, self.boxes[i], leaves)
-            self.saved[op.name] = (leaves, outs)
+            context = torch.autograd.graph.saved_tensors_hooks(*self._param_hooks(op))
         else:
-            with torch.no_grad():
-                outs = self._compute(op, self.boxes[i], leaves)
+            context = contextlib.nullcontext()
+        with context:
+            outs = self._compute(op, self.boxes[i], leaves)
+        if keep:
+            self.saved[op.name] = (leaves, outs)
         self.values[op.name] = tuple(o.detach() for o in outs)
         if i in self.gathers:
             self._release(op)

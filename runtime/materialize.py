@@ -300,31 +300,27 @@ def replay(construction: Construction, module: torch.nn.Module,
     # Liveness: a storage is freed after its last use, and between two uses when the later one
     # overwrites it whole without reading it (a constructor's initialization that a later
     # re-initialization replaces): it is allocated afresh there.
-    last: dict[int, int] = {}
+    last: dict[int, int] = {}  # storage -> its last use so far (after the loop: its last use)
     dead_before: set[tuple[int, int]] = set()  # (op, storage) where the op overwrites the storage whole
+    released_at: dict[int, set[int]] = {}  # op -> storages dead after it until a later whole overwrite
+    sizes: dict[int, int] = {}
     for i, (func, args, kwargs, out, _) in enumerate(construction.ops):
-        refs = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, _Ref)]
+        read = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, _Ref)]
         first = args[0] if args else None
         if (isinstance(first, _Ref) and _overwrites(func) and first.whole
-                and sum(x.key == first.key for x in tree_flatten((args, kwargs))[0] if isinstance(x, _Ref)) == 1):
+                and sum(x.key == first.key for x in read) == 1):
             dead_before.add((i, first.key))
-        for x in refs:
+            if last.get(first.key, i) != i:
+                released_at.setdefault(last[first.key], set()).add(first.key)
+        for x in (*read, *(x for x in tree_flatten(out)[0] if isinstance(x, _Ref))):
             last[x.key] = i
+            sizes[x.key] = x.nbytes
     missing = [fqn for key, items in targets.items() if key not in last for fqn, _ in items]
     if missing:
         raise MaterializeError(f"no recorded op made {', '.join(sorted(missing)[:3])}")
     freed_at: dict[int, list[int]] = {}
     for key, i in last.items():
         freed_at.setdefault(i, []).append(key)
-    released_at: dict[int, set[int]] = {}  # op -> storages dead until a later whole overwrite
-    previous: dict[int, int] = {}
-    for i, (_, args, kwargs, out, _) in enumerate(construction.ops):
-        for x in tree_flatten((args, kwargs, out))[0]:
-            if isinstance(x, _Ref):
-                if (i, x.key) in dead_before and x.key in previous and previous[x.key] != i:
-                    released_at.setdefault(previous[x.key], set()).add(x.key)
-                previous[x.key] = i
-    sizes = {x.key: x.nbytes for op in construction.ops for x in tree_flatten(op[1:4])[0] if isinstance(x, _Ref)}
 
     real: dict[int, torch.UntypedStorage] = {}
     held = peak = 0

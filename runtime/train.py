@@ -28,7 +28,6 @@ exactly DDP's computation, which the tests check against `DistributedDataParalle
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import signal
@@ -376,8 +375,6 @@ def build_rank(build: Callable[[], Workload], plan: StepPlan, rank: int, *, seed
         workload = build()
         return workload, named_tensors(workload.module), str(exc)
     install_buffers(workload.module, pieces)
-    del construction
-    gc.collect()  # the recording's reference cycles would hold replayed storages until the next collection
     return workload, pieces, None
 
 

@@ -499,7 +499,7 @@ def peak_train(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any]:
         result = train_rank(rank, world_size, **kwargs)
     finally:
         train._gather_params = gather
-    return result | {"peak_bytes": peak.peak_bytes, "peak_by_kind": peak.by_kind}
+    return result | {"peak_bytes": peak.peak_bytes}
 
 
 def built_whole(build: Callable[[], Workload]) -> Workload:
