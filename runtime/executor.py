@@ -236,8 +236,9 @@ class Executor:
         rows = out.view(len(group), flat.numel())
         params, offset = {}, 0
         for name, _, numel, chunk, shape in layout:
-            # a copy, or a view of `out` when the layout has one parameter (its data is freed alike)
-            value = rows[:, offset:offset + chunk].reshape(-1)[:numel].reshape(shape)
+            # a copy, or a view of `out` when the layout has one parameter; detached, so that it is not a
+            # view (a view holds its base, and `_release` could not free the gathered data)
+            value = rows[:, offset:offset + chunk].reshape(-1)[:numel].reshape(shape).detach()
             params[name] = value.requires_grad_(True)
             offset += chunk
         self.op_params[op.name] = params
@@ -274,19 +275,27 @@ class Executor:
             w.data = torch.empty(0, dtype=w.dtype)
             w.grad = None
 
-    def _scatter_grads(self, i: int, op: Operator) -> None:
-        """Reduce-scatter the gradients of op position `i`'s gathered parameters into this rank's chunks."""
+    def _scatter_grads(self, i: int, grads: dict[str, torch.Tensor | None]) -> None:
+        """Reduce-scatter `grads`, the gradients of op position `i`'s gathered parameters by local name,
+        into this rank's chunks. `grads` is emptied as each gradient is copied into the reduce-scatter's
+        input, so that (the caller keeping no other reference) one copy of the op's gradients lives."""
         group, layout = self.gathers[i]
         size = len(group)
         total = sum(chunk for _, _, _, chunk, _ in layout)
-        buf = torch.empty(size, total, dtype=self.float_dtype)
-        offset = 0
-        for name, _, numel, chunk, _ in layout:
-            grad = self.op_params[op.name][name].grad
-            dst = buf[:, offset:offset + chunk]
-            if grad is None:
-                dst.zero_()
-            else:  # the gradient flattened into rows of `chunk`, the padding of the last row zero
+        single = grads.get(layout[0][0]) if len(layout) == 1 and layout[0][2] == size * total else None
+        if single is not None and single.dtype == self.float_dtype and single.is_contiguous():
+            buf = single.view(size, total)  # one parameter and no padding: its gradient is the input
+        else:
+            buf = torch.empty(size, total, dtype=self.float_dtype)
+            offset = 0
+            for name, _, numel, chunk, _ in layout:
+                dst = buf[:, offset:offset + chunk]
+                offset += chunk
+                grad = grads.pop(name, None)
+                if grad is None:
+                    dst.zero_()
+                    continue
+                # the gradient flattened into rows of `chunk`, the padding of the last row zero
                 flat, full = grad.reshape(-1), numel // chunk
                 dst[:full].copy_(flat[:full * chunk].view(full, chunk))
                 if full < size:
@@ -294,10 +303,12 @@ class Executor:
                     dst[full, :rest].copy_(flat[full * chunk:])
                     dst[full, rest:].zero_()
                     dst[full + 1:].zero_()
-            offset += chunk
+        del single
+        grads.clear()
         out = torch.empty(total, dtype=self.float_dtype)
         dist.reduce_scatter_single(out, buf.view(-1), group=self.groups[group])
         self.log.record(REDUCE_SCATTER, buf.numel() * buf.element_size())
+        del buf
         offset = 0
         for _, key, _, chunk, _ in layout:
             shard = self.shards[key]
@@ -494,8 +505,10 @@ class Executor:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 in_grads = [x.grad if x is not None and x.requires_grad else None for x in leaves]
                 if sharded:
-                    self._scatter_grads(i, op)
+                    # the gathered weights are done with: free them before the reduce-scatter's buffers
+                    grads = {name: w.grad for name, w in self.op_params[op.name].items()}
                     self._release(op)
+                    self._scatter_grads(i, grads)
             for slot, eid in enumerate(flow.slot_edges[i]):
                 if eid is not None:
                     ref = flow.edges[eid].ref
