@@ -253,8 +253,9 @@ class GradSync:
 
     `ready(op)` is called after the backward of every op position, in the same order on every rank; the
     all-reduces whose last gradient that op finished (`AllReduce.after`) are launched there, in the plan's
-    order, so they overlap the backward of the ops before it (as DDP's buckets do). `finish()` waits for
-    them and writes the sums back. An all-reduce over one rank (overlapping shards of one parameter on
+    order, so they overlap the backward of the ops before it (as DDP's buckets do); a shard's gradient
+    is from then on its view of the bucket, which the all-reduce sums in place. `finish()` waits for them
+    (and writes back the sums of whole parameters). An all-reduce over one rank (overlapping shards of one parameter on
     that rank) adds them locally and issues no collective. Only the members of a group take part: a
     parameter replicated on devices (1, 2) of 4 never involves ranks 0 and 3.
     """
@@ -272,7 +273,7 @@ class GradSync:
         for a in all_reduces:
             if rank in a.group:
                 self.by_op.setdefault(a.after, []).append(a)
-        self.launched: list[tuple[dist.Work | None, torch.Tensor, list[tuple[SyncEntry, torch.Tensor]]]] = []
+        self.launched: list[tuple[dist.Work | None, list[tuple[SyncEntry, torch.Tensor]]]] = []
 
     def ready(self, op: int) -> None:
         for a in self.by_op.get(op, ()):
@@ -280,25 +281,33 @@ class GradSync:
             if len(bucket) == 1 and bucket[0][1].is_contiguous():
                 # A bucket of one gradient is reduced in place: no copy in, no copy out.
                 flat = bucket[0][1].view(-1)
+                views = bucket
             else:
                 flat = torch.cat([g.reshape(-1) for _, g in bucket])
+                views, offset = [], 0
+                for e, g in bucket:
+                    views.append((e, flat[offset:offset + g.numel()].view_as(g)))
+                    offset += g.numel()
+            del bucket
+            # A shard's own gradient becomes its view of the bucket now (the all-reduce sums in place), so
+            # that its copy is freed at once; a whole parameter's (its overlapping shards added up) is
+            # written back to the shards once the sum is done.
+            pending = []
+            for e, g in views:
+                if e.region is not None:
+                    self.set_grad(e, g)
+                else:
+                    pending.append((e, g))
             work = None
             if len(a.group) > 1:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups[a.group], async_op=True)
                 self.log.record(ALL_REDUCE, flat.numel() * flat.element_size())
-            self.launched.append((work, flat, bucket))
+            self.launched.append((work, pending))
 
     def finish(self) -> None:
-        for work, flat, bucket in self.launched:
+        for work, pending in self.launched:
             if work is not None:
                 work.wait()
-            if len(bucket) == 1 and flat.data_ptr() == bucket[0][1].data_ptr():
-                e, g = bucket[0]
+            for e, g in pending:
                 self.set_grad(e, g)
-                continue
-            offset = 0
-            for e, g in bucket:
-                n = g.numel()
-                self.set_grad(e, flat[offset:offset + n].view_as(g))
-                offset += n
         self.launched = []
