@@ -298,13 +298,15 @@ def _lstm(op, box, inputs, params, ctx):
 def _attention(op, box, inputs, params, ctx):
     q, k, v = inputs[:3]
     mask = inputs[3] if len(inputs) > 3 else None
-    if op.attrs.get("is_causal", False):
-        # the part's query rows are global rows [lo, hi); causal is top-left aligned, as in torch
+    causal = bool(op.attrs.get("is_causal", False))
+    if causal and box[2][0] > 0:
+        # the part's query rows are global rows [lo, hi); causal is top-left aligned, as in torch, so a
+        # part from row 0 is causal itself, and a later one needs the mask of its rows
         lo, hi = box[2]
         rows = torch.arange(lo, hi, device=q.device)
-        mask = rows[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
+        mask, causal = rows[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :], False
     # the part's query heads are whole groups of its kv heads, or lie inside one (Attention.check)
-    return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=op.attrs.get("scale"),
+    return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=op.attrs.get("scale"),
                                            enable_gqa=k.shape[1] != q.shape[1]),)
 
 

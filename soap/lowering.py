@@ -62,13 +62,16 @@ The rules, each stated once:
   chunks are then all-reduced among the devices holding the same chunk (a `SyncEntry` per chunk over
   that group, bucketed as any other). Only ops whose parameters no other op uses shard.
 
-Memory of a device, over the step: what it keeps — the outputs of its parts and the batch regions they
-read (activations kept for backward; none for recomputing parts), the input pieces it receives and its
-partial-sum buffers, what it keeps of a recomputing producer's output, the parameters, gradients and
-optimizer state of its shards (1/S of a sharded region) — plus the largest transient of one part (what
-a recomputing part recomputes; the gathered parameters of a sharded part and their gradient). The kept
-sum is an upper bound (no liveness analysis); the transient is the peak of one op at a time, as the
-runtime frees a part's transients before the next op's.
+Memory of a device, over the step: what it keeps — the outputs of its parts (none where the kernel
+returns views of its input, `OpDef.output_is_view`) and what their kernels save for backward besides
+(`OpDef.saved_bytes`), the batch regions they read (activations kept for backward; none for recomputing
+parts), the input pieces it receives and its partial-sum buffers, what it keeps of a recomputing
+producer's output, the parameters, gradients and optimizer state of its shards (1/S of a sharded
+region) — plus the largest transient of one part: what a recomputing part recomputes, the gathered
+parameters of a sharded part and their gradient, and in backward the gradients of the part's float
+outputs and of the inputs it reads. The kept sum is an upper bound (no liveness analysis); the
+transient is the peak of one op at a time, as the runtime frees a part's transients before the next
+op's.
 
 Regions are in global tensor coordinates, half-open; device `d` is rank `d` of the runtime. Pure Python
 with numpy: must not import torch, the simulator, the search or the runtime.
@@ -363,20 +366,28 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig) -> OpStep:
     act = [0] * n
     transient = [0] * n
     if not flow.everywhere[i]:
+        view = entry.output_is_view(op)
+        in_items = [DTYPE_BYTES[flow.ops[flow.index[ref.op]].outputs[ref.index].dtype] for ref in op.inputs]
         for c, b in enumerate(boxes):
-            out_bytes = sum(region_numel(entry.output_region(op, b, o)) * DTYPE_BYTES[spec.dtype]
-                            for o, spec in enumerate(op.outputs))
+            out_bytes = [region_numel(entry.output_region(op, b, o)) * DTYPE_BYTES[spec.dtype]
+                         for o, spec in enumerate(op.outputs)]
+            kept = (0 if view else sum(out_bytes)) + entry.saved_bytes(op, b)
             if cfg.recompute:
-                transient[c] = out_bytes
+                transient[c] = kept
             else:
-                act[c] = out_bytes
+                act[c] = kept
+            if step.runs_bwd:
+                # its backward holds the gradients of its float outputs and of the inputs it reads
+                transient[c] += sum(nb for nb, spec in zip(out_bytes, op.outputs, strict=True)
+                                    if spec.dtype in FLOAT_DTYPES)
+                transient[c] += sum(region_numel(rows[s][c]) * in_items[s]
+                                    for s, grad in enumerate(flow.grad_inputs[i]) if grad)
         for s, ref in enumerate(op.inputs):
             # The batch moves nothing, but each device's loader holds what it reads.
             src = flow.ops[flow.index[ref.op]]
             if src.kind == "input":
-                itemsize = DTYPE_BYTES[src.outputs[ref.index].dtype]
                 for c, r in enumerate(rows[s]):
-                    act[c] += region_numel(r) * itemsize
+                    act[c] += region_numel(r) * in_items[s]
     step.activation_bytes = tuple(act)
     _lower_shards(flow, op, step, cfg.shard)
     step.transient_bytes = tuple(t + g + r for t, g, r in zip(transient, step.gather_bytes, step.scatter_bytes,

@@ -180,6 +180,18 @@ class OpDef:
         """The part of each buffer (running statistics) the part reads and updates, keyed by local name."""
         return {}
 
+    # Memory facts (the memory model of `soap.lowering` reads them; the defaults fit most kinds).
+
+    def output_is_view(self, op: Operator) -> bool:
+        """Whether the kernel returns views of its input 0 (a reshape, a split's pieces): the outputs take
+        no memory of their own, and the memory model counts none for them."""
+        return False
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        """Bytes a part's kernel keeps for backward besides the op's inputs, outputs and parameters (a max
+        pool's indices, a cross entropy's log-probabilities), in the dtypes of `op` as run."""
+        return 0
+
     def reduced(self, op: Operator, box: Box) -> bool:
         """Whether the part holds partial sums (it covers a proper subrange of a dim with no out_axis)."""
         return any(d.out_axis is None and (hi - lo) != d.size

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from soap.graph import Operator
+from soap.graph import DTYPE_BYTES, Operator
 from soap.opdef import (
     Box,
     DimKind,
@@ -35,6 +35,7 @@ from soap.opdef import (
     input_shape,
     pair,
     part_boxes,
+    region_numel,
     window_range,
 )
 
@@ -446,6 +447,15 @@ class LSTM(OpDef):
     captured_from = ("lstm",)
     kernel = "lstm"
 
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # What the LSTM equations keep for backward per layer, step, sample and hidden unit: the four
+        # gate activations, the cell state and its tanh, and (below the last layer, whose output is the
+        # op's) the layer's output. Kernels may keep more: torch's CPU kernel (oneDNN) keeps a workspace
+        # about 2.5 times this.
+        (n0, n1), (t0, t1) = box[0], box[1]
+        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+        return (7 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, t, h = op.outputs[0].shape
         return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
@@ -482,13 +492,26 @@ class Attention(OpDef):
     heads of the mask, so q, k and v split on heads need no communication); `seq` (attribute, the query
     rows: a part reads its rows of q and of the mask and all of k and v; its causal mask starts at its
     first row); `head_dim` (the output's dv) not splittable. The kernel is fused: it keeps no Tq x Tk
-    scores, so a part's activations are its output alone.
+    scores, so a part keeps its output and each query row's log-sum-exp.
     """
 
     kind = "attention"
     captured_from = ("scaled_dot_product_attention",)
     kernel = "attention"
     flops_counted = True
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # the fused kernel keeps each query row's log-sum-exp of the scores (float32 at least) and its
+        # mask made additive, in the op's dtype: the causal mask of a part that does not start at row 0,
+        # or the mask input's region (counted whatever its dtype: a float one is kept as it is)
+        (n0, n1), (h0, h1), (s0, s1) = box[0], box[1], box[2]
+        itemsize = DTYPE_BYTES[op.outputs[0].dtype]
+        saved = (n1 - n0) * (h1 - h0) * (s1 - s0) * max(DTYPE_BYTES["float32"], itemsize)
+        if op.attrs.get("is_causal", False) and s0 > 0:
+            saved += (s1 - s0) * input_shape(op, 1)[2] * itemsize
+        elif len(op.inputs) > 3:
+            saved += region_numel(self.input_regions(op, box)[3]) * itemsize
+        return saved
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, heads, t, hd = op.outputs[0].shape
@@ -550,6 +573,12 @@ class Pool2d(OpDef):
     kind = "pool2d"
     captured_from = ("max_pool2d", "max_pool2d_with_indices", "avg_pool2d")
     kernel = "pool2d"
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # a max pool keeps the index of each output's maximum (int64)
+        if op.attrs.get("mode", "max") != "max":
+            return 0
+        return region_numel(self.output_region(op, box)) * DTYPE_BYTES["int64"]
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, c, ho, wo = op.outputs[0].shape
@@ -616,6 +645,9 @@ class Elementwise(_AxisOp):
     captured_from = ("relu", "gelu", "tanh", "sigmoid", "silu", "neg", "exp", "rsqrt", "clone", "alias",
                      "contiguous", "to", "_to_copy", "add", "sub", "mul", "div", "rsub", "pow")
     kernel = "elementwise"
+
+    def output_is_view(self, op: Operator) -> bool:
+        return op.attrs.get("fn") == "identity"  # the kernel returns its input
 
     def flops(self, op: Operator) -> float:
         return float(output_numel(op))
@@ -751,6 +783,9 @@ class Expand(OpDef):
     captured_from = ("expand",)
     kernel = "expand"
 
+    def output_is_view(self, op: Operator) -> bool:
+        return True
+
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return tuple(axis_dims(op.outputs[0].shape))
 
@@ -796,6 +831,9 @@ class Split(OpDef):
     captured_from = ("split", "split_with_sizes", "chunk")
     kernel = "split"
 
+    def output_is_view(self, op: Operator) -> bool:
+        return True
+
     def axis(self, op: Operator) -> int:
         return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
 
@@ -826,6 +864,9 @@ class Slice(OpDef):
     kind = "slice"
     captured_from = ("select", "slice")
     kernel = "slice"
+
+    def output_is_view(self, op: Operator) -> bool:
+        return True
 
     def axis(self, op: Operator) -> int:
         nd = len(op.outputs[0].shape) + bool(op.attrs.get("squeeze", False))
@@ -946,6 +987,9 @@ class Reshape(OpDef):
     captured_from = ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze", "squeeze")
     kernel = "reshape"
 
+    def output_is_view(self, op: Operator) -> bool:
+        return True
+
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return tuple(axis_dims(op.outputs[0].shape))
 
@@ -979,6 +1023,9 @@ class Transpose(OpDef):
     kind = "transpose"
     captured_from = ("transpose", "permute", "t", "numpy_T")
     kernel = "transpose"
+
+    def output_is_view(self, op: Operator) -> bool:
+        return True
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return tuple(axis_dims(op.outputs[0].shape))
@@ -1022,6 +1069,15 @@ class Dropout(_AxisOp):
     captured_from = ("dropout",)
     kernel = "dropout"
 
+    def output_is_view(self, op: Operator) -> bool:
+        return float(op.attrs.get("p", 0.5)) == 0.0  # at p = 0 the kernel returns its input
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # the keep mask, in the output's dtype, which the product saves
+        if self.output_is_view(op) or float(op.attrs.get("p", 0.5)) >= 1.0:
+            return 0
+        return region_numel(self.output_region(op, box)) * DTYPE_BYTES[op.outputs[0].dtype]
+
     def flops(self, op: Operator) -> float:
         return float(output_numel(op))
 
@@ -1039,6 +1095,13 @@ class Loss(OpDef):
     # cross_entropy_loss, mse_loss, and nll_loss of a log_softmax over classes (fused into one op)
     captured_from = ("cross_entropy_loss", "mse_loss", "nll_loss", "nll_loss_nd")
     kernel = "loss"
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # cross entropy keeps the log-probabilities of its logits region and the count it divides by (a
+        # scalar), in the loss's own dtype
+        if op.attrs["fn"] != "cross_entropy":
+            return 0
+        return (region_numel(self.input_regions(op, box)[0]) + 1) * DTYPE_BYTES[op.outputs[0].dtype]
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         shape = input_shape(op, 0)

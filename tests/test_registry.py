@@ -686,8 +686,9 @@ def test_causal_attention_part_offsets_its_mask_by_its_first_query_row():
     assert not torch.allclose(part, F.scaled_dot_product_attention(q[:, :, 3:6], k, v, is_causal=True))
 
 
-def test_fused_attention_keeps_only_its_output_for_backward():
-    """The step plan's activation bytes of an attention part are its output's, never Tq x Tk scores."""
+def test_fused_attention_keeps_its_output_and_row_statistics_for_backward():
+    """The step plan's activation bytes of an attention part are its output's and its rows' log-sum-exp
+    (float32), never N x H x Tq x Tk scores; a causal part after the first keeps its rows of the mask."""
     from soap.lowering import lower
     from soap.setup import TrainSetup
     from soap.strategy import Strategy
@@ -709,5 +710,86 @@ def test_fused_attention_keeps_only_its_output_for_backward():
         cfg = ParallelConfig(degrees=degrees, devices=tuple(range(max(1, len(degrees) * 2))))
         plan = lower(graph, Strategy({**single, "attn": cfg}), TrainSetup(), 2)
         step = plan.ops[graph.position("attn")]
-        assert step.activation_bytes == (spec.nbytes // len(step.activation_bytes),) * len(step.activation_bytes)
+        parts = len(step.activation_bytes)
+        mask = [(box[2][0] > 0) * (box[2][1] - box[2][0]) * t * 4 for box in step.boxes]
+        assert step.activation_bytes == tuple((spec.nbytes + n * h * t * 4) // parts + m for m in mask)
     assert op_def("attention").flops(graph["attn"]) == 2.0 * n * h * t * t * (d + d)
+
+
+# ---------------------------------------------------------------- (5) memory facts agree with the kernels
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_output_is_view_says_what_the_kernel_returns(case):
+    """An entry says its outputs are views exactly where the kernel returns views of input 0 (the memory
+    model then counts no bytes for them), over the whole box and a split."""
+    op = case.op()
+    entry = op_def(op.kind)
+    splits = [] if case.kind == "batchnorm" else _degree_sets(op)[:2]  # (one row per channel fails to train)
+    for degrees in [{}, *splits]:
+        for box in _parts(op, degrees):
+            regions = entry.input_regions(op, box)
+            inputs = [None if r is None else x[_index(r)] for x, r in zip(case.inputs, regions, strict=True)]
+            params = {k: case.params[k][_index(r)] for k, r in entry.param_regions(op, box).items()}
+            buffers = {k: case.buffers[k][_index(r)].clone() for k, r in entry.buffer_regions(op, box).items()}
+            outs = compute_part(op, box, inputs, params, training=case.training, buffers=buffers)
+            base = inputs[0].untyped_storage().data_ptr() if inputs and inputs[0] is not None else None
+            views = [o.untyped_storage().data_ptr() == base for o in outs]
+            assert all(views) == entry.output_is_view(op) and any(views) == all(views), (case.id, degrees)
+
+
+def _saved_beyond(fn, tensors) -> int:
+    """Bytes autograd saves for `fn(*tensors)`'s backward in storages that are neither its inputs nor its
+    outputs (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = fn(*leaves)
+    known = {t.untyped_storage().data_ptr() for t in [*leaves, *(outs if isinstance(outs, tuple) else (outs,))]}
+    return sum(n for p, n in seen.items() if p not in known)
+
+
+def test_saved_bytes_are_what_autograd_saves_beyond_inputs_and_outputs():
+    """Cross entropy keeps its log-probabilities, a max pool its int64 indices, dropout its mask and the
+    fused attention its rows' log-sum-exp: what torch's autograd saves besides the op's own tensors, for
+    the part boxes the registry gives. (The LSTM's figure is what its equations need; torch's kernels keep
+    a workspace of their own size, so it is checked against the formula, not a kernel.)"""
+    def op(kind, inputs, outputs, **attrs):
+        return Operator(name=kind, kind=kind, inputs=tuple(TensorRef(op=f"x{i}") for i in range(len(inputs))),
+                        outputs=tuple(TensorSpec(shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+                                      for t in outputs),
+                        attrs={**attrs, "input_shapes": [list(t.shape) for t in inputs]})
+
+    logits, target = _rand(6, 5, 3), torch.randint(0, 5, (6, 3))
+    loss = op("loss", [logits, target], [torch.zeros((), dtype=DTYPE)], fn="cross_entropy", reduction="mean")
+    x = _rand(2, 3, 8, 8)
+    pool = op("pool2d", [x], [F.max_pool2d(x, 2)], mode="max", kernel=[2, 2], stride=[2, 2], padding=[0, 0])
+    drop = op("dropout", [x], [x], p=0.25, seed=1)
+    q = _rand(2, 4, 6, 8)
+    attn = op("attention", [q, q, q], [q], is_causal=False, scale=None)
+    causal = op("attention", [q, q, q], [q], is_causal=True, scale=None)
+    keep = torch.rand(2, 1, 6, 6) > 0.3
+    masked = op("attention", [q, q, q, keep], [q], is_causal=False, scale=None)
+    for o, inputs in ((loss, [logits, target]), (pool, [x]), (drop, [x]), (attn, [q, q, q]), (causal, [q, q, q]),
+                      (masked, [q, q, q, keep])):
+        entry = op_def(o.kind)
+        for degrees in [{}, *_degree_sets(o)[:2]]:
+            for box in _parts(o, degrees):
+                regions = entry.input_regions(o, box)
+                parts_in = [t[_index(r)].contiguous() for t, r in zip(inputs, regions, strict=True)]
+                got = _saved_beyond(lambda *ts, o=o, box=box: compute_part(o, box, list(ts), {}, training=True),
+                                    parts_in)
+                assert entry.saved_bytes(o, box) == got, (o.kind, degrees, box)
+    assert op_def("dropout").saved_bytes(op("dropout", [x], [x], p=0.0), full_box(dims_of(drop))) == 0
+    h = 16
+    lstm = Operator(name="lstm", kind="lstm", inputs=(TensorRef(op="x0"),),
+                    outputs=(TensorSpec(shape=(4, 5, h)), TensorSpec(shape=(2, 4, h)), TensorSpec(shape=(2, 4, h))),
+                    params={"weight_ih_l0": ParamSpec(shape=(4 * h, 3), fqn="w")},
+                    attrs={"hidden_size": h, "num_layers": 2, "input_shapes": [[4, 5, 3]]})
+    # per step, sample and unit: 6 values in each of the 2 layers, and the first layer's output
+    assert op_def("lstm").saved_bytes(lstm, ((0, 2), (0, 5), (0, h))) == (6 * 2 + 1) * 2 * 5 * h * 4

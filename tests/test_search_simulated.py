@@ -83,7 +83,8 @@ def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompu
     monkeypatch.setattr(mcmc, "recompute_starts", lambda graph, topology: [])
     try:
         without = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
-        without_fit, without_ms = without.history[0][0], without.best_cost.time_ms
+        without_fit = without.history[0][0]
     except NoFeasibleStrategy:  # (with seeds 0 to 2, 600 proposals find none)
-        without_fit, without_ms = math.inf, math.inf
-    assert first_fit <= without_fit and result.best_cost.time_ms <= without_ms
+        without_fit = math.inf
+    # the recomputing start reaches a feasible strategy sooner, and the chains improve on it
+    assert first_fit < without_fit and result.best_cost.time_ms < first_ms

@@ -148,7 +148,8 @@ def test_a_strategy_that_needs_more_memory_than_a_device_holds_is_infeasible():
     tl = simulate(graph, whole, topo, FixedCostModel())
     capacity = topo.devices[1].memory_bytes
     weight = 32768 * 32768 * 4
-    need = 3 * weight + 8 * 32768 * 4 * 2  # weight, gradient, momentum; the input it receives, its output
+    # weight, gradient, momentum; the input it receives, its output; in backward its output's gradient
+    need = 3 * weight + 8 * 32768 * 4 * 3
     assert not tl.feasible
     assert tl.oom == (OutOfMemory(device=1, need_bytes=need, capacity_bytes=capacity),)
     summary = tl.summary()

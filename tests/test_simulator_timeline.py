@@ -61,8 +61,9 @@ def test_one_device_chain():
     assert (tl.compute_ms, tl.comm_ms, tl.sync_ms) == (6.5, 0.0, 0.0)
     assert tl.bytes_moved == 0
     # memory: fc holds weight [8, 8] + bias [8] = 288 bytes as parameter, gradient and one optimizer copy,
-    # plus the activations of the parts on the device (x, fc's output; y and the scalar loss)
-    assert tl.peak_memory_bytes == (3 * 288 + 128 + 128 + 128 + 4, 0)
+    # plus the activations of the parts on the device (x, fc's output; y and the scalar loss), plus the
+    # largest backward transient, the loss's: its scalar's gradient and its input's (fc's output)
+    assert tl.peak_memory_bytes == (3 * 288 + 128 + 128 + 128 + 4 + (4 + 128), 0)
     assert tl.device_busy_ms == (6.5, 0.0)
 
 
@@ -94,8 +95,9 @@ def test_transfer_and_its_gradient_cross_both_links_of_the_route():
     assert tl.bytes_moved == 256
     assert tl.comm_ms == pytest.approx(2 * T_128 / MS, abs=1e-12)
     assert tl.compute_ms == pytest.approx(6.5, abs=1e-12)
-    # device 1 keeps the 128 bytes it receives for the backward pass
-    assert tl.peak_memory_bytes == (3 * 288 + 128 + 128, 128 + 4 + 128)
+    # device 1 keeps the 128 bytes it receives for the backward pass; the backward transients: fc's output
+    # gradient (128; the batch gets none) on device 0, the loss's scalar and input gradients on device 1
+    assert tl.peak_memory_bytes == (3 * 288 + 128 + 128 + 128, 128 + 4 + 128 + (4 + 128))
 
 
 def test_a_transfer_keeps_cpu_processes_from_computing_but_overlaps_on_gpus():
