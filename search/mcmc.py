@@ -50,6 +50,8 @@ The method:
   the result depends on the seed alone, not on `jobs` or the machine's speed: each chain draws from its
   own `random.Random` seeded by (seed, chain name). A time budget makes the number of proposals, hence
   the result, depend on speed.
+- a best strategy found by a chain is tidied before it is returned (`search.tidy`): ops whose layout
+  matches none of their neighbours' take a neighbour's where the predicted time does not grow.
 - every chain costs proposals with its own `Evaluator` (delta simulation: only the changed op's tasks
   are re-timed). Each baseline is simulated by an evaluator of its own; with `jobs` 1 a chain that
   starts from a baseline takes over that evaluator instead of simulating its start again.
@@ -71,6 +73,7 @@ from typing import Any
 from search.baselines import BASELINES, BaselineNotApplicable, fsdp, parse_baseline, recompute_full
 from search.evaluate import Cost, Evaluator, EvaluatorFactory
 from search.space import ConfigSpace
+from search.tidy import tidy
 from search.workers import ChainSpec, Progress, WorkerJob, from_plain, run_workers, to_plain
 from soap.graph import OperatorGraph
 from soap.strategy import Strategy
@@ -413,6 +416,8 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
             best = chain["best"] if isinstance(chain["best"], Strategy) else from_plain(chain["best"])
     if best is None or best_cost is None:
         raise NoFeasibleStrategy(_no_fit_message(topology, min_peak))
+    if best_name != best_baseline:  # a chain's leftovers take their neighbours' layouts (`search.tidy`)
+        best, best_cost = tidy(graph, best, evaluators(graph, topology), num_devices=topology.num_devices)
     history = _merge_history(outcomes, feasible[best_baseline].time_ms if best_baseline else math.inf, offset)
     return SearchResult(
         best=best, best_cost=best_cost, best_source=best_name, baselines=MappingProxyType(costs),

@@ -1,0 +1,87 @@
+"""`search.tidy`: ops whose layout matches none of their neighbours' take a neighbour's where the predicted
+time does not grow, and keep theirs where it would."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import runtime_cases as rc
+
+from search import mcmc
+from search.evaluate import Cost, FullEvaluator, SimulatorEvaluators
+from search.tidy import tidy
+from soap.config import ParallelConfig
+from soap.graph import OperatorGraph
+from soap.registry import op_def
+from soap.strategy import Strategy
+from soap.topology import DeviceTopology, load_topology
+
+
+def _layout(cfg: ParallelConfig) -> tuple:
+    return (tuple(sorted(cfg.degrees.items())), cfg.devices)
+
+
+def _outliers(graph, strategy: Strategy) -> set[str]:
+    """Ops (not sources) whose layout matches none of their neighbours' (producers and consumers)."""
+    near: dict[str, set[str]] = {op.name: set() for op in graph}
+    for op in graph:
+        for ref in op.inputs:
+            if not op_def(graph[ref.op].kind).everywhere:
+                near[op.name].add(ref.op)
+                near[ref.op].add(op.name)
+    return {n for n, others in near.items() if others and not op_def(graph[n].kind).everywhere
+            and _layout(strategy[n]) not in {_layout(strategy[o]) for o in others}}
+
+
+@functools.cache
+def searched() -> tuple[OperatorGraph, DeviceTopology, Strategy]:
+    """The RNN language model on 2 x 2 devices: the best strategy of a short search, untidied."""
+    graph, topology = rc.graph_of("rnnlm"), load_topology("p100-2x2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mcmc, "tidy", lambda graph, strategy, evaluator, num_devices: (strategy,
+                                                                                      evaluator.start(strategy)))
+        result = mcmc.search(graph, topology, evaluators=SimulatorEvaluators(), max_proposals=2000, seed=0)
+    assert result.best_source.startswith("chain") and _outliers(graph, result.best), "a fixture to tidy"
+    return graph, topology, result.best
+
+
+def test_tidy_gives_outliers_their_neighbours_layout_where_the_predicted_time_does_not_grow():
+    graph, topology, messy = searched()
+    evaluators = SimulatorEvaluators()
+    before = evaluators(graph, topology).start(messy)
+    tidied, cost = tidy(graph, messy, evaluators(graph, topology), num_devices=topology.num_devices)
+    # the cost is the simulator's for the strategy returned, and no worse than before
+    again = evaluators(graph, topology).start(tidied)
+    assert cost == again and cost.feasible and cost.time_ms <= before.time_ms
+    assert len(_outliers(graph, tidied)) < len(_outliers(graph, messy))
+    # only outliers changed
+    assert {n for n in messy.configs if tidied[n] != messy[n]} <= _outliers(graph, messy)
+    # the search tidies its best itself
+    result = mcmc.search(graph, topology, evaluators=evaluators, max_proposals=2000, seed=0)
+    assert result.best == tidied and result.best_cost == cost
+
+
+def test_tidy_keeps_an_outlier_where_its_neighbours_layout_is_slower_or_does_not_fit():
+    graph, topology, messy = searched()
+    outliers = _outliers(graph, messy)
+
+    def slower(strategy: Strategy) -> Cost:  # any change makes it slower
+        return Cost(time_ms=1.0 if strategy == messy else 2.0)
+
+    same, cost = tidy(graph, messy, FullEvaluator(slower), num_devices=topology.num_devices)
+    assert same == messy and cost.time_ms == 1.0
+
+    def unfit(strategy: Strategy) -> Cost:  # any change is faster but does not fit
+        if strategy == messy:
+            return Cost(time_ms=1.0)
+        return Cost(time_ms=0.5, feasible=False, peak_memory_bytes=2.0, memory_excess_bytes=1.0)
+
+    same, _ = tidy(graph, messy, FullEvaluator(unfit), num_devices=topology.num_devices)
+    assert same == messy
+
+    def by_outliers(strategy: Strategy) -> Cost:  # fewer outliers are faster: every one is tidied
+        return Cost(time_ms=float(len(_outliers(graph, strategy))))
+
+    tidied, cost = tidy(graph, messy, FullEvaluator(by_outliers), num_devices=topology.num_devices)
+    assert outliers and cost.time_ms < len(outliers) and cost.time_ms == len(_outliers(graph, tidied))
