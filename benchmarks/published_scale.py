@@ -63,6 +63,9 @@ Where the comparison misses (what the simulation does not model as Megatron runs
   of the diagnostics' "kept inputs" column, which grows with T (about 160 GB per device in the 18.4B
   row), where Megatron's recomputation communicates again. The memory model is an upper bound besides
   (no liveness analysis);
+- the loss: the cross entropy keeps the float32 log-probabilities of the whole vocabulary for backward
+  (the "loss" entry of the kept outputs: 6.7 GB per device in the 1.7B row), since the loss does not
+  split over classes, where Megatron's vocabulary-parallel cross entropy splits it over the TP group;
 - no pipelining and no micro-batches: each device holds the activations of its whole share of the
   global batch at once (16 sequences of 2048 tokens per data-parallel group in the 512 rows, 32 in the
   18.4B row), where Megatron accumulates gradients over micro-batches; so rows can be predicted
