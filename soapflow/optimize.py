@@ -41,6 +41,7 @@ from typing import Any
 
 from runtime.measure import measure_parts, part_jobs
 from search.baselines import BASELINES, BaselineNotApplicable
+from search.bound import lower_bound
 from search.evaluate import SimulatorEvaluators
 from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, check_budgets, search
 from simulator.calibration import MachineProfile, read_profile
@@ -200,6 +201,7 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
     feasible = [ms for ms in baselines.values() if ms is not None]
     summary = strategy_summary(graph, result.best, topology, cost_model=cost_model, setup=setup)
     best_peak = max(summary["peak_memory_bytes"], default=0)
+    bound = lower_bound(graph, topology, cost_model=cost_model, setup=setup)
     table = [{"strategy": "best", "iteration_time_ms": best_ms, "speedup_vs_dp": dp_ms / best_ms if dp_ms else None,
               "peak_memory_bytes": best_peak, "feasible": True, "note": f"found by {result.best_source}"}]
     for name, cost in result.baselines.items():
@@ -215,6 +217,8 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
         "baseline_notes": notes,
         "speedup_vs_dp": dp_ms / best_ms if dp_ms else None,
         "speedup_vs_best_baseline": min(feasible) / best_ms if feasible else None,
+        "lower_bound": {"time_ms": bound.time_ms, "work_ms": bound.work_ms, "path_ms": bound.path_ms,
+                        "gap": bound.gap(best_ms)},
         "table": table,
         "num_proposals": result.num_proposals,
         "proposals_per_s": result.proposals_per_s,

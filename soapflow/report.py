@@ -151,6 +151,11 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     lines.append("")
     lines.append(f"search: {out['num_proposals']:,} proposals in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
+    b = out.get("lower_bound")
+    if b:
+        lines.append(f"no strategy can beat {b['time_ms']:.4g} ms per iteration (lower bound: the least compute "
+                     f"spread over every device, {b['work_ms']:.4g} ms, or along the longest chain of ops, "
+                     f"{b['path_ms']:.4g} ms); the best is {100 * b['gap']:.0f}% above it")
     m = out.get("measured") or {}
     if "best_parts_unmeasured" in m:
         lines.append(f"measured on this machine: {m['parts_timed']} op part(s) timed, {m['rounds']} search(es) "

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from search.baselines import BASELINES
+from search.bound import lower_bound
 from search.mcmc import NoFeasibleStrategy
 from simulator.engine import simulate
 from soap.setup import TrainSetup
@@ -82,13 +83,19 @@ def test_optimize_report_keys_table_and_strategy_file(tmp_path):
     assert seen[-1]["best_ms"] >= best
     # a summary of what the strategy does
     assert out["strategy"]["description"] and out["strategy"]["groups"]
+    # the lower bound on any strategy (`search.bound`) and the best's gap to it
+    bound = lower_bound(graph, topology)
+    assert out["lower_bound"] == {"time_ms": bound.time_ms, "work_ms": bound.work_ms, "path_ms": bound.path_ms,
+                                  "gap": best / bound.time_ms - 1.0}
+    assert 0 < bound.time_ms <= best
     json.dumps(out)  # JSON-able as it is
 
 
 def test_optimize_text_has_the_table_and_the_summary(tmp_path):
     out = _optimize(tmp_path)
     text = optimize_text(out)
-    for word in ("best", "dp", "mp", "tp", "expert", "vs dp", "peak memory", "proposals", "what the best"):
+    for word in ("best", "dp", "mp", "tp", "expert", "vs dp", "peak memory", "proposals", "what the best",
+                 "no strategy can beat", f"{100 * out['lower_bound']['gap']:.0f}% above it"):
         assert word in text
     assert out["best"]["strategy_file"] in text
 

@@ -1,0 +1,67 @@
+"""Exhaustive search over every strategy of a small graph: the optimum the MCMC search should reach.
+
+Owns `exhaustive` and `space_size`. Every op the search proposes for (`search.space.ConfigSpace.ops`)
+takes every config of its space, depth first, each change costed by the caller's `Evaluator` (delta
+simulation: one op re-timed per step), so the strategies visited are exactly those the MCMC chains can
+reach, and the best that fits is the optimum of the search's own space under the simulator. The count
+is the product of the ops' config counts: `space_size` says it before anything runs, and `exhaustive`
+refuses more than `limit` strategies. Meant for tests and benchmarks on graphs of a few ops on a few
+devices. Must not import torch, the runtime or soapflow.
+"""
+
+from __future__ import annotations
+
+import math
+
+from search.evaluate import Cost, Evaluator
+from search.space import ConfigSpace
+from soap.config import ParallelConfig
+from soap.graph import OperatorGraph
+from soap.strategy import Strategy
+from soap.topology import DeviceTopology
+
+
+def space_size(graph: OperatorGraph, topology: DeviceTopology) -> int:
+    """How many strategies the search's space holds for `graph` on `topology`."""
+    space = ConfigSpace(graph, topology)
+    return math.prod(space.num_configs(name) for name in space.ops)
+
+
+def exhaustive(graph: OperatorGraph, topology: DeviceTopology, start: Strategy, evaluator: Evaluator, *,
+               limit: int = 200_000) -> tuple[Strategy, Cost, int]:
+    """The fastest strategy that fits among all of the search's space (module docstring), its cost and the
+    number of strategies costed. `start` gives the configs of the ops the space does not propose for
+    (sources). `ValueError` when the space holds more than `limit` strategies or none fits."""
+    size = space_size(graph, topology)
+    if size > limit:
+        raise ValueError(f"{size} strategies is more than the limit of {limit}")
+    space = ConfigSpace(graph, topology)
+    names = list(space.ops)
+    options = [list(space.configs(name)) for name in names]
+    current = dict(start.configs)
+    cost = evaluator.start(start)
+    best: tuple[Cost, dict[str, ParallelConfig]] | None = None
+    seen = 0
+
+    def visit(k: int) -> None:
+        nonlocal cost, best, seen
+        if k == len(names):
+            seen += 1
+            if cost.feasible and (best is None or cost.time_ms < best[0].time_ms):
+                best = (cost, dict(current))
+            return
+        name = names[k]
+        for cfg in options[k]:
+            if cfg != current[name]:
+                cost = evaluator.propose(name, cfg)
+                evaluator.accept()
+                current[name] = cfg
+            visit(k + 1)
+
+    visit(0)
+    if best is None:
+        raise ValueError(f"none of the {seen} strategies fits in memory")
+    return Strategy(best[1]), best[0], seen
+
+
+__all__ = ["exhaustive", "space_size"]

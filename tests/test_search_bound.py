@@ -1,0 +1,76 @@
+"""`search.bound`: no strategy is faster than the lower bound; `search.exhaustive`: on small cases the MCMC
+search reaches the optimum of its own space."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_search_fixtures import GRAPHS, mlp
+
+from search.baselines import BASELINES, BaselineNotApplicable, dp
+from search.bound import lower_bound
+from search.evaluate import SimulatorEvaluators
+from search.exhaustive import exhaustive, space_size
+from search.mcmc import search
+from search.space import ConfigSpace
+from simulator.costmodel import FixedCostModel
+from simulator.engine import simulate
+from soap.setup import TrainSetup
+from soap.topology import load_topology
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+@pytest.mark.parametrize("topology", ["cpu-2", "p100-1x4", "p100-2x2"])
+def test_no_strategy_is_faster_than_the_bound(name, topology):
+    graph, topo = GRAPHS[name](), load_topology(topology)
+    mixed = "fp16" if topology.startswith("p100") else "bf16"  # (a P100 has no bfloat16)
+    for setup in (TrainSetup(), TrainSetup(precision=mixed, optimizer="adamw")):
+        bound = lower_bound(graph, topo, setup=setup)
+        assert 0 < bound.work_ms and 0 < bound.path_ms
+        strategies = []
+        for make in BASELINES.values():
+            try:
+                strategies.append(make(graph, topo))
+            except BaselineNotApplicable:
+                pass
+        space, rng = ConfigSpace(graph, topo), random.Random(f"{name}/{topology}")
+        strategies += [space.random_strategy(rng, strategies[0]) for _ in range(20)]
+        for strategy in strategies:
+            assert simulate(graph, strategy, topo, setup=setup).iteration_time_ms >= bound.time_ms * (1 - 1e-9)
+
+
+def test_on_one_device_without_update_time_the_bound_is_the_step():
+    """One device, every part 1 ms forward and 2 ms backward, free optimizer steps: the step is the sum of
+    the ops' times, which is exactly the work bound (and the chain through every op, the path bound)."""
+    graph, topo = GRAPHS["mlp"](), load_topology("cpu-1")
+    costs = FixedCostModel(fwd_each_ms=1.0, bwd_each_ms=2.0)
+    bound = lower_bound(graph, topo, cost_model=costs)
+    step = simulate(graph, dp(graph, topo), topo, costs).iteration_time_ms
+    computing = [op for op in graph if op.kind not in ("input",)]
+    assert bound.work_ms == bound.path_ms == step == 3.0 * len(computing)
+    assert bound.gap(step) == 0.0 and bound.gap(2 * step) == pytest.approx(1.0)
+
+
+# (batch, layer sizes of the MLP, topology): graphs of 2 to 4 ops that propose, up to 9216 strategies
+SMALL = [(64, (1024, 4096, 1024), "cpu-2"), (8, (4096, 4096, 4096), "cpu-2"), (64, (1024, 1024), "p100-1x4"),
+         (256, (256, 256, 256), "p100-1x2"), (4, (8192, 8192), "p100-1x4"), (16, (2048, 2048), "p100-2x2"),
+         (32, (512, 2048, 512), "p100-1x2")]
+
+
+@pytest.mark.parametrize("batch,sizes,topology", SMALL, ids=lambda v: str(v))
+def test_the_search_reaches_the_exhaustive_optimum(batch, sizes, topology):
+    graph, topo = mlp(batch, sizes), load_topology(topology)
+    evaluators = SimulatorEvaluators()
+    best, cost, seen = exhaustive(graph, topo, dp(graph, topo), evaluators(graph, topo))
+    assert seen == space_size(graph, topo) <= 10_000
+    assert simulate(graph, best, topo).iteration_time_ms == cost.time_ms
+    result = search(graph, topo, evaluators=evaluators, max_proposals=3000, seed=0)
+    assert result.best_cost.time_ms == pytest.approx(cost.time_ms, rel=1e-12)
+    assert cost.time_ms >= lower_bound(graph, topo).time_ms
+
+
+def test_exhaustive_refuses_a_space_over_its_limit():
+    graph, topo = GRAPHS["cnn"](), load_topology("cpu-2")
+    with pytest.raises(ValueError, match="more than the limit"):
+        exhaustive(graph, topo, dp(graph, topo), SimulatorEvaluators()(graph, topo))
