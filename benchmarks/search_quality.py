@@ -5,7 +5,8 @@ times the device count):
 
 - a main search (seed 0, `--budget` seconds) gives the found strategy and its predicted (simulated)
   speed-up over data parallelism and over the expert strategy; it is asserted never to be worse than the
-  best baseline (the baselines seed the search);
+  best baseline (the baselines seed the search); beside it, the lower bound on any strategy's step
+  (`search.bound`) and the found strategy's gap to it, an upper bound on how far from optimal it is;
 - repeat searches (seeds 0..`--seeds`-1, `--repeat-budget` seconds each) give the spread of the best found;
 - a rate run makes the same fixed sequence of proposals from dp (`--rate-proposals`, or as many as
   `--rate-cap` seconds allow) once with delta simulation and once with a full simulation per proposal, and
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from search.baselines import BASELINES, BaselineNotApplicable, dp  # noqa: E402
+from search.bound import lower_bound  # noqa: E402
 from search.evaluate import SimulatorEvaluators  # noqa: E402
 from search.mcmc import NoFeasibleStrategy, SearchResult, search  # noqa: E402
 from search.space import ConfigSpace  # noqa: E402
@@ -135,6 +137,7 @@ def run_case(model: str, topology_name: str, *, budget_s: float, repeat_budget_s
               f"{r.num_proposals} proposals", file=sys.stderr, flush=True)
     rates = proposal_rates(graph, topology, num_proposals=rate_proposals, cap_s=rate_cap_s)
     found_ms = main.best_cost.time_ms
+    bound = lower_bound(graph, topology)
     feasible = {k: v for k, v in baselines.items() if v is not None}
     best_baseline = min(feasible, key=feasible.get) if feasible else None
     best_baseline_ms = feasible[best_baseline] if best_baseline else None
@@ -144,6 +147,7 @@ def run_case(model: str, topology_name: str, *, budget_s: float, repeat_budget_s
         "baseline_notes": dict(main.baseline_errors),
         "best_baseline": best_baseline, "best_baseline_ms": best_baseline_ms,
         "found_ms": found_ms, "found_source": main.best_source,
+        "lower_bound_ms": bound.time_ms, "gap": bound.gap(found_ms),
         "speedup_vs_dp": baselines["dp"] / found_ms if baselines.get("dp") else None,
         "speedup_vs_expert": baselines["expert"] / found_ms if baselines.get("expert") else None,
         "speedup_vs_best_baseline": best_baseline_ms / found_ms if best_baseline_ms else None,
@@ -187,7 +191,8 @@ def table(rows: list[dict]) -> str:
         cells.append({
             "model": r["model"], "topology": r["topology"], "batch": r["batch"], "dp ms": b.get("dp"),
             "expert ms": b.get("expert"), "best baseline": f"{r['best_baseline']} {_fmt(r['best_baseline_ms'])}",
-            "found ms": r["found_ms"], "vs dp": r["speedup_vs_dp"], "vs expert": r["speedup_vs_expert"],
+            "found ms": r["found_ms"], "bound ms": r["lower_bound_ms"], "gap": r["gap"],
+            "vs dp": r["speedup_vs_dp"], "vs expert": r["speedup_vs_expert"],
             "≤ best baseline": "yes" if r["never_worse_than_best_baseline"] else "NO",
             "proposals (main run)": r["main"]["num_proposals"], "main run s": f"{r['main']['elapsed_s']:.0f}",
             "repeats: min / median / max ms": f"{_fmt(rep['min'])} / {_fmt(rep['median'])} / {_fmt(rep['max'])}",
@@ -195,11 +200,13 @@ def table(rows: list[dict]) -> str:
             "proposals per repeat (median)": f"{statistics.median(x['num_proposals'] for x in r['repeats']):.0f}",
             "proposals/s delta": r["proposals_per_s_delta"], "proposals/s full": r["proposals_per_s_full"],
             "delta speed-up": r["delta_speedup"]})
-    columns = ["model", "topology", "batch", "dp ms", "expert ms", "best baseline", "found ms", "vs dp", "vs expert",
+    columns = ["model", "topology", "batch", "dp ms", "expert ms", "best baseline", "found ms", "bound ms", "gap",
+               "vs dp", "vs expert",
                "≤ best baseline", "proposals (main run)", "main run s", "repeats: min / median / max ms", "spread",
                "proposals per repeat (median)", "proposals/s delta", "proposals/s full", "delta speed-up"]
     return markdown_table(frame(cells, columns), {
         "dp ms": _fmt, "expert ms": _fmt, "found ms": lambda v: v if isinstance(v, str) else _fmt(v),
+        "bound ms": _fmt, "gap": partial(_fmt, pattern="{:.0%}"),
         "vs dp": partial(_fmt, pattern="{:.2f}x"), "vs expert": partial(_fmt, pattern="{:.2f}x"),
         "spread": partial(_fmt, pattern="{:.1%}"), "proposals/s delta": partial(_fmt, pattern="{:.1f}"),
         "proposals/s full": partial(_fmt, pattern="{:.1f}"), "delta speed-up": partial(_fmt, pattern="{:.1f}x")})
