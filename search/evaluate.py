@@ -14,6 +14,7 @@ torch, the runtime or soapflow.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -97,6 +98,16 @@ class FullEvaluator:
     def reject(self) -> None:
         assert self._pending is not None
         self._pending = None
+
+
+def apply_changes(evaluator: Evaluator, changes: Mapping[str, ParallelConfig]) -> Cost | None:
+    """Make each op's config of `changes` current in turn (`propose`, then `accept`); the cost after the
+    last (None when `changes` is empty). A move over several ops (`search.moves`) is costed this way."""
+    cost = None
+    for name, cfg in changes.items():
+        cost = evaluator.propose(name, cfg)
+        evaluator.accept()
+    return cost
 
 
 def simulated_cost(sim: Simulator) -> Cost:

@@ -8,11 +8,15 @@ themselves are `search.workers`.
 The method:
 
 - target p(S) ∝ exp(-β·cost(S)), cost = simulated iteration time (ms), infinite when a device runs out of
-  memory; proposal = a uniformly drawn op given a uniformly drawn valid config, or half the time for an
-  op with recompute or shard choices, its current layout with those redrawn (`search.space`), which is
-  symmetric, so a proposal S' is accepted with min(1, exp(β·(cost(S) - cost(S')))). A proposal that does
-  not fit in memory is always rejected. A chain whose current strategy does not fit (a random start)
-  walks downhill on the memory excess until it fits, then follows the rule above.
+  memory; a proposal is a move of `search.moves`: mostly a uniformly drawn op given a uniformly drawn
+  valid config, or half the time for an op with recompute or shard choices, its current layout with
+  those redrawn (`search.space`); and, beside those, moves over several ops that follow the model's
+  structure (the same config for every copy of an op in repeated blocks, one block's layout for all the
+  copies, a neighbour's layout for one op), each counted as one proposal and costed op by op through the
+  evaluator (a rejected one undone op by op). A proposal S' is accepted with
+  min(1, exp(β·(cost(S) - cost(S')))); one that does not fit in memory is always rejected. A chain whose
+  current strategy does not fit (a random start) walks downhill on the memory excess until it fits, then
+  follows the rule above.
 - β = k / cost_ref with k = `beta_scale` (default 100) and cost_ref the best feasible baseline's time
   (else the chain's first feasible cost): a proposal 1% slower than the current strategy is accepted
   with probability e^-1 ≈ 0.37, 5% slower with e^-5 ≈ 0.007, whatever the model's time scale. Every
@@ -71,7 +75,8 @@ from types import MappingProxyType
 from typing import Any
 
 from search.baselines import BASELINES, BaselineNotApplicable, fsdp, parse_baseline, recompute_full
-from search.evaluate import Cost, Evaluator, EvaluatorFactory
+from search.evaluate import Cost, Evaluator, EvaluatorFactory, apply_changes
+from search.moves import Moves
 from search.space import ConfigSpace
 from search.tidy import tidy
 from search.workers import ChainSpec, Progress, WorkerJob, from_plain, run_workers, to_plain
@@ -137,11 +142,11 @@ class SearchResult:
 class _Chain:
     """One Markov chain: its current strategy and cost (mirrored in its evaluator), its best, its stats."""
 
-    def __init__(self, name: str, start: Strategy, evaluator: Evaluator, space: ConfigSpace,
+    def __init__(self, name: str, start: Strategy, evaluator: Evaluator, moves: Moves,
                  rng: random.Random, beta_per_ms: float, beta_scale: float, max_proposals: int | None,
                  start_cost: Cost | None = None):
         """`start_cost` given: `evaluator` has already been started on `start` (and costed it so)."""
-        self.name, self.evaluator, self.space, self.rng = name, evaluator, space, rng
+        self.name, self.evaluator, self.moves, self.rng = name, evaluator, moves, rng
         self.max_proposals = max_proposals
         self.current = start
         self.cost = start_cost if start_cost is not None else evaluator.start(start)
@@ -159,20 +164,24 @@ class _Chain:
         self.stop = ""
 
     def step(self) -> bool:
-        """Make one proposal; True when the chain made progress (`_closeness` of what it accepted dropped
-        below the closest it had been)."""
-        op, cfg = self.space.propose(self.rng, self.current)
+        """Make one proposal (a move of `search.moves`, over one op or several); True when the chain made
+        progress (`_closeness` of what it accepted dropped below the closest it had been)."""
+        changes = self.moves.propose(self.rng, self.current)
         self.num_proposals += 1
-        if cfg == self.current[op]:
+        if not changes:
             return False  # the null move: accepted, nothing to simulate
+        # a move over several ops: all but the last made current, the last proposed
+        *first, (op, cfg) = changes.items()
+        apply_changes(self.evaluator, dict(first))
         cost = self.evaluator.propose(op, cfg)
         if cost.peak_memory_bytes < self.min_peak[0]:
             self.min_peak = (cost.peak_memory_bytes, self.name)
         if not self._accept(cost):
             self.evaluator.reject()
+            apply_changes(self.evaluator, {name: self.current[name] for name, _ in reversed(first)})
             return False
         self.evaluator.accept()
-        self.current, self.cost = self.current.with_config(op, cfg), cost
+        self.current, self.cost = self.current.with_configs(changes), cost
         self.num_accepted += 1
         if cost.value < self.best_cost.value:
             self.best, self.best_cost = self.current, cost
@@ -214,7 +223,7 @@ def _closeness(cost: Cost) -> tuple[int, float]:
 def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -> dict[str, Any]:
     """Step the job's chains round-robin until each has stopped; the worker's part of the result."""
     t0 = time.monotonic()
-    space = ConfigSpace(graph, job.topology)
+    moves = Moves(graph, ConfigSpace(graph, job.topology))
     chains = []
     events: list[tuple[int, float, float]] = []  # (worker proposals, elapsed_s, chain best ms)
     total = 0
@@ -226,7 +235,7 @@ def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -
             unstarted.append(ChainReport(name=spec.name, start_ms=math.inf, best_ms=math.inf, num_proposals=0,
                                          num_accepted=0, stop="not started: time"))
             continue
-        chain = _Chain(spec.name, from_plain(spec.start), evaluator or job.evaluators(graph, job.topology), space,
+        chain = _Chain(spec.name, from_plain(spec.start), evaluator or job.evaluators(graph, job.topology), moves,
                        random.Random(spec.seed), job.beta_per_ms, job.beta_scale, spec.max_proposals,
                        start_cost=cost)
         events.append((total, job.offset_s + time.monotonic() - t0, chain.best_cost.value))
@@ -237,9 +246,9 @@ def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -
     known = min([c.closest for c in chains] + [(0, job.best_ms) if math.isfinite(job.best_ms) else (1, math.inf)])
     known_s = time.monotonic() - t0
     last_report = -math.inf
-    active = chains if space.ops else []
+    active = chains if moves.space.ops else []
     for c in chains:
-        c.stop = "" if space.ops else "nothing to propose"
+        c.stop = "" if moves.space.ops else "nothing to propose"
     while active:
         still = []
         now = time.monotonic() - t0

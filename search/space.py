@@ -146,19 +146,23 @@ class ConfigSpace:
                               shard=shards[rest % len(shards)])
 
     def propose(self, rng: random.Random, current: Strategy | None = None) -> tuple[str, ParallelConfig]:
-        """A random proposal target (uniform over `ops`) with a uniformly drawn config; given the `current`
-        strategy, half the proposals for an op with recompute or shard choices keep its layout and redraw
-        only those (uniformly), so that a chain can trade time for memory one op at a time. Both kinds of
-        move are symmetric, and so is their fixed mixture (the Metropolis rule stays exact)."""
+        """A random proposal target (uniform over `ops`) with a config drawn by `propose_for`."""
         op_name = self.ops[rng.randrange(len(self.ops))]
+        return op_name, self.propose_for(op_name, rng, current)
+
+    def propose_for(self, op_name: str, rng: random.Random, current: Strategy | None = None) -> ParallelConfig:
+        """A uniformly drawn config of the op; given the `current` strategy, half the proposals for an op
+        with recompute or shard choices keep its layout and redraw only those (uniformly), so that a chain
+        can trade time for memory one op at a time. Both kinds of move are symmetric, and so is their fixed
+        mixture (the Metropolis rule stays exact)."""
         if current is not None and rng.random() < 0.5:
             cfg = current[op_name]
             dims = [d.name for d in dims_of(self.graph[op_name])]
             degrees = tuple(sorted(cfg.degrees.items(), key=lambda kv: dims.index(kv[0])))
             recomputes, shards = self.recompute_options(op_name), self.shard_options(op_name, degrees)
             if len(recomputes) * len(shards) > 1:
-                return op_name, cfg.replace(recompute=rng.choice(recomputes), shard=rng.choice(shards))
-        return op_name, self.sample(op_name, rng)
+                return cfg.replace(recompute=rng.choice(recomputes), shard=rng.choice(shards))
+        return self.sample(op_name, rng)
 
     def random_strategy(self, rng: random.Random, base: Strategy, ops: Sequence[str] | None = None) -> Strategy:
         """`base` with every proposal target (or every op of `ops`, in that order) given a uniformly drawn

@@ -20,58 +20,16 @@ simulator's, never an estimate. Must not import torch, the runtime or soapflow.
 
 from __future__ import annotations
 
-from search.evaluate import Cost, Evaluator
-from soap.config import ConfigError, ParallelConfig, param_replicas, validate
+from search.evaluate import Cost, Evaluator, apply_changes
+from search.structure import carried, neighbours
+from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
-from soap.registry import dims_of, op_def
+from soap.registry import op_def
 from soap.strategy import Strategy
 
 
 def _layout(cfg: ParallelConfig) -> tuple:
     return (tuple(sorted(cfg.degrees.items())), cfg.devices)
-
-
-def _neighbours(graph: OperatorGraph) -> dict[str, list[str]]:
-    """Per op, the ops that produce its inputs (in input order) then those that consume its outputs (in
-    graph order), leaving out sources that exist everywhere (the batch, constants), each once."""
-    near: dict[str, list[str]] = {op.name: [] for op in graph}
-    for op in graph:
-        for ref in op.inputs:
-            if op_def(graph[ref.op].kind).everywhere:
-                continue
-            if ref.op not in near[op.name]:
-                near[op.name].append(ref.op)
-    for op in graph:
-        for ref in op.inputs:
-            if not op_def(graph[ref.op].kind).everywhere and op.name not in near[ref.op]:
-                near[ref.op].append(op.name)
-    return near
-
-
-def _carried(graph: OperatorGraph, name: str, own: ParallelConfig, other: ParallelConfig,
-             num_devices: int) -> ParallelConfig | None:
-    """`other`'s layout carried over to op `name` (module docstring), or None where it does not fit."""
-    op = graph[name]
-    dims = {d.name for d in dims_of(op)}
-    degrees = {d: g for d, g in other.degrees.items() if d in dims}
-    try:
-        cfg = ParallelConfig(degrees=degrees, devices=other.devices, recompute=own.recompute)
-        if own.shard > 1 and param_replicas(op, cfg) % own.shard == 0:
-            cfg = cfg.replace(shard=own.shard)
-        validate(op, cfg, num_devices)
-    except (ConfigError, ValueError):
-        return None
-    return cfg
-
-
-def _apply(evaluator: Evaluator, current: dict[str, ParallelConfig], changes: dict[str, ParallelConfig],
-           cost: Cost) -> Cost:
-    """Make `changes` current one op at a time (each accepted); the cost after the last."""
-    for name, cfg in changes.items():
-        cost = evaluator.propose(name, cfg)
-        evaluator.accept()
-        current[name] = cfg
-    return cost
 
 
 def _no_worse(trial: Cost, cost: Cost) -> bool:
@@ -102,7 +60,7 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
     """`strategy` with its outliers given their neighbours' layouts where the predicted time does not grow
     and it still fits (module docstring), and its cost. `evaluator` is started on `strategy` here."""
     cost = evaluator.start(strategy)
-    near = _neighbours(graph)
+    near = neighbours(graph)
     current = dict(strategy.configs)
 
     def outliers() -> list[str]:
@@ -115,7 +73,7 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
         for name in outliers():
             own = current[name]
             for n in near[name]:
-                cfg = _carried(graph, name, own, current[n], num_devices)
+                cfg = carried(graph, name, own, current[n], num_devices)
                 if cfg is None or cfg == own:
                     continue
                 trial = evaluator.propose(name, cfg)
@@ -128,16 +86,18 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
         for group in _groups(outliers(), near):
             members = set(group)
             for n in dict.fromkeys(m for g in group for m in near[g] if m not in members):
-                changes = {g: _carried(graph, g, current[g], current[n], num_devices) for g in group}
+                changes = {g: carried(graph, g, current[g], current[n], num_devices) for g in group}
                 changes = {g: cfg for g, cfg in changes.items() if cfg is not None and cfg != current[g]}
                 if not changes:
                     continue
                 undo = {g: current[g] for g in changes}
-                trial = _apply(evaluator, current, changes, cost)
+                trial = apply_changes(evaluator, changes)
+                current.update(changes)
                 if _no_worse(trial, cost):
                     cost, moved = trial, True
                     break
-                _apply(evaluator, current, undo, trial)
+                apply_changes(evaluator, undo)
+                current.update(undo)
         if not moved:
             break
     return Strategy(current), cost

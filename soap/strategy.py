@@ -73,9 +73,11 @@ class Strategy:
         return self.configs.items()
 
     def with_config(self, op: str, cfg: ParallelConfig) -> Strategy:
-        configs = dict(self.configs)
-        configs[op] = cfg
-        return Strategy(configs)
+        return self.with_configs({op: cfg})
+
+    def with_configs(self, changes: Mapping[str, ParallelConfig]) -> Strategy:
+        """This strategy with the ops of `changes` given their configs there."""
+        return Strategy({**self.configs, **changes})
 
     def devices_used(self) -> set[int]:
         return {d for cfg in self.configs.values() for d in cfg.devices}

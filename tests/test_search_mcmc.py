@@ -18,6 +18,7 @@ from test_search_fixtures import GRAPHS
 from search import mcmc
 from search.evaluate import Cost, FullEvaluator
 from search.mcmc import NoFeasibleStrategy, _Chain, _run_chains, recompute_starts, search
+from search.moves import Moves
 from search.space import ConfigSpace
 from search.workers import ChainSpec, WorkerJob, to_plain
 from soap.config import recompute_refusal, validate
@@ -165,7 +166,7 @@ def test_out_of_memory_proposals_are_rejected(tmp_path):
     start = search_baseline(graph, topo, "tp")
     toy = ToyCost(graph, topo)
     assert toy(start).feasible and not toy(search_baseline(graph, topo, "dp")).feasible
-    chain = _Chain("tp", start, RecordingEvaluator(toy, accepted), space, random.Random(0),
+    chain = _Chain("tp", start, RecordingEvaluator(toy, accepted), Moves(graph, space), random.Random(0),
                    beta_per_ms=100 / toy(start).time_ms, beta_scale=100, max_proposals=None)
     for _ in range(2000):
         chain.step()
@@ -188,7 +189,7 @@ def test_infeasible_start_walks_to_a_feasible_strategy(tmp_path):
     toy = ToyCost(graph, topo)
     start = search_baseline(graph, topo, "dp")
     assert not toy(start).feasible
-    chain = _Chain("dp", start, FullEvaluator(toy), ConfigSpace(graph, topo), random.Random(0),
+    chain = _Chain("dp", start, FullEvaluator(toy), Moves(graph, ConfigSpace(graph, topo)), random.Random(0),
                    beta_per_ms=0.0, beta_scale=100, max_proposals=None)
     excess = [chain.cost.memory_excess_bytes]
     for _ in range(3000):
@@ -222,7 +223,7 @@ def test_acceptance_follows_metropolis_hastings():
             super().__init__(lambda s: Cost(time_ms=10.0))
 
     for new_ms, expected in ((10.1, math.exp(-1)), (10.3, math.exp(-3)), (9.0, 1.0), (10.0, 1.0)):
-        chain = _Chain("x", search_baseline(graph, topo, "dp"), Fixed(), ConfigSpace(graph, topo),
+        chain = _Chain("x", search_baseline(graph, topo, "dp"), Fixed(), Moves(graph, ConfigSpace(graph, topo)),
                        random.Random(1), beta_per_ms=100 / 10.0, beta_scale=100, max_proposals=None)
         rate = sum(chain._accept(Cost(time_ms=new_ms)) for _ in range(4000)) / 4000
         assert abs(rate - expected) < 0.025, (new_ms, rate, expected)

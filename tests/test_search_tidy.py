@@ -36,12 +36,12 @@ def _outliers(graph, strategy: Strategy) -> set[str]:
 
 @functools.cache
 def searched() -> tuple[OperatorGraph, DeviceTopology, Strategy]:
-    """The RNN language model on 2 x 2 devices: the best strategy of a short search, untidied."""
-    graph, topology = rc.graph_of("rnnlm"), load_topology("p100-2x2")
+    """The RNN language model on 4 x 4 devices: the best strategy of a short search, untidied."""
+    graph, topology = rc.graph_of("rnnlm"), load_topology("p100-4x4")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mcmc, "tidy", lambda graph, strategy, evaluator, num_devices: (strategy,
                                                                                       evaluator.start(strategy)))
-        result = mcmc.search(graph, topology, evaluators=SimulatorEvaluators(), max_proposals=2000, seed=0)
+        result = mcmc.search(graph, topology, evaluators=SimulatorEvaluators(), max_proposals=2000, seed=2)
     assert result.best_source.startswith("chain") and _outliers(graph, result.best), "a fixture to tidy"
     return graph, topology, result.best
 
@@ -58,7 +58,7 @@ def test_tidy_gives_outliers_their_neighbours_layout_where_the_predicted_time_do
     # only outliers changed
     assert {n for n in messy.configs if tidied[n] != messy[n]} <= _outliers(graph, messy)
     # the search tidies its best itself
-    result = mcmc.search(graph, topology, evaluators=evaluators, max_proposals=2000, seed=0)
+    result = mcmc.search(graph, topology, evaluators=evaluators, max_proposals=2000, seed=2)
     assert result.best == tidied and result.best_cost == cost
 
 

@@ -1,0 +1,103 @@
+"""The structure of a graph that the search's moves use: which ops neighbour which, and which are copies.
+
+Owns `neighbours`, `carried`, `Copies` and `copies_of`.
+
+- Neighbours of an op: the ops producing its inputs (in input order), then those consuming its outputs
+  (in graph order), leaving out sources that exist everywhere (the batch, constants).
+- Copies: a model built from repeated blocks (transformer layers, ResNet blocks, stacked LSTM layers)
+  has ops that are the same op in another copy of the block. Two ops are copies of each other when their
+  names are the same but for their numbers (``blocks.3.attn.qkv`` and ``blocks.7.attn.qkv``; ``lstm0``
+  and ``lstm1``) and they are the same computation: the same kind, input and output shapes and dtypes,
+  parameter shapes, and attributes other than names. Each *class* of two or more copies is listed in
+  graph order; an op's *copy index* is the tuple of the numbers in its name, the same for all the ops of
+  one copy of a block.
+
+Pure functions of the graph; must not import torch, the runtime or soapflow.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from soap.config import ConfigError, ParallelConfig, param_replicas, validate
+from soap.graph import Operator, OperatorGraph
+from soap.registry import dims_of, op_def
+
+_NUMBER = re.compile(r"\d+")
+
+
+def neighbours(graph: OperatorGraph) -> dict[str, list[str]]:
+    """Per op, its neighbours (module docstring), each once."""
+    near: dict[str, list[str]] = {op.name: [] for op in graph}
+    for op in graph:
+        for ref in op.inputs:
+            if not op_def(graph[ref.op].kind).everywhere and ref.op not in near[op.name]:
+                near[op.name].append(ref.op)
+    for op in graph:
+        for ref in op.inputs:
+            if not op_def(graph[ref.op].kind).everywhere and op.name not in near[ref.op]:
+                near[ref.op].append(op.name)
+    return near
+
+
+def carried(graph: OperatorGraph, name: str, own: ParallelConfig, other: ParallelConfig,
+             num_devices: int) -> ParallelConfig | None:
+    """`other`'s layout (degrees and devices) carried over to op `name`, which keeps its own `recompute`,
+    and its `shard` where still valid: the degrees of the dims the op also has (by name), on `other`'s
+    devices; None where that is not a valid config of the op."""
+    op = graph[name]
+    dims = {d.name for d in dims_of(op)}
+    degrees = {d: g for d, g in other.degrees.items() if d in dims}
+    try:
+        cfg = ParallelConfig(degrees=degrees, devices=other.devices, recompute=own.recompute)
+        if own.shard > 1 and param_replicas(op, cfg) % own.shard == 0:
+            cfg = cfg.replace(shard=own.shard)
+        validate(op, cfg, num_devices)
+    except (ConfigError, ValueError):
+        return None
+    return cfg
+
+
+def _attrs_key(attrs: Mapping[str, object]) -> str:
+    # attributes that hold names of the model's tensors (running statistics, module paths) differ between
+    # copies; the others (shapes, strides, flags) must match
+    return repr(sorted((k, repr(v)) for k, v in attrs.items()
+                       if not (isinstance(v, str) and _NUMBER.search(v) and "." in v)))
+
+
+def _signature(op: Operator) -> tuple:
+    return (op.kind, _NUMBER.sub("#", op.name),
+            tuple((t.shape, t.dtype) for t in op.outputs),
+            tuple(sorted((name, p.shape, p.dtype) for name, p in op.params.items())),
+            _attrs_key(op.attrs))
+
+
+@dataclass(frozen=True, slots=True)
+class Copies:
+    """`classes`: the classes of copies (module docstring), each a tuple of op names in graph order;
+    `index`: per op of a class, its copy index."""
+
+    classes: tuple[tuple[str, ...], ...]
+    index: Mapping[str, tuple[int, ...]]
+
+    def same_copy(self, name: str) -> dict[int, str]:
+        """Per class (by position in `classes`), its op in the same copy as op `name` (where it has one)."""
+        want = self.index[name]
+        return {k: m for k, members in enumerate(self.classes) for m in members if self.index[m] == want}
+
+
+def copies_of(graph: OperatorGraph, ops: set[str] | None = None) -> Copies:
+    """The classes of copies among the ops of `graph` (or among `ops`), sources left out."""
+    by_signature: dict[tuple, list[str]] = {}
+    for op in graph:
+        if op_def(op.kind).everywhere or (ops is not None and op.name not in ops):
+            continue
+        by_signature.setdefault(_signature(op), []).append(op.name)
+    classes = tuple(tuple(names) for names in by_signature.values() if len(names) > 1)
+    index = {name: tuple(int(n) for n in _NUMBER.findall(name)) for members in classes for name in members}
+    return Copies(classes=classes, index=index)
+
+
+__all__ = ["Copies", "carried", "copies_of", "neighbours"]

@@ -1,0 +1,104 @@
+"""`search.structure` and `search.moves`: copies of repeated blocks are found, the tied, copy and
+propagation moves change what they say, and a chain that makes moves over several ops keeps its
+evaluator in step with the strategy it holds."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import runtime_cases as rc
+from test_search_fixtures import GRAPHS
+
+from search.baselines import dp
+from search.evaluate import SimulatorEvaluators
+from search.mcmc import _Chain
+from search.moves import COPY_SHARE, PROPAGATION_SHARE, TIED_SHARE, Moves
+from search.space import ConfigSpace
+from search.structure import copies_of, neighbours
+from simulator.engine import simulate
+from soap.topology import load_topology
+
+
+def test_copies_are_the_same_op_of_each_block():
+    graph = rc.graph_of("transformer")  # the zoo's GPT with 2 blocks
+    copies = copies_of(graph)
+    classes = {members[0]: members for members in copies.classes}
+    assert classes["blocks.0.attn.qkv"] == ("blocks.0.attn.qkv", "blocks.1.attn.qkv")
+    assert classes["blocks.0.mlp.fc"] == ("blocks.0.mlp.fc", "blocks.1.mlp.fc")
+    for members in copies.classes:
+        ops = [graph[m] for m in members]
+        assert len({op.kind for op in ops}) == 1 and len({op.outputs for op in ops}) == 1
+        assert len({tuple((k, p.shape) for k, p in op.params.items()) for op in ops}) == 1
+    # the ops of one block share a copy index: block 1's op of each class
+    same = copies.same_copy("blocks.1.attn.qkv")
+    assert set(same.values()) >= {"blocks.1.attn.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj"}
+    assert all(copies.index[m] == copies.index["blocks.1.attn.qkv"] for m in same.values())
+    # ops that differ in shape are no copies: the MLP's two linears (1024 -> 4096 -> 1024)
+    assert copies_of(GRAPHS["mlp"]()).classes == ()
+
+
+def test_neighbours_are_producers_then_consumers_without_sources():
+    graph = GRAPHS["mlp"]()
+    near = neighbours(graph)
+    assert near["relu0"] == ["fc0", "fc1"] and near["fc0"] == ["relu0"] and near["loss"] == ["fc1"]
+
+
+def test_moves_are_tied_copied_propagated_or_single_and_stay_in_the_space():
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    space = ConfigSpace(graph, topo)
+    moves = Moves(graph, space)
+    copies = moves.copies
+    rng = random.Random(0)
+    current = dp(graph, topo)
+    kinds = Counter()
+    for _ in range(4000):
+        changes = moves.propose(rng, current)
+        assert all(space.contains(m, cfg) and cfg != current[m] for m, cfg in changes.items())
+        if len(changes) > 1:
+            classes = {k for m in changes for k, members in enumerate(copies.classes) if m in members}
+            kinds["several"] += 1
+            if len(classes) == 1:  # a tied move: one config for every copy it changes
+                assert len({cfg for cfg in changes.values()}) == 1
+        else:
+            kinds["one"] += 1
+        if changes and rng.random() < 0.3:
+            current = current.with_configs(changes)
+    # tied and copy moves change several ops; single and propagation moves one
+    assert kinds["several"] > 0.2 * 4000 * (TIED_SHARE + COPY_SHARE) and kinds["one"] > 0.5 * 4000 * (
+        1 - TIED_SHARE - COPY_SHARE - PROPAGATION_SHARE)
+
+
+def test_a_copy_move_gives_every_block_the_layout_of_one():
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    space = ConfigSpace(graph, topo)
+    moves = Moves(graph, space)
+    rng = random.Random(3)
+    # block 0 with a layout of its own, block 1 data parallel
+    current = dp(graph, topo)
+    block0 = {m: space.sample(m, rng) for members in moves.copies.classes for m in members
+              if moves.copies.index[m][0] == 0}
+    current = current.with_configs(block0)
+    for _ in range(200):
+        changes = moves.propose(rng, current)
+        if changes and all(moves.copies.index.get(m, (None,))[0] == 1 for m in changes) and len(changes) > 4:
+            # every changed op of block 1 takes the config of its copy in block 0
+            for m, cfg in changes.items():
+                assert cfg == current[m.replace("blocks.1.", "blocks.0.")]
+            return
+    raise AssertionError("no copy move from block 0 in 200 proposals")
+
+
+def test_a_chain_of_several_op_moves_stays_in_step_with_its_evaluator():
+    """After many accepted and rejected moves over several ops, the chain's cost is the full simulation
+    of the strategy it holds: a rejected move is undone op by op."""
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    evaluators = SimulatorEvaluators()
+    start = dp(graph, topo)
+    chain = _Chain("dp", start, evaluators(graph, topo), Moves(graph, ConfigSpace(graph, topo)), random.Random(5),
+                   beta_per_ms=0.0, beta_scale=100, max_proposals=None)
+    for _ in range(300):
+        chain.step()
+    assert chain.num_accepted > 0
+    full = simulate(graph, chain.current, topo)
+    assert full.iteration_time_ms == chain.cost.time_ms and max(full.peak_memory_bytes) == chain.cost.peak_memory_bytes
