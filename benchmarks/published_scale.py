@@ -46,10 +46,9 @@ Where the comparison misses (what the simulation does not model as Megatron runs
   communication is small the prediction is faster than published;
 - the network: the preset gives each GPU its own NIC and its own 25 GB/s InfiniBand port (rails), so
   the T data-parallel rings under TP=T (one per tensor-parallel rank) run side by side, each on its own
-  rail; one ring per data-parallel group crosses each node boundary once, on one rail, where NCCL would
-  run several rings over all of a node's NICs (not modelled: the 1.7B row, one ring, is hurt most). The
-  switch is one non-blocking crossbar (no leaf/spine). The diagnostics' "rails" column now repeats the
-  preset;
+  rail; a data-parallel group with several GPUs per node (the 1.7B row, TP=1) runs NCCL's channels,
+  one ring per rail, and double binary trees where they are faster (`simulator.comm`). The switch is one
+  non-blocking crossbar (no leaf/spine). The diagnostics' "rails" column now repeats the preset;
 - recomputation: `recompute_full` keeps the outputs that two or more ops read (per output), plus what a
   kept op reads from a recomputing producer: in this GPT the residual stream twice per block (after
   attention and after the MLP); Megatron keeps only each block's input;

@@ -1,4 +1,4 @@
-"""Communication costs on a topology's links: point-to-point transfers and ring collectives.
+"""Communication costs on a topology's links: point-to-point transfers, exchanges and collectives.
 
 Owns `Comm`, which prices a transfer or a collective and names the resources it occupies. Resources are
 integers shared with the task graph: device i is resource i, link l is resource ``num_devices + l``. A
@@ -31,26 +31,61 @@ the pieces) is charged per exchange and per collective, per GB of every all-redu
 busiest process of an exchange sends plus receives; zero unless a machine profile's cost model carries
 it.
 
-Ring collectives (Patarasuk and Yuan 2009; what NCCL runs) over a group g_0 < g_1 < .. < g_{n-1}: n hops
-g_i -> g_{i+1 mod n}, each along its route; all-reduce is 2(n-1) steps (reduce-scatter, then all-gather),
-all-gather and reduce-scatter n-1 steps. In a step every hop sends B/n bytes at once, so a link that k
-hops cross carries k chunks. We model the whole collective as ONE task occupying the union of the hops'
-links (expanding every step would make 2(n-1) x n tasks: 8,000 per bucket on 64 devices), with the exact
-duration of the synchronous step formula::
+Collectives are priced as NCCL runs them: rings for every kind, double binary trees besides for an
+all-reduce over several nodes, and per call the faster of the two for its size, as NCCL's tuner picks
+(`Comm.algorithms` lists what a group can run, `Comm.collective` prices one call). Not modelled: NCCL's
+protocols (LL, LL128, Simple) and their overheads (NCCL moves about 80% of a link's line rate), NVLink
+SHARP and CollNet, several rings inside one NVLink-mesh node (DGX-1), and the reduction arithmetic
+(memory-bound, overlapped with the next step on real hardware).
 
-    step = max over hops h of ( sum_{l in h} latency_l + (B/n) * max_{l in h} (load_l / bandwidth_l) )
-    time = steps * step
+*Rings with channels.* The group's devices, node by node (nodes ascending, devices ascending within a
+node: L_k is node k's share of the group), form C rings, NCCL's channels, that run at once, each on B/C
+of the bytes. C is 1 for a group inside one node, and for a group over several nodes the fewest of its
+devices on any node, m = min_k |L_k|, when each of them leaves its node through a NIC of its own (the
+first ``network`` link on its route to another node differs between the group's devices of a node: one
+NIC per GPU, the rails of a DGX A100/H100 preset), else 1 (one NIC per node, as P100/V100/K80 presets:
+all rings would cross it one after the other). Ring c visits the nodes in order and enters node k at
+L_k[c], then L_k[c+1], ... around to L_k[c-1], from which it leaves for L_{k+1}[c]: so ring c enters
+every node through rail c and leaves it through the rail before, and no NIC port carries two rings.
+Inside one node there is one ring, in ascending order (an NVSwitch is not the bottleneck there, so more
+rings would add nothing). Every hop g -> g' follows ``route(g, g')``; all-reduce is 2(n-1) steps
+(reduce-scatter, then all-gather), all-gather and reduce-scatter n-1 steps (Patarasuk and Yuan 2009), and
+in a step every hop of every ring sends one chunk of B/(C n) bytes at once, so a link that k hops cross
+(of any ring) carries k chunks::
 
-where load_l is the number of hops whose route uses link l. The reduction arithmetic of an all-reduce is
-not charged (it is memory-bound and overlapped with the next step on real hardware).
+    step = max over hops h of all rings ( sum_{l in h} latency_l + B/(C n) * max_{l in h} (load_l / bandwidth_l) )
+    ring = steps * step
 
-Each hop takes the topology's route between its two devices, so the links a ring occupies are those of
-the hardware it crosses: on a preset with one NIC per GPU (`soap.topology`: a100, h100, h200 over several
-nodes) a hop between nodes leaves through the sender's own NIC and enters through the receiver's, so the
-data-parallel ring over GPU i of every node occupies rail i only (NIC i of each node and its port), and
-the rings of the other tensor-parallel ranks, on other rails, run at the same time instead of queueing.
-A ring over all the GPUs of several nodes crosses each node boundary once, on one rail (NCCL would run
-several rings, one per NIC; not modelled).
+where load_l is the number of hops whose route uses link l. On a100-2x8, all 16 GPUs: C = 8, each NIC
+carries one ring's crossing, so the ring runs at 8 NICs' rate where one ring would run at one's.
+
+*Double binary trees* (all-reduce over N >= 2 nodes). Per channel c, two trees, each carrying B/(2C): over
+the nodes, NCCL's binary tree (rank r with lowest set bit b hangs below (r - b) | 2b, or below r - b where
+that is past the last node; root 0 has one child) and its complement (mirrored for N even, shifted by one
+for N odd), whose edges join the nodes' heads L_k[c] (rail c); below each head the chain of its node's
+other devices in ring-c order. Pipelined, the reduction climbs and the broadcast descends at once, every
+edge carrying the tree's bytes up and down::
+
+    tree = max over trees (slowest route latency leaf -> root + slowest root -> leaf)
+           + B/(2C) * max over links l (uses_l / bandwidth_l)
+
+where uses_l is the number of tree edges, in either direction and over all 2C trees, whose route uses l:
+the fill of the deepest path of NCCL's pipeline (2 ceil(log2 N) inter-node hops plus the chains, where a
+ring pays 2(n-1) steps of its slowest hop), then the busiest link. A rank that forwards in one tree is a
+leaf in the other, so the busiest NIC carries at most 2B/C per direction (B/C over two nodes) against the
+ring's 2(n-1)/n B/C: the ring wins for large sizes over three nodes or more, the tree for small sizes over many
+devices (latency) and over two nodes (NCCL's tuner picks it there too). A group inside one node has no
+tree: NCCL's would be one chain, whose fill alone costs the ring's 2(n-1) hops.
+
+The collective is ONE task (expanding every step would make 2(n-1) x n tasks: 8,000 per bucket on 64
+devices) lasting the faster algorithm's time for its size, ``min(ring, tree)``, plus `CommOverhead`
+(per call and per GB all-reduced, whichever algorithm). It occupies the union of all the algorithms'
+links, whichever one its size picks: the resources of a group's collective do not depend on its size,
+because the engine re-prices an all-reduce's duration when its buckets change, not its resources. Each
+link carries what the hardware would: on a preset with one NIC per GPU (`soap.topology`: a100, h100,
+h200 over several nodes) a hop between nodes leaves through the sender's own NIC and enters through the
+receiver's, so the data-parallel ring over GPU i of every node occupies rail i only, and the rings of
+the other tensor-parallel ranks, on other rails, run at the same time instead of queueing.
 
 Times are integer nanoseconds (1 GB/s = 1 byte/ns), rounded once per task, so simulation arithmetic is
 exact and the delta simulation can equal the full one bit for bit. Must import only `soap`.
@@ -68,6 +103,8 @@ ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
 REDUCE_SCATTER = "reduce_scatter"
 _STEPS = {ALLREDUCE: lambda n: 2 * (n - 1), ALLGATHER: lambda n: n - 1, REDUCE_SCATTER: lambda n: n - 1}
+RING = "ring"
+TREE = "tree"
 
 
 def ms_to_ns(ms: float) -> int:
@@ -105,14 +142,34 @@ class CommOverhead:
 NO_OVERHEAD = CommOverhead()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Algorithm:
+    """One way of running a collective over a group (`name`: `RING` or `TREE`), priced for any size: it
+    occupies `resources` (devices and links, numbered as `Comm.collective`'s) and moves B bytes in
+    ``steps * max over (latency_ns, ns_per_byte) in envelope of (latency_ns + (B / divisor) * ns_per_byte)``
+    nanoseconds (`wire_ns`), where B / divisor is what one ring step or one tree carries."""
+
+    name: str
+    resources: tuple[int, ...]
+    steps: int
+    divisor: int
+    envelope: tuple[tuple[float, float], ...]
+
+    def wire_ns(self, nbytes: int) -> float:
+        """Duration in ns (not rounded) on `nbytes`, without the runtime's overheads."""
+        piece = nbytes / self.divisor
+        return self.steps * max(latency_ns + piece * ns_per_byte for latency_ns, ns_per_byte in self.envelope)
+
+
 class Comm:
-    """Prices transfers, exchanges and ring collectives on `topology` (plus the runtime's `overhead` for
-    exchanges and all-reduces; a bare `transfer` is the wire only); caches per device pair and per group.
+    """Prices transfers, exchanges and collectives (rings and trees) on `topology` (plus the runtime's
+    `overhead` for exchanges and all-reduces; a bare `transfer` is the wire only); caches per device pair
+    and per (group, kind).
 
     The caches hold pure functions of the topology, so they never change a result.
     """
 
-    __slots__ = ("topology", "num_devices", "overhead", "_busy", "_cap", "_cap_gbps", "_pairs", "_rings")
+    __slots__ = ("topology", "num_devices", "overhead", "_busy", "_cap", "_cap_gbps", "_pairs", "_plans")
 
     def __init__(self, topology: DeviceTopology, overhead: CommOverhead = NO_OVERHEAD):
         self.topology = topology
@@ -129,8 +186,8 @@ class Comm:
             self._cap_gbps[cap] = min(self._cap_gbps.get(cap, math.inf), link.bandwidth_gbps)
         # (src, dst) -> (resources, latency_ns, min bandwidth GB/s)
         self._pairs: dict[tuple[int, int], tuple[tuple[int, ...], float, float]] = {}
-        # (group, kind) -> (resources, steps, upper envelope of the hops' (latency ns, ns per chunk byte))
-        self._rings: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], int, tuple]] = {}
+        # (group, kind) -> (the resources of all its algorithms, the algorithms NCCL could run for it)
+        self._plans: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], tuple[Algorithm, ...]]] = {}
 
     def route(self, src: int, dst: int) -> tuple[tuple[int, ...], float, float]:
         """(resources, latency ns, narrowest bandwidth GB/s) of the route from `src` to `dst`."""
@@ -182,23 +239,72 @@ class Comm:
         slowest = max((nb / self._cap_gbps[r - self.num_devices] for r, nb in load.items()), default=0.0)
         return tuple(sorted(busy)) + tuple(sorted(load)), max(0, round(latency_ns + slowest + extra))
 
+    def channels(self, group: tuple[int, ...]) -> int:
+        """How many rings (NCCL's channels) a collective over `group` (sorted device ids, >= 2) runs at once:
+        1 inside one node; over several nodes, the fewest of the group's devices on any one node when each
+        of them leaves its node through a NIC no other device of the group on that node uses (rails), else
+        1 (a NIC the group's devices share would carry every ring's crossing, one after the other)."""
+        return self._channels(self._by_node(group))
+
+    def algorithms(self, group: tuple[int, ...], kind: str = ALLREDUCE) -> tuple[Algorithm, ...]:
+        """What NCCL could run for `kind` over `group` (sorted device ids, >= 2): the rings, then, for an
+        all-reduce over several nodes, the double binary trees. Cached per (group, kind)."""
+        return self._plan(group, kind)[1]
+
     def collective(self, group: tuple[int, ...], nbytes: int, kind: str = ALLREDUCE) -> tuple[tuple[int, ...], int]:
-        """(resources, duration ns) of a ring `kind` over `group` (sorted device ids, >= 2) on `nbytes`."""
-        hit = self._rings.get((group, kind))
-        if hit is None:
-            hit = self._ring(group, kind)
-            self._rings[(group, kind)] = hit
-        res, steps, envelope = hit
-        chunk = nbytes / len(group)
+        """(resources, duration ns) of `kind` over `group` (sorted device ids, >= 2) on `nbytes`: the time of
+        the faster of `algorithms` for this size (the rings where they tie), as NCCL's tuner picks per call;
+        the resources of all of them, whichever is picked (the same for every size of the group's call)."""
+        resources, algorithms = self._plan(group, kind)
+        wire_ns = min(algorithm.wire_ns(nbytes) for algorithm in algorithms)
         extra = (nbytes * self.overhead.allreduce_ms_per_gb * 1e-3 if kind == ALLREDUCE else 0.0) \
             + self.overhead.sync_us * 1e3
-        return res, max(0, round(steps * max(lat + chunk * slow for lat, slow in envelope) + extra))
+        return resources, max(0, round(wire_ns + extra))
 
-    def _ring(self, group: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int, tuple[tuple[float, float], ...]]:
-        n = len(group)
-        if n < 2 or list(group) != sorted(set(group)):
+    def _plan(self, group: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], tuple[Algorithm, ...]]:
+        hit = self._plans.get((group, kind))
+        if hit is None:
+            nodes = self._by_node(group)
+            channels = self._channels(nodes)
+            algorithms = (self._rings(nodes, channels, kind),)
+            if kind == ALLREDUCE and len(nodes) >= 2:
+                algorithms += (self._trees(nodes, channels),)
+            devices = tuple(d for d in group if d in self._busy)
+            links = sorted({r for algorithm in algorithms for r in algorithm.resources if r >= self.num_devices})
+            hit = self._plans[(group, kind)] = (devices + tuple(links), algorithms)
+        return hit
+
+    def _by_node(self, group: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The group's devices per node, nodes in ascending order, devices ascending within each."""
+        if len(group) < 2 or list(group) != sorted(set(group)):
             raise ValueError(f"a collective needs >= 2 distinct devices in ascending order, got {group}")
-        hops = [self.topology.route(group[i], group[(i + 1) % n]) for i in range(n)]
+        by_node: dict[int, list[int]] = {}
+        for d in group:
+            by_node.setdefault(self.topology.devices[d].node, []).append(d)
+        return tuple(tuple(by_node[k]) for k in sorted(by_node))
+
+    def _channels(self, nodes: tuple[tuple[int, ...], ...]) -> int:
+        if len(nodes) < 2:
+            return 1
+        for k, local in enumerate(nodes):
+            peer = nodes[(k + 1) % len(nodes)][0]
+            nics = {self._nic(d, peer) for d in local}
+            if None in nics or len(nics) < len(local):
+                return 1
+        return min(len(local) for local in nodes)
+
+    def _nic(self, src: int, dst: int) -> int | None:
+        """The id of the first network link (a NIC's port to the switch) on the route from `src` to `dst`
+        on another node: the NIC through which `src` leaves its node; None when the route has none."""
+        return next((i for i in self.topology.route(src, dst) if self.topology.links[i].kind == "network"), None)
+
+    def _rings(self, nodes: tuple[tuple[int, ...], ...], channels: int, kind: str) -> Algorithm:
+        # ring c visits the nodes in order and enters each at its c-th device, so it leaves each node from
+        # the device before that one (its (c-1)-th): every ring crosses each node boundary on other NICs
+        hops = []
+        for c in range(channels):
+            ring = [d for local in nodes for d in local[c:] + local[:c]]
+            hops += [self.topology.route(a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)]
         load: dict[int, int] = {}
         for hop in hops:
             for link in hop:
@@ -210,5 +316,72 @@ class Comm:
                   max(load[self._cap[i]] / self._cap_gbps[self._cap[i]] for i in hop)) for hop in hops}
         envelope = tuple(sorted(p for p in pairs
                                 if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
-        res = tuple(d for d in group if d in self._busy) + tuple(sorted(self.num_devices + i for i in load))
-        return res, _STEPS[kind](n), envelope
+        n = sum(len(local) for local in nodes)
+        return Algorithm(name=RING, resources=self._resources(nodes, load), steps=_STEPS[kind](n),
+                         divisor=channels * n, envelope=envelope)
+
+    def _trees(self, nodes: tuple[tuple[int, ...], ...], channels: int) -> Algorithm:
+        # per channel c, two trees: NCCL's double binary tree over the nodes, whose edges join the nodes'
+        # heads (each node's c-th device, on rail c), and below each head the chain of its node's other
+        # devices in ring order; every tree carries 1/(2 channels) of the bytes, up and down every edge.
+        load: dict[int, int] = {}
+        latency_ns = 0.0
+        for c in range(channels):
+            chains = [local[c:] + local[:c] for local in nodes]
+            for parents in _double_binary_tree(len(nodes)):
+                parent = {chains[k][0]: chains[p][0] for k, p in enumerate(parents) if p >= 0}
+                for chain in chains:
+                    parent.update(zip(chain[1:], chain[:-1], strict=True))
+                latency_ns = max(latency_ns, self._fill_ns(parent))
+                for child, up in parent.items():
+                    for link in self.topology.route(child, up) + self.topology.route(up, child):
+                        load[self._cap[link]] = load.get(self._cap[link], 0) + 1
+        slowest = max(count / self._cap_gbps[cap] for cap, count in load.items())
+        return Algorithm(name=TREE, resources=self._resources(nodes, load), steps=1, divisor=2 * channels,
+                         envelope=((latency_ns, slowest),))
+
+    def _fill_ns(self, parent: dict[int, int]) -> float:
+        """A pipelined tree's fill latency: the slowest route latency from a device up to the root plus
+        the slowest from the root down to a device (the first chunk's reduction, then its broadcast)."""
+        up: dict[int, float] = {}
+        down: dict[int, float] = {}
+        for start in parent:
+            path = []
+            top = start
+            while top in parent and top not in up:  # climb to the root or to a device already priced
+                path.append(top)
+                top = parent[top]
+            up_ns, down_ns = up.get(top, 0.0), down.get(top, 0.0)
+            for d in reversed(path):
+                up_ns += self.route(d, parent[d])[1]
+                down_ns += self.route(parent[d], d)[1]
+                up[d], down[d] = up_ns, down_ns
+        return max(up.values()) + max(down.values())
+
+    def _resources(self, nodes: tuple[tuple[int, ...], ...], load: dict[int, int]) -> tuple[int, ...]:
+        busy = tuple(sorted(d for local in nodes for d in local if d in self._busy))
+        return busy + tuple(sorted(self.num_devices + cap for cap in load))
+
+
+def _btree_parent(rank: int, n: int) -> int:
+    """The parent of `rank` in NCCL's binary tree over ranks 0..n-1 (-1 for the root, rank 0, which has one
+    child): rank r with lowest set bit b hangs below (r - b) | 2b, or below r - b where that is >= n."""
+    if rank == 0:
+        return -1
+    bit = rank & -rank
+    up = (rank ^ bit) | (bit << 1)
+    return up if up < n else rank ^ bit
+
+
+def _double_binary_tree(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """NCCL's two complementary binary trees over ranks 0..n-1 (n >= 2) as parent lists (-1: the root): the
+    binary tree, and the same tree mirrored (n even) or shifted by one rank (n odd), so that the ranks that
+    forward in one tree are leaves of the other (but rank 0 for n odd, the first tree's root with one
+    child): no rank receives (or sends) a tree's share more than four times over both trees, and no tree
+    is deeper than ceil(log2 n)."""
+    first = tuple(_btree_parent(r, n) for r in range(n))
+    if n % 2:
+        second = tuple(-1 if first[(r - 1) % n] < 0 else (first[(r - 1) % n] + 1) % n for r in range(n))
+    else:
+        second = tuple(-1 if first[n - 1 - r] < 0 else n - 1 - first[n - 1 - r] for r in range(n))
+    return first, second
