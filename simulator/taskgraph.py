@@ -14,7 +14,7 @@ Tasks of a step plan:
   of kind ``input`` and ``constant`` have none (zero compute: the batch is loaded where its parts are,
   buffers are everywhere). A recomputing part's backward task includes its forward again. A sharded
   part's forward task includes the all-gather of its parameters and its backward task the second
-  all-gather and the reduce-scatter of their gradient, ring collectives over its shard group
+  all-gather and the reduce-scatter of their gradient, collectives over its shard group
   (`simulator.comm`), since the runtime issues them synchronously around the part's compute (no
   prefetch); they do not occupy the links as separate tasks, so their contention with concurrent
   exchanges is not modeled;
@@ -24,8 +24,8 @@ Tasks of a step plan:
   all-to-all per edge and pass. A consumer part that adds two or more partial sums gets a *reduce* task
   on its device before its compute (`EdgeStep.sums`), and so does a producer part that adds overlapping
   gradients (`EdgeStep.grad_sums`);
-- per bucket and device group: one all-reduce (`simulator.comm`: a ring task) of the gradients of its
-  entries, after the backward of every part holding them;
+- per bucket and device group: one all-reduce (`simulator.comm`: one task, ring or tree) of the gradients
+  of its entries, after the backward of every part holding them;
 - per parameter unit and device: an optimizer update task after the backward of the device's parts of the
   unit's ops and the all-reduces it takes part in.
 """
