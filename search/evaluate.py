@@ -100,14 +100,44 @@ class FullEvaluator:
         self._pending = None
 
 
-def apply_changes(evaluator: Evaluator, changes: Mapping[str, ParallelConfig]) -> Cost | None:
-    """Make each op's config of `changes` current in turn (`propose`, then `accept`); the cost after the
-    last (None when `changes` is empty). A move over several ops (`search.moves`) is costed this way."""
-    cost = None
-    for name, cfg in changes.items():
-        cost = evaluator.propose(name, cfg)
-        evaluator.accept()
-    return cost
+# A move over more ops than this is costed by one full simulation rather than op by op (`Move`): a delta
+# simulation re-times everything after the op it changes, half the step on average.
+MAX_DELTA_OPS = 2
+
+
+class Move:
+    """A proposal over one op or several (`search.moves`), pending on an evaluator started on `current`:
+    its `cost`, then exactly one `accept()` (the changed strategy becomes the evaluator's current one) or
+    `reject()` (`current` stays). Up to `MAX_DELTA_OPS` ops it is costed op by op (all but the last made
+    current, the last proposed; a rejection undoes them op by op), beyond that by one full simulation
+    (`start`) of the changed strategy (and, rejected, one of `current`)."""
+
+    def __init__(self, evaluator: Evaluator, current: Strategy, changes: Mapping[str, ParallelConfig]):
+        assert changes, "a move changes at least one op"
+        self._evaluator, self._current = evaluator, current
+        self.strategy = current.with_configs(changes)
+        self._whole = len(changes) > MAX_DELTA_OPS
+        if self._whole:
+            self.cost = evaluator.start(self.strategy)
+            return
+        *self._first, (op, cfg) = changes.items()
+        for name, cfg in self._first:
+            evaluator.propose(name, cfg)
+            evaluator.accept()
+        self.cost = evaluator.propose(op, cfg)
+
+    def accept(self) -> None:
+        if not self._whole:
+            self._evaluator.accept()
+
+    def reject(self) -> None:
+        if self._whole:
+            self._evaluator.start(self._current)
+            return
+        self._evaluator.reject()
+        for name, _ in reversed(self._first):
+            self._evaluator.propose(name, self._current[name])
+            self._evaluator.accept()
 
 
 def simulated_cost(sim: Simulator) -> Cost:

@@ -12,8 +12,8 @@ The method:
   valid config, or half the time for an op with recompute or shard choices, its current layout with
   those redrawn (`search.space`); and, beside those, moves over several ops that follow the model's
   structure (the same config for every copy of an op in repeated blocks, one block's layout for all the
-  copies, a neighbour's layout for one op), each counted as one proposal and costed op by op through the
-  evaluator (a rejected one undone op by op). A proposal S' is accepted with
+  copies, a neighbour's layout for one op), each counted as one proposal (`search.evaluate.Move`: op by
+  op, or one full simulation beyond two ops). A proposal S' is accepted with
   min(1, exp(β·(cost(S) - cost(S')))); one that does not fit in memory is always rejected. A chain whose
   current strategy does not fit (a random start) walks downhill on the memory excess until it fits, then
   follows the rule above.
@@ -75,7 +75,7 @@ from types import MappingProxyType
 from typing import Any
 
 from search.baselines import BASELINES, BaselineNotApplicable, fsdp, parse_baseline, recompute_full
-from search.evaluate import Cost, Evaluator, EvaluatorFactory, apply_changes
+from search.evaluate import Cost, Evaluator, EvaluatorFactory, Move
 from search.moves import Moves
 from search.space import ConfigSpace
 from search.tidy import tidy
@@ -85,8 +85,6 @@ from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
 DEFAULT_BETA_SCALE = 100.0
-# a move over more ops than this is costed by a full simulation rather than op by op (`_Chain.step`)
-MAX_DELTA_OPS = 2
 PROGRESS_INTERVAL_S = 0.5
 
 
@@ -172,27 +170,15 @@ class _Chain:
         self.num_proposals += 1
         if not changes:
             return False  # the null move: accepted, nothing to simulate
-        proposed = self.current.with_configs(changes)
-        if len(changes) > MAX_DELTA_OPS:
-            # a delta simulation re-times everything after the op it changes, half the step on average: a
-            # move over more ops than this costs less as one full simulation (and one more to go back)
-            cost = self.evaluator.start(proposed)
-        else:  # all but the last made current, the last proposed
-            *first, (op, cfg) = changes.items()
-            apply_changes(self.evaluator, dict(first))
-            cost = self.evaluator.propose(op, cfg)
+        move = Move(self.evaluator, self.current, changes)
+        cost = move.cost
         if cost.peak_memory_bytes < self.min_peak[0]:
             self.min_peak = (cost.peak_memory_bytes, self.name)
         if not self._accept(cost):
-            if len(changes) > MAX_DELTA_OPS:
-                self.evaluator.start(self.current)
-            else:
-                self.evaluator.reject()
-                apply_changes(self.evaluator, {name: self.current[name] for name, _ in reversed(first)})
+            move.reject()
             return False
-        if len(changes) <= MAX_DELTA_OPS:
-            self.evaluator.accept()
-        self.current, self.cost = proposed, cost
+        move.accept()
+        self.current, self.cost = move.strategy, cost
         self.num_accepted += 1
         if cost.value < self.best_cost.value:
             self.best, self.best_cost = self.current, cost

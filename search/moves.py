@@ -72,9 +72,9 @@ class Moves:
             other = self.near[name][rng.randrange(len(self.near[name]))]
             cfg = carried(self.graph, name, current[name], current[other], self.space.num_devices)
             changes = {} if cfg is None else {name: cfg}
-        else:
+        else:  # drawn from the op's own configs: no need to check that the space holds it
             name, cfg = self.space.propose(rng, current)
-            changes = {name: cfg}
+            return {name: cfg} if cfg != current[name] else {}
         return {m: cfg for m, cfg in changes.items() if cfg != current[m] and self.space.contains(m, cfg)}
 
 

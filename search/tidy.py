@@ -20,7 +20,7 @@ simulator's, never an estimate. Must not import torch, the runtime or soapflow.
 
 from __future__ import annotations
 
-from search.evaluate import Cost, Evaluator, apply_changes
+from search.evaluate import Cost, Evaluator, Move
 from search.structure import carried, neighbours
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
@@ -30,10 +30,6 @@ from soap.strategy import Strategy
 
 def _layout(cfg: ParallelConfig) -> tuple:
     return (tuple(sorted(cfg.degrees.items())), cfg.devices)
-
-
-def _no_worse(trial: Cost, cost: Cost) -> bool:
-    return trial.feasible >= cost.feasible and trial.time_ms <= cost.time_ms
 
 
 def _groups(names: list[str], near: dict[str, list[str]]) -> list[list[str]]:
@@ -61,46 +57,44 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
     and it still fits (module docstring), and its cost. `evaluator` is started on `strategy` here."""
     cost = evaluator.start(strategy)
     near = neighbours(graph)
-    current = dict(strategy.configs)
+    current = strategy
 
     def outliers() -> list[str]:
         return [op.name for op in graph if not op_def(op.kind).everywhere and near[op.name]
                 and _layout(current[op.name]) not in [_layout(current[n]) for n in near[op.name]]]
 
+    def moved_to(changes: dict[str, ParallelConfig]) -> bool:
+        """Make `changes` where the strategy stays feasible and its time does not grow."""
+        nonlocal current, cost
+        move = Move(evaluator, current, changes)
+        if not (move.cost.feasible >= cost.feasible and move.cost.time_ms <= cost.time_ms):
+            move.reject()
+            return False
+        move.accept()
+        current, cost = move.strategy, move.cost
+        return True
+
     for _ in range(max_rounds):
         moved = False
         # one op at a time
         for name in outliers():
-            own = current[name]
             for n in near[name]:
-                cfg = carried(graph, name, own, current[n], num_devices)
-                if cfg is None or cfg == own:
-                    continue
-                trial = evaluator.propose(name, cfg)
-                if _no_worse(trial, cost):
-                    evaluator.accept()
-                    current[name], cost, moved = cfg, trial, True
+                cfg = carried(graph, name, current[name], current[n], num_devices)
+                if cfg is not None and cfg != current[name] and moved_to({name: cfg}):
+                    moved = True
                     break
-                evaluator.reject()
         # a run of neighbouring outliers together, to the layout of an op next to the run
         for group in _groups(outliers(), near):
             members = set(group)
             for n in dict.fromkeys(m for g in group for m in near[g] if m not in members):
                 changes = {g: carried(graph, g, current[g], current[n], num_devices) for g in group}
                 changes = {g: cfg for g, cfg in changes.items() if cfg is not None and cfg != current[g]}
-                if not changes:
-                    continue
-                undo = {g: current[g] for g in changes}
-                trial = apply_changes(evaluator, changes)
-                current.update(changes)
-                if _no_worse(trial, cost):
-                    cost, moved = trial, True
+                if changes and moved_to(changes):
+                    moved = True
                     break
-                apply_changes(evaluator, undo)
-                current.update(undo)
         if not moved:
             break
-    return Strategy(current), cost
+    return current, cost
 
 
 __all__ = ["tidy"]
