@@ -39,6 +39,7 @@ import torch.distributed as dist
 from runtime import kernels
 from runtime.collectives import CollectiveLog, EdgeMover, GradSync, make_groups
 from runtime.materialize import PieceKey, take_piece
+from soap.config import param_pieces
 from soap.graph import Operator, OperatorGraph, TensorRef
 from soap.lowering import ALL_GATHER, REDUCE_SCATTER, StepPlan, SyncEntry, chunk_numel, recompute_points
 from soap.opdef import Region
@@ -70,8 +71,8 @@ def pieces_needed(plan: StepPlan, rank: int) -> list[PieceKey]:
         groups = step.shard_groups
         group = groups[p] if groups is not None else (rank,)
         chunk = (group.index(rank), len(group)) if len(group) > 1 else None
-        for name, region in op_def(op.kind).param_regions(op, step.boxes[p]).items():
-            out.append((op.params[name].fqn, tuple(tuple(r) for r in region), chunk))
+        for fqn, region in param_pieces(op, step.boxes[p]).values():
+            out.append((fqn, region, chunk))
     return out
 
 
@@ -113,7 +114,7 @@ class Executor:
         self.buffers: dict[tuple[str, Region], torch.Tensor] = {}
         self.op_params: dict[str, dict[str, torch.Tensor]] = {}
         self.op_buffers: dict[str, dict[str, torch.Tensor]] = {}
-        self.param_shapes = {p.fqn: p.shape for op in graph for p in op.params.values()}
+        self.param_shapes = {p.fqn: p.full_shape for op in graph for p in op.params.values()}
         # Outputs every rank holds whole (`OpDef.everywhere`): the buffers, and each step's global batch.
         self.sources: dict[str, torch.Tensor] = {}
         # Per op position, the part on this rank (None: none) and its box.
@@ -136,9 +137,8 @@ class Executor:
             if sharded:
                 self._chunk_params(i, op, groups[self.parts[i]], tensors)
             params = {}
-            for name, region in ({} if sharded else entry.param_regions(op, box)).items():
-                fqn = op.params[name].fqn
-                key = (fqn, tuple(tuple(r) for r in region))
+            for name, key in ({} if sharded else param_pieces(op, box)).items():
+                fqn = key[0]
                 if key not in self.shards:
                     value = take_piece(tensors, fqn, key[1])
                     self.shards[key] = self._cast(value).detach().clone().requires_grad_(True)
@@ -212,9 +212,8 @@ class Executor:
         `group`): the region flattened, padded to a multiple of the group's size, cut in equal chunks."""
         size, j = len(group), group.index(self.rank)
         layout = []
-        for name, region in op_def(op.kind).param_regions(op, self.boxes[i]).items():
-            fqn = op.params[name].fqn
-            key = (fqn, tuple(tuple(r) for r in region))
+        for name, key in param_pieces(op, self.boxes[i]).items():
+            fqn = key[0]
             shape = tuple(hi - lo for lo, hi in key[1])
             numel = math.prod(shape)
             value = self._cast(take_piece(tensors, fqn, key[1], (j, size))).detach()

@@ -207,7 +207,7 @@ def expert(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
 def _sharded(op: Operator, cfg: ParallelConfig, shard: int, shared: Mapping[str, tuple[str, ...]]) -> ParallelConfig:
     """`cfg` with its parameters sharded over `shard` of their replicas where that is allowed (the op has
     parameters no other op shares, and `shard` divides their replica count); `cfg` otherwise."""
-    if shard == 1 or not op.params or any(p.fqn in shared for p in op.params.values()):
+    if shard == 1 or not op.params or any(p.key in shared for p in op.params.values()):
         return cfg
     if param_replicas(op, cfg) % shard:
         return cfg
@@ -225,10 +225,12 @@ def fsdp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
 
 def _branch_point(graph: OperatorGraph, op: Operator) -> bool:
     """Whether one of `op`'s outputs is read by two or more ops (counted per output: a split into q, k
-    and v whose outputs are each read once is not a branch point)."""
+    and v whose outputs are each read once is not a branch point; nor is the input of a fused projection
+    that capture split per piece, whose pieces count as the one op they were)."""
     readers: dict[int, set[str]] = {}
     for consumer, _, index in graph.consumers(op.name):
-        readers.setdefault(index, set()).add(consumer)
+        blocks = [p.fqn for p in graph[consumer].params.values() if p.offset]
+        readers.setdefault(index, set()).add(blocks[0] if blocks else consumer)
     return any(len(ops) >= 2 for ops in readers.values())
 
 

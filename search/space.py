@@ -99,7 +99,7 @@ class ConfigSpace:
         found = self._shards.get((op_name, degrees))
         if found is None:
             op = self.graph[op_name]
-            if not op.params or any(p.fqn in self._shared for p in op.params.values()):
+            if not op.params or any(p.key in self._shared for p in op.params.values()):
                 found = (1,)
             else:
                 n = math.prod(g for _, g in degrees)

@@ -152,10 +152,21 @@ def param_replicas(op: Operator, cfg: ParallelConfig) -> int:
     return min(counts.values())
 
 
+def param_pieces(op: Operator, box: Box) -> dict[str, tuple[str, Region]]:
+    """Per parameter name, (fqn, region) a part of `op` with `box` holds, the region in the coordinates of
+    the whole parameter (`ParamSpec.offset` added to what the registry names): the key under which the
+    lowering, the runtime and checkpoints know the piece."""
+    out = {}
+    for name, region in op_def(op.kind).param_regions(op, box).items():
+        spec = op.params[name]
+        offset = spec.offset or (0,) * len(region)
+        out[name] = (spec.fqn, tuple((int(lo) + o, int(hi) + o) for (lo, hi), o in zip(region, offset, strict=True)))
+    return out
+
+
 def param_keys(op: Operator, box: Box) -> tuple[tuple[str, Region], ...]:
     """(fqn, region) of every parameter a part of `op` with `box` holds, in the op's parameter order."""
-    return tuple((op.params[name].fqn, tuple((int(lo), int(hi)) for lo, hi in region))
-                 for name, region in op_def(op.kind).param_regions(op, box).items())
+    return tuple(param_pieces(op, box).values())
 
 
 def parts(op: Operator, cfg: ParallelConfig) -> list[tuple[Box, int]]:

@@ -60,14 +60,41 @@ class TensorRef:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParamSpec:
-    """One parameter of an op: its shape and its fully qualified name in the model's state dict."""
+    """One parameter of an op: its shape and its fully qualified name in the model's state dict.
+
+    An op may use a block of a parameter rather than all of it (capture splits a fused projection, one
+    linear for q, k and v each over its block of the fused weight): `shape` is then the block's shape,
+    `offset` its first index per axis in the parameter and `whole_shape` the parameter's shape. Regions
+    the registry names are in the block's coordinates; `soap.config.param_pieces` moves them into the
+    parameter's. Two ops share a parameter when they use the same block of it (`key`).
+    """
 
     shape: tuple[int, ...]
     fqn: str
     dtype: str = "float32"
+    offset: tuple[int, ...] = ()
+    whole_shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "offset", tuple(int(s) for s in self.offset))
+        object.__setattr__(self, "whole_shape", tuple(int(s) for s in self.whole_shape))
+        if bool(self.offset) != bool(self.whole_shape):
+            raise ValueError(f"parameter {self.fqn!r}: a block needs both an offset and the whole shape")
+        if self.offset and not (len(self.offset) == len(self.shape) == len(self.whole_shape) and all(
+                0 <= o and o + s <= w for o, s, w in zip(self.offset, self.shape, self.whole_shape, strict=True))):
+            raise ValueError(f"parameter {self.fqn!r}: block {self.shape} at {self.offset} does not lie "
+                             f"inside its shape {self.whole_shape}")
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The parameter's shape in the model (the block's shape where the op uses all of it)."""
+        return self.whole_shape or self.shape
+
+    @property
+    def key(self) -> str:
+        """What the op holds: the fqn, with the block's offset where it uses a block."""
+        return f"{self.fqn}@{','.join(map(str, self.offset))}" if self.offset else self.fqn
 
     @property
     def numel(self) -> int:
@@ -144,7 +171,8 @@ class Operator:
             "kind": self.kind,
             "inputs": [[r.op, r.index] for r in self.inputs],
             "outputs": [{"shape": list(t.shape), "dtype": t.dtype} for t in self.outputs],
-            "params": {k: {"shape": list(p.shape), "fqn": p.fqn, "dtype": p.dtype}
+            "params": {k: {"shape": list(p.shape), "fqn": p.fqn, "dtype": p.dtype,
+                           **({"offset": list(p.offset), "whole_shape": list(p.whole_shape)} if p.offset else {})}
                        for k, p in self.params.items()},
             "attrs": _thaw(self.attrs),
             "module": self.module,
@@ -161,7 +189,8 @@ class Operator:
             kind=d["kind"],
             inputs=tuple(TensorRef(op=o, index=i) for o, i in d["inputs"]),
             outputs=tuple(TensorSpec(shape=tuple(t["shape"]), dtype=t["dtype"]) for t in d["outputs"]),
-            params={k: ParamSpec(shape=tuple(p["shape"]), fqn=p["fqn"], dtype=p.get("dtype", "float32"))
+            params={k: ParamSpec(shape=tuple(p["shape"]), fqn=p["fqn"], dtype=p.get("dtype", "float32"),
+                                 offset=tuple(p.get("offset", ())), whole_shape=tuple(p.get("whole_shape", ())))
                     for k, p in d["params"].items()},
             attrs=d["attrs"],
             module=d.get("module", ""),
@@ -233,13 +262,14 @@ class OperatorGraph:
         return self[ref.op].outputs[ref.index]
 
     def shared_params(self) -> dict[str, tuple[str, ...]]:
-        """Parameter fqn -> the names of the ops that use it, for parameters used by two or more ops."""
+        """`ParamSpec.key` -> the names of the ops that use it, for parameters (or blocks of one) used by
+        two or more ops."""
         if self._shared is None:
             users: dict[str, list[str]] = {}
             for op in self.ops:
-                for fqn in dict.fromkeys(p.fqn for p in op.params.values()):
-                    users.setdefault(fqn, []).append(op.name)
-            self._shared = {fqn: tuple(names) for fqn, names in users.items() if len(names) > 1}
+                for key in dict.fromkeys(p.key for p in op.params.values()):
+                    users.setdefault(key, []).append(op.name)
+            self._shared = {key: tuple(names) for key, names in users.items() if len(names) > 1}
         return self._shared
 
     @property
@@ -248,7 +278,7 @@ class OperatorGraph:
         seen: dict[str, int] = {}
         for op in self.ops:
             for p in op.params.values():
-                seen[p.fqn] = p.numel
+                seen[p.fqn] = math.prod(p.full_shape)
         return sum(seen.values())
 
     @property
@@ -262,7 +292,7 @@ class OperatorGraph:
             structure = [
                 [op.name, op.kind, [[r.op, r.index] for r in op.inputs],
                  [[list(t.shape), t.dtype] for t in op.outputs],
-                 sorted([k, list(p.shape)] for k, p in op.params.items()),
+                 sorted([k, list(p.shape)] + ([list(p.offset)] if p.offset else []) for k, p in op.params.items()),
                  _thaw(op.attrs)]
                 for op in self.ops
             ]

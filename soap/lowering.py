@@ -84,7 +84,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from soap.config import ParallelConfig, param_keys, parts
+from soap.config import ParallelConfig, param_keys, param_pieces, parts
 from soap.graph import DTYPE_BYTES, OperatorGraph, TensorRef
 from soap.opdef import Region, intersect, region_numel
 from soap.registry import op_def
@@ -124,8 +124,9 @@ class GradFlow:
     input), `in_edges[i]` and `out_edges[i]` (edge ids; edges from sources are not edges),
     `slot_edges[i]` (per input slot its edge id, None for a source), `unit[i]`
     (its parameter unit, -1 without parameters). Per unit u: `units[u]` (op positions, ascending),
-    `unit_fqns[u]` (its parameters), `unit_first[u]` (its lowest op position). Per parameter fqn:
-    `param_bucket[fqn]` (None when it gets no gradient) and `first_user[fqn]`. Per bucket b:
+    `unit_fqns[u]` (its parameters' `ParamSpec.key`s: an fqn, or an fqn and a block), `unit_first[u]` (its
+    lowest op position). Per parameter key: `param_bucket[key]` (None when it gets no gradient) and
+    `first_user[key]`. Per bucket b:
     `bucket_first_op[b]` (the lowest first-user position in it: its backward ends the bucket).
     """
 
@@ -193,13 +194,13 @@ class GradFlow:
         self.first_user: dict[str, int] = {}
         for i, op in enumerate(ops):
             for spec in op.params.values():
-                self.param_bytes[spec.fqn] = spec.nbytes
-                self.first_user.setdefault(spec.fqn, i)
-                if spec.fqn in owner:
-                    a, b = find(owner[spec.fqn]), find(i)
+                self.param_bytes[spec.key] = spec.nbytes
+                self.first_user.setdefault(spec.key, i)
+                if spec.key in owner:
+                    a, b = find(owner[spec.key]), find(i)
                     parent[max(a, b)] = min(a, b)
                 else:
-                    owner[spec.fqn] = i
+                    owner[spec.key] = i
         roots: dict[int, int] = {}
         self.unit = [-1] * len(ops)
         self.units: list[tuple[int, ...]] = []
@@ -212,20 +213,20 @@ class GradFlow:
                 u = self.unit[i] = roots[r]
                 self.units[u] = (*self.units[u], i)
         self.unit_first = [members[0] for members in self.units]
-        self.unit_fqns = [tuple(dict.fromkeys(p.fqn for i in members for p in ops[i].params.values()))
+        self.unit_fqns = [tuple(dict.fromkeys(p.key for i in members for p in ops[i].params.values()))
                           for members in self.units]
 
     def _buckets(self, cap: int) -> None:
         users: dict[str, list[int]] = {}
         for i, op in enumerate(self.ops):
             for spec in op.params.values():
-                users.setdefault(spec.fqn, []).append(i)
+                users.setdefault(spec.key, []).append(i)
         self.param_bucket: dict[str, int | None] = {}
         first_op: list[int] = []
         filled = 0  # bytes in the open bucket
         limit = min(FIRST_BUCKET_BYTES, cap)
         for i in range(self.num_ops - 1, -1, -1):
-            mine = [f for f in dict.fromkeys(p.fqn for p in self.ops[i].params.values()) if self.first_user[f] == i]
+            mine = [f for f in dict.fromkeys(p.key for p in self.ops[i].params.values()) if self.first_user[f] == i]
             # no gradient reaches a parameter none of whose users runs backward: nothing to synchronize
             live = [f for f in mine if any(self.needs_bwd[u] for u in users[f])]
             self.param_bucket.update(dict.fromkeys(mine))
@@ -589,15 +590,15 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
     holders: dict[tuple[str, Region], list[tuple[int, int]]] = {}
     devices: dict[tuple[str, Region], set[int]] = {}
     specs = {}
+    param_of: dict[tuple[str, Region], str] = {}  # piece -> the `ParamSpec.key` it belongs to
     for i in flow.units[unit]:
         op = flow.ops[i]
-        entry = op_def(op.kind)
         step = steps[i]
         for c, (b, d) in enumerate(zip(step.boxes, step.devices, strict=True)):
-            for name, region in entry.param_regions(op, b).items():
+            for name, key in param_pieces(op, b).items():
                 spec = op.params[name]
-                specs[spec.fqn] = spec
-                key = (spec.fqn, tuple((int(lo), int(hi)) for lo, hi in region))
+                specs[spec.key] = spec
+                param_of[key] = spec.key
                 holders.setdefault(key, []).append((i, c))
                 devices.setdefault(key, set()).add(d)
     out.shards = {k: tuple(sorted(v)) for k, v in sorted(devices.items())}
@@ -610,10 +611,11 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
     update: dict[int, int] = {}
     memory: dict[int, int] = {}
     sync: list[SyncEntry] = []
-    for fqn in flow.unit_fqns[unit]:
-        spec = specs[fqn]
-        keys = [k for k in out.shards if k[0] == fqn]
-        bucket = flow.param_bucket[fqn]
+    for pkey in flow.unit_fqns[unit]:
+        spec = specs[pkey]
+        fqn = spec.fqn
+        keys = [k for k in out.shards if param_of[k] == pkey]
+        bucket = flow.param_bucket[pkey]
         itemsize = DTYPE_BYTES[spec.dtype]
         copy = compute_itemsize if spec.dtype != flow.setup.compute_dtype and spec.dtype in FLOAT_DTYPES else 0
         for key in keys:
@@ -645,6 +647,7 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
         else:
             # Overlapping shards (a tied weight read whole by one op and split by another): every holder
             # contributes a full-size gradient, even two shards on one device must see each other's.
+            assert not spec.offset, "a block of a parameter is used by one op"
             group = tuple(sorted(set().union(*(set(out.shards[k]) for k in keys))))
             numel = spec.numel
             sync.append(SyncEntry(fqn, None, group, bucket, numel, numel * itemsize,

@@ -105,7 +105,7 @@ def check_shared_shards(graph: OperatorGraph, strategy: Strategy | Mapping[str, 
         cfg = strategy[op.name] if op.name in strategy else None
         if cfg is not None and cfg.shard > 1:
             for spec in op.params.values():
-                others = [name for name in shared.get(spec.fqn, ()) if name != op.name]
+                others = [name for name in shared.get(spec.key, ()) if name != op.name]
                 if others:
                     raise StrategyError(f"op {op.name!r} shares parameter {spec.fqn!r} with op {others[0]!r}; "
                                         f"shared parameters are not sharded (use shard 1)")

@@ -51,6 +51,10 @@ def check_common(graph: OperatorGraph, module: nn.Module, inputs: tuple[torch.Te
     assert graph.ops[-1].kind == "loss" and graph.ops[-1].name == "loss"
     assert graph.ops[-1].outputs[0].shape == ()
     for name, shape in leaf_output_shapes(module, *inputs).items():
+        if name not in graph and f"{name}.a" in graph:  # a fused projection split per piece
+            pieces = [op.outputs[0].shape for op in graph if op.name.rpartition(".")[0] == name]
+            assert {p[:-1] for p in pieces} == {shape[:-1]} and sum(p[-1] for p in pieces) == shape[-1], name
+            continue
         assert graph[name].outputs[0].shape == shape, name
     for op in graph:
         if op.inputs:
@@ -218,10 +222,15 @@ def test_attention_block():
     graph = capture(model, meta_like(x), meta_like(y))
     kinds = {op.name: op.kind for op in graph}
     check_common(graph, model, (x,))
-    assert kinds["chunk"] == "split" and [t.shape for t in graph["chunk"].outputs] == [(2, 5, 16)] * 3
-    assert list(graph["chunk"].attrs["sizes"]) == [16, 16, 16] and graph["chunk"].attrs["axis"] == 2
+    # the fused projection and its chunk became one linear per piece over its block of the weight
+    assert "chunk" not in graph and "qkv" not in graph
+    pieces = [graph[f"qkv.{c}"] for c in "abc"]
+    assert [(op.kind, op.outputs[0].shape) for op in pieces] == [("linear", (2, 5, 16))] * 3
+    assert [(p.params["weight"].offset, p.params["bias"].offset) for p in pieces] == [
+        ((0, 0), (0,)), ((16, 0), (16,)), ((32, 0), (32,))]
+    assert {p.params["weight"].whole_shape for p in pieces} == {(48, 16)}
     views = [graph[name] for name in ("view", "view_1", "view_2")]
-    assert [(op.inputs[0].op, op.inputs[0].index) for op in views] == [("chunk", i) for i in range(3)]
+    assert [(op.inputs[0].op, op.inputs[0].index) for op in views] == [(f"qkv.{c}", 0) for c in "abc"]
     assert kinds["matmul"] == "matmul" and kinds["matmul_1"] == "matmul"
     assert graph["matmul"].outputs[0].shape == (2, 2, 5, 5)
     assert list(graph["transpose_3"].attrs["perm"]) == [0, 1, 3, 2]

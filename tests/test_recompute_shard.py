@@ -145,28 +145,28 @@ def test_recompute_full_keeps_branch_points_and_the_loss():
     assert all(out[n].recompute for n in ("fc0", "relu0", "fc1"))
 
 
-def test_recompute_full_counts_readers_per_output_on_a_small_gpt():
-    """The q, k, v split has three outputs each read once: not a branch point, so it recomputes; the
-    residual stream (each block's input and the sum after its attention, read by a layer norm and the next
-    residual add) is kept."""
+def test_recompute_full_keeps_only_branch_points_on_a_small_gpt():
+    """The q, k and v projections (capture splits the fused qkv linear per piece) are each read once: not
+    branch points, so they recompute; the residual stream (each block's input and the sum after its
+    attention, read by a layer norm and the next residual add) is kept."""
     import runtime_cases as rc
 
     graph = rc.graph_of("transformer")  # 2 blocks, d_model 16
     topo = load_topology("cpu-2")
     strategy = hybrid(graph, topo, tp_size=2, recompute="full")
-    splits = [op.name for op in graph if op.kind == "split"]
-    assert len(splits) == 2 and all(len(graph[s].outputs) == 3 for s in splits)
-    assert all(strategy[s].recompute for s in splits)
+    pieces = [op.name for op in graph if op.name.rpartition(".")[0].endswith("attn.qkv")]
+    assert len(pieces) == 6 and all(len(graph.consumers(p)) == 1 for p in pieces)
+    assert all(strategy[p].recompute for p in pieces)
     assert all(strategy[op.name].recompute for op in graph if op.kind == "attention")
     kept = {op.name for op in graph if not strategy[op.name].recompute}
     sources = {op.name for op in graph if op.kind == "input"}
     assert kept == sources | {"drop", "blocks.0.add", "blocks.0.add_1", "blocks.1.add", "loss"}
     for name in kept - sources - {"loss"}:
         assert len({c for c, _, _ in graph.consumers(name)}) == 2, name
-    # keeping the split would keep q, k and v: recomputing it needs less memory for the same collectives
-    keep_split = dict(strategy.configs) | {s: strategy[s].replace(recompute=False) for s in splits}
+    # keeping q, k and v needs more memory for the same collectives
+    keep = dict(strategy.configs) | {p: strategy[p].replace(recompute=False) for p in pieces}
     plan = lower(graph, strategy, TrainSetup(), 2)
-    heavier = lower(graph, Strategy(keep_split), TrainSetup(), 2)
+    heavier = lower(graph, Strategy(keep), TrainSetup(), 2)
     assert max(plan.memory_bytes()) < max(heavier.memory_bytes())
     assert plan.collectives() == heavier.collectives()
 

@@ -12,11 +12,13 @@ each:
 2. `grouping`: the aten nodes grouped into operator calls by ``nn_module_stack``;
 3. `mappers`: each call mapped to an op kind, or left opaque;
 4. `builder`: the operators emitted with names, parameters, shapes, FLOPs and bytes; values neither the
-   batch nor the parameters reach folded into constants.
+   batch nor the parameters reach folded into constants;
+5. `fused`: a fused projection whose output is split (q, k and v from one linear) becomes one linear per
+   piece over its block of the fused weight.
 
-`nodes` holds the helpers that read aten nodes, shared by stages 2 to 4. Each module's docstring gives the
-rules of its stage. Names with a leading underscore are private to this package; its public names are
-`capture` and `LEAF_MODULES`.
+`nodes` holds the helpers that read aten nodes, shared by stages 2 to 4; stage 5 reads operators only. Each
+module's docstring gives the rules of its stage. Names with a leading underscore are private to this package;
+its public names are `capture` and `LEAF_MODULES`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from soap.capture.builder import _Builder
+from soap.capture.fused import split_fused_linears
 from soap.capture.nodes import _dtype_name
 from soap.capture.tracing import (
     LEAF_MODULES,
@@ -87,7 +90,7 @@ def capture(module: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], 
                     f"cannot capture {type(module).__name__}: torch.export failed "
                     f"({type(export_error).__name__}: {_first_line(export_error)}) and torch.fx failed "
                     f"({type(fx_error).__name__}: {_first_line(fx_error)})") from fx_error
-        ops = _Builder(traced, wrapper).build()
+        ops = split_fused_linears(_Builder(traced, wrapper).build())
     return OperatorGraph(ops, name=name, batch_size=batch_size)
 
 
