@@ -120,11 +120,11 @@ class Move:
         if self._whole:
             self.cost = evaluator.start(self.strategy)
             return
-        *self._first, (op, cfg) = changes.items()
+        *self._first, (last, last_cfg) = changes.items()
         for name, cfg in self._first:
             evaluator.propose(name, cfg)
             evaluator.accept()
-        self.cost = evaluator.propose(op, cfg)
+        self.cost = evaluator.propose(last, last_cfg)
 
     def accept(self) -> None:
         if not self._whole:

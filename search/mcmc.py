@@ -220,7 +220,7 @@ def _closeness(cost: Cost) -> tuple[int, float]:
 def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -> dict[str, Any]:
     """Step the job's chains round-robin until each has stopped; the worker's part of the result."""
     t0 = time.monotonic()
-    moves = Moves(graph, ConfigSpace(graph, job.topology))
+    moves = Moves(graph, ConfigSpace(graph, job.topology), [from_plain(r) for r in job.references])
     chains = []
     events: list[tuple[int, float, float]] = []  # (worker proposals, elapsed_s, chain best ms)
     total = 0
@@ -381,6 +381,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     specs = [ChainSpec(name=n, start=to_plain(s), seed=f"soapflow.search/{seed}/{n}", max_proposals=k)
              for (n, s), k in zip(named, per_chain, strict=True) if k is None or k > 0]
 
+    references = [to_plain(s) for s in (strategies | recomputing).values()]
     offset = time.monotonic() - t0
     if progress is not None:
         progress = _with_rate(progress, offset)
@@ -393,7 +394,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
                        budget_s=left, stall_s=None if budget_s is None else budget_s / 2, offset_s=offset,
                        beta_per_ms=beta, beta_scale=beta_scale,
                        best_ms=feasible[best_baseline].time_ms if best_baseline else math.inf,
-                       plain=jobs > 1) for g in groups]
+                       plain=jobs > 1, references=references) for g in groups]
     if jobs == 1:  # the baselines' evaluators cannot cross a process boundary, but in process they can
         work[0].started = {s.name: probes[s.name] for s in specs if s.name in probes}
     probes.clear()  # evaluators no chain starts from (their simulations can be large) are let go

@@ -15,6 +15,12 @@ the null move), and costs it as one proposal whatever its size. The mixture, fix
 - *propagation* (an eighth; FlexFlow's ``--enable-propagation``): an op drawn uniformly and one of its
   neighbours drawn uniformly; the op takes the neighbour's layout (`search.structure.carried`), so that
   a layout can travel along a chain of ops;
+- *module* (an eighth, where the chain was given reference strategies, the baselines): a class of copies
+  of a module drawn uniformly (`search.structure.modules_of`: the attention of every layer, say), a
+  reference drawn uniformly, and the ops of one module of the class (half the time) or of all of them
+  take the reference's configs: a baseline's layout of one part of the model grafted onto the current
+  strategy (Megatron's attention beside another layout of the MLP), which one op at a time would need
+  many proposals through worse strategies, each op's layout being only as good as its neighbours';
 - *single* (the rest): `ConfigSpace.propose`, one op drawn uniformly with a config drawn uniformly.
 
 Every config a move gives is one of the op's configs in the space (`ConfigSpace.contains`): ops for
@@ -29,9 +35,10 @@ Must not import torch, the runtime or soapflow.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from search.space import ConfigSpace
-from search.structure import carried, copies_of, neighbours
+from search.structure import carried, copies_of, modules_of, neighbours
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
 from soap.strategy import Strategy
@@ -39,15 +46,18 @@ from soap.strategy import Strategy
 TIED_SHARE = 0.25
 COPY_SHARE = 0.125
 PROPAGATION_SHARE = 0.125
+MODULE_SHARE = 0.125
 
 
 class Moves:
     """The moves of the search on `graph` over `space` (module docstring)."""
 
-    def __init__(self, graph: OperatorGraph, space: ConfigSpace):
+    def __init__(self, graph: OperatorGraph, space: ConfigSpace, references: Sequence[Strategy] = ()):
         self.graph, self.space = graph, space
+        self.references = tuple(references)
         targets = set(space.ops)
         self.copies = copies_of(graph, targets)
+        self.modules = modules_of(graph, targets) if self.references else []
         near = neighbours(graph)
         self.near = {name: [n for n in near[name] if n in targets] for name in space.ops}
         self.movable = [name for name in space.ops if self.near[name]]
@@ -59,6 +69,7 @@ class Moves:
         tied = TIED_SHARE if classes else 0.0
         copy = tied + (COPY_SHARE if classes else 0.0)
         propagation = copy + (PROPAGATION_SHARE if self.movable else 0.0)
+        module = propagation + (MODULE_SHARE if self.modules else 0.0)
         if r < tied:
             members = classes[rng.randrange(len(classes))]
             cfg = self.space.propose_for(members[0], rng, current)
@@ -72,6 +83,11 @@ class Moves:
             other = self.near[name][rng.randrange(len(self.near[name]))]
             cfg = carried(self.graph, name, current[name], current[other], self.space.num_devices)
             changes = {} if cfg is None else {name: cfg}
+        elif r < module:
+            modules = self.modules[rng.randrange(len(self.modules))]
+            reference = self.references[rng.randrange(len(self.references))]
+            chosen = modules if rng.random() < 0.5 else [modules[rng.randrange(len(modules))]]
+            changes = {m: reference[m] for names in chosen for m in names}
         else:  # drawn from the op's own configs: no need to check that the space holds it
             name, cfg = self.space.propose(rng, current)
             return {name: cfg} if cfg != current[name] else {}

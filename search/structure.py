@@ -1,6 +1,6 @@
 """The structure of a graph that the search's moves use: which ops neighbour which, and which are copies.
 
-Owns `neighbours`, `carried`, `Copies` and `copies_of`.
+Owns `neighbours`, `carried`, `Copies`, `copies_of` and `modules_of`.
 
 - Neighbours of an op: the ops producing its inputs (in input order), then those consuming its outputs
   (in graph order), leaving out sources that exist everywhere (the batch, constants).
@@ -11,6 +11,9 @@ Owns `neighbours`, `carried`, `Copies` and `copies_of`.
   parameter shapes, and attributes other than names. Each *class* of two or more copies is listed in
   graph order; an op's *copy index* is the tuple of the numbers in its name, the same for all the ops of
   one copy of a block.
+- Modules: the ops a module of the model computes (`Operator.module`, the ops of its submodules included),
+  for every module with at least two of them; modules whose paths are the same but for their numbers
+  (``h.3.attn`` and ``h.7.attn``) are copies of one another.
 
 Pure functions of the graph; must not import torch, the runtime or soapflow.
 """
@@ -100,4 +103,28 @@ def copies_of(graph: OperatorGraph, ops: set[str] | None = None) -> Copies:
     return Copies(classes=classes, index=index)
 
 
-__all__ = ["Copies", "carried", "copies_of", "neighbours"]
+def modules_of(graph: OperatorGraph, ops: set[str] | None = None) -> list[tuple[tuple[str, ...], ...]]:
+    """The modules of `graph` (module docstring) as classes of copies: per class, the op names of each of
+    its modules, in graph order (only the ops of `ops` where given, sources left out)."""
+    members: dict[str, list[str]] = {}
+    for op in graph:
+        if op_def(op.kind).everywhere or (ops is not None and op.name not in ops) or not op.module:
+            continue
+        parts = op.module.split(".")
+        for depth in range(1, len(parts) + 1):
+            members.setdefault(".".join(parts[:depth]), []).append(op.name)
+    classes: dict[str, list[tuple[str, ...]]] = {}
+    for path, names in members.items():
+        if len(names) >= 2:
+            classes.setdefault(_NUMBER.sub("#", path), []).append(tuple(names))
+    # a module holding the same ops as one of its submodules adds nothing
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for modules in classes.values():
+        if modules[0] not in seen:
+            seen.update(modules)
+            out.append(tuple(modules))
+    return out
+
+
+__all__ = ["Copies", "carried", "copies_of", "modules_of", "neighbours"]

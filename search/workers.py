@@ -57,6 +57,8 @@ class WorkerJob:
     beta_scale: float
     best_ms: float  # the best baseline's time (inf if none fits): the best the worker starts from
     plain: bool = field(default=False)  # return strategies as plain dicts (to cross a process boundary)
+    # strategies the module moves graft from (`search.moves`), as `to_plain` writes them
+    references: list[dict[str, Any]] = field(default_factory=list)
     # chain name -> (evaluator already started on the chain's start, its cost); in-process workers only
     started: dict[str, tuple[Evaluator, Cost]] = field(default_factory=dict)
 

@@ -87,10 +87,14 @@ def hf_graph(name: str) -> OperatorGraph:
 def test_gpt2_captures_conv1d_as_linear_and_attention_as_one_op():
     graph = hf_graph("gpt2")
     assert not [op.name for op in graph if op.kind == "opaque"]
-    linears = [op for op in graph if op.kind == "linear" and op.name.endswith(".addmm")]
-    assert len(linears) == 8 and all(op.attrs["transposed"] for op in linears)
+    linears = [op for op in graph if op.kind == "linear" and ".addmm" in op.name]
+    assert len(linears) == 12 and all(op.attrs["transposed"] for op in linears)
     c_fc = graph["model.transformer.h.0.mlp.c_fc.addmm"]
     assert c_fc.params["weight"].shape == (64, 256) and c_fc.outputs[0].shape == (64, 256)
+    # the fused c_attn is one linear per q, k and v over its block of the fused weight (stored [in, out])
+    pieces = [graph[f"model.transformer.h.0.attn.c_attn.addmm.{c}"] for c in "abc"]
+    assert [op.params["weight"].offset for op in pieces] == [(0, 0), (0, 64), (0, 128)]
+    assert all(op.params["weight"].whole_shape == (64, 192) and op.outputs[0].shape == (64, 64) for op in pieces)
     attention = [op for op in graph if op.kind == "attention"]
     assert len(attention) == 2 and all(len(op.inputs) == 4 for op in attention)
     # the causal mask HF builds from aranges is a folded constant, fed to every layer
@@ -160,15 +164,15 @@ def _data_parallel(op: Operator) -> ParallelConfig:
 
 
 def _megatron_gpt2(graph: OperatorGraph) -> Strategy:
-    """Data parallel, with every attention split on heads and every MLP split Megatron-style (c_fc on
-    out_features, c_proj on in_features), on devices (0, 1)."""
+    """Data parallel, with every attention and MLP split Megatron-style (q, k, v and c_fc on out_features,
+    attention on heads, the c_projs on in_features), on devices (0, 1)."""
     configs = {op.name: _data_parallel(op) for op in graph}
     for op in graph:
         if op.kind == "attention":
             configs[op.name] = ParallelConfig(degrees={"heads": 2}, devices=(0, 1))
-        elif op.name.endswith("mlp.c_fc.addmm"):
+        elif op.name.endswith("mlp.c_fc.addmm") or ".c_attn.addmm." in op.name:
             configs[op.name] = ParallelConfig(degrees={"out_features": 2}, devices=(0, 1))
-        elif op.name.endswith("mlp.c_proj.addmm"):
+        elif op.name.endswith(("mlp.c_proj.addmm", "attn.c_proj.addmm")):
             configs[op.name] = ParallelConfig(degrees={"in_features": 2}, devices=(0, 1))
     return Strategy(configs)
 
@@ -231,21 +235,23 @@ def test_capture_has_no_opaque_op_with_flops_or_parameters_beyond_the_allowance(
 
 
 @pytest.mark.slow
-def test_search_splits_gpt2_parameters_where_they_outweigh_activations(tmp_path):
+def test_search_splits_gpt2_heads_and_parameters_where_they_outweigh_activations(tmp_path):
     """GPT-2 at width 512 and batch 2 on cpu-2: data parallelism's gradient all-reduce costs more than moving
-    activations, so the found strategy splits the attention and MLP linears on their parameters, and it
-    trains as in one process. (Its attention stays on the sample split: HF GPT-2's fused `c_attn` puts q, k
-    and v in consecutive column blocks, so a head split needs an exchange a sample split does not.)"""
+    activations, so the found strategy splits attention on its heads (q, k and v, capture's pieces of the
+    fused `c_attn`, split on their columns feed it without an exchange) and the MLP linears on their
+    parameters, and it trains as in one process."""
     model = f"{MODEL_FILE}:gpt2_wide"
     strategy = tmp_path / "gpt2_wide.json"
     cli = [sys.executable, "-m", "soapflow"]
     subprocess.run([*cli, "optimize", model, "-t", "cpu-2", "--budget", "10", "-o", str(strategy)], check=True,
                    capture_output=True, timeout=600)
     ops = json.loads(strategy.read_text())["ops"]
-    linears = {name: cfg["degrees"] for name, cfg in ops.items() if name.endswith("addmm")}
-    assert len(linears) == 8
+    linears = {name: cfg["degrees"] for name, cfg in ops.items() if ".addmm" in name}
+    assert len(linears) == 12
     split = [n for n, degrees in linears.items() if {"out_features", "in_features"} & set(degrees)]
-    assert any(".mlp." in n for n in split) and any(".attn." in n for n in split), linears
+    assert any(".mlp." in n for n in split) and any(".c_attn." in n for n in split), linears
+    heads = [n for n, cfg in ops.items() if n.endswith("scaled_dot_product_attention") and "heads" in cfg["degrees"]]
+    assert heads, {n: cfg["degrees"] for n, cfg in ops.items() if "scaled_dot" in n}
     run = subprocess.run([*cli, "run", model, "-s", str(strategy), "--nproc", "2", "--steps", "2", "--verify",
                           "--json"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -10,12 +10,12 @@ from collections import Counter
 import runtime_cases as rc
 from test_search_fixtures import GRAPHS
 
-from search.baselines import dp
-from search.evaluate import SimulatorEvaluators
+from search.baselines import dp, tp
+from search.evaluate import Move, SimulatorEvaluators
 from search.mcmc import _Chain
-from search.moves import COPY_SHARE, PROPAGATION_SHARE, TIED_SHARE, Moves
+from search.moves import COPY_SHARE, MODULE_SHARE, PROPAGATION_SHARE, TIED_SHARE, Moves
 from search.space import ConfigSpace
-from search.structure import copies_of, neighbours
+from search.structure import copies_of, modules_of, neighbours
 from simulator.engine import simulate
 from soap.topology import load_topology
 
@@ -24,16 +24,16 @@ def test_copies_are_the_same_op_of_each_block():
     graph = rc.graph_of("transformer")  # the zoo's GPT with 2 blocks
     copies = copies_of(graph)
     classes = {members[0]: members for members in copies.classes}
-    assert classes["blocks.0.attn.qkv"] == ("blocks.0.attn.qkv", "blocks.1.attn.qkv")
+    assert classes["blocks.0.attn.qkv.a"] == ("blocks.0.attn.qkv.a", "blocks.1.attn.qkv.a")
     assert classes["blocks.0.mlp.fc"] == ("blocks.0.mlp.fc", "blocks.1.mlp.fc")
     for members in copies.classes:
         ops = [graph[m] for m in members]
         assert len({op.kind for op in ops}) == 1 and len({op.outputs for op in ops}) == 1
         assert len({tuple((k, p.shape) for k, p in op.params.items()) for op in ops}) == 1
     # the ops of one block share a copy index: block 1's op of each class
-    same = copies.same_copy("blocks.1.attn.qkv")
-    assert set(same.values()) >= {"blocks.1.attn.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj"}
-    assert all(copies.index[m] == copies.index["blocks.1.attn.qkv"] for m in same.values())
+    same = copies.same_copy("blocks.1.attn.qkv.a")
+    assert set(same.values()) >= {"blocks.1.attn.qkv.b", "blocks.1.attn.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj"}
+    assert all(copies.index[m] == copies.index["blocks.1.attn.qkv.a"] for m in same.values())
     # ops that differ in shape are no copies: the MLP's two linears (1024 -> 4096 -> 1024)
     assert copies_of(GRAPHS["mlp"]()).classes == ()
 
@@ -89,6 +89,44 @@ def test_a_copy_move_gives_every_block_the_layout_of_one():
     raise AssertionError("no copy move from block 0 in 200 proposals")
 
 
+def test_modules_are_classes_of_the_same_module_in_each_block():
+    graph = rc.graph_of("transformer")
+    modules = {tuple(ops[0] for ops in cls): cls for cls in modules_of(graph)}
+    attention = next(cls for cls in modules_of(graph) if graph[cls[0][0]].module.startswith("blocks.0.attn"))
+    assert len(attention) == 2  # one module per block
+    for block, ops in enumerate(attention):
+        assert all(graph[m].module.startswith(f"blocks.{block}.attn") for m in ops)
+        assert {graph[m].kind for m in ops} >= {"linear", "attention"}
+    # every module holds two ops or more, and no class repeats another's ops
+    assert all(len(ops) >= 2 for cls in modules.values() for ops in cls)
+    assert len({ops for cls in modules.values() for ops in cls}) == sum(len(cls) for cls in modules.values())
+
+
+def test_a_module_move_grafts_a_references_layout_onto_whole_modules():
+    """Given references, some moves set every op of one module (or of each copy of it) to a reference's
+    configs, and leave every other op as it was."""
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    space = ConfigSpace(graph, topo)
+    reference = tp(graph, topo)
+    moves = Moves(graph, space, [reference])
+    assert Moves(graph, space).modules == []  # without references there is nothing to graft
+    module_ops = {ops: cls for cls in moves.modules for ops in cls}
+    rng = random.Random(1)
+    current = dp(graph, topo)
+    grafts = 0
+    for _ in range(600):
+        changes = moves.propose(rng, current)
+        if len(changes) > 1 and all(cfg == reference[m] for m, cfg in changes.items()):
+            after = current.with_configs(changes)
+            # the modules it changed now hold the reference's layout throughout (all of a class's copies,
+            # or one of them)
+            grafted = [ops for ops in module_ops if all(after[m] == reference[m] for m in ops)
+                       and any(m in changes for m in ops)]
+            if grafted and set(changes) <= {m for ops in grafted for m in ops}:
+                grafts += 1
+    assert grafts > 0.2 * 600 * MODULE_SHARE
+
+
 def test_a_chain_of_several_op_moves_stays_in_step_with_its_evaluator():
     """After many accepted and rejected moves over several ops, the chain's cost is the full simulation
     of the strategy it holds: a rejected move is undone op by op."""
@@ -102,3 +140,21 @@ def test_a_chain_of_several_op_moves_stays_in_step_with_its_evaluator():
     assert chain.num_accepted > 0
     full = simulate(graph, chain.current, topo)
     assert full.iteration_time_ms == chain.cost.time_ms and max(full.peak_memory_bytes) == chain.cost.peak_memory_bytes
+
+
+def test_a_move_over_two_ops_with_different_configs_costs_what_it_changes_to():
+    """A two-op move (costed op by op) with a different config per op costs its strategy exactly, and a
+    rejection leaves the evaluator on the strategy it started from."""
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    space = ConfigSpace(graph, topo)
+    evaluator = SimulatorEvaluators()(graph, topo)
+    start = dp(graph, topo)
+    evaluator.start(start)
+    linears = [op.name for op in graph if op.kind == "linear"]
+    first, second = linears[0], linears[-1]
+    cfg_first = next(c for c in space.configs(first) if c != start[first])
+    cfg_second = next(c for c in space.configs(second) if c not in (start[second], cfg_first))
+    move = Move(evaluator, start, {first: cfg_first, second: cfg_second})
+    assert move.cost.time_ms == simulate(graph, move.strategy, topo).iteration_time_ms
+    move.reject()
+    assert evaluator.propose(first, start[first]).time_ms == simulate(graph, start, topo).iteration_time_ms
