@@ -23,7 +23,9 @@ from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
 from simulator.comm import NO_OVERHEAD, CommOverhead
+from simulator.kernel_efficiency import KERNEL_FITS, KernelDevice, KernelFit, gemm_ms, op_gemms
 from soap.costdb import CostDatabase, part_key
+from soap.devices import DEVICE_SPECS
 from soap.graph import DTYPE_BYTES, Operator
 from soap.opdef import Box, region_numel
 from soap.registry import op_def
@@ -119,6 +121,13 @@ class AnalyticalCostModel:
     gradients). The optimizer step streams its passes over the parameter bytes (`TrainSetup.update_passes`:
     SGD with momentum reads parameter, gradient and momentum and writes parameter and momentum, 5) times
     `update_scale` (1 by default; calibration fits it from timed optimizer steps).
+
+    On a GPU kind with a row in `kernel_fits` (default `simulator.kernel_efficiency.KERNEL_FITS`: p100,
+    v100, k80) and ops of the fitted dtype, the efficiency depends on the kernel: the parts of linear,
+    matmul, conv2d, lstm and attention ops are priced by the GEMMs they run (forward; data and weight
+    gradients in backward), by waves of tiles over the SMs at the sustained clock, one launch per GEMM
+    (per time step of a recurrence); other ops by the roofline at the sustained peak times the kind's
+    fitted `eff_max`, or by bandwidth. A device kind named in `efficiency` keeps the flat roofline.
     """
 
     efficiency: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
@@ -126,8 +135,12 @@ class AnalyticalCostModel:
     launch_us: Mapping[str, float] = field(default_factory=dict)
     update_scale: float = 1.0
     comm_overhead: CommOverhead = NO_OVERHEAD
+    kernel_fits: Mapping[str, KernelFit] = field(default_factory=lambda: KERNEL_FITS)
 
     def __post_init__(self) -> None:
+        # a device kind given efficiencies of its own (a calibrated machine profile) keeps the flat roofline
+        fits = {k: v for k, v in self.kernel_fits.items() if k not in self.efficiency}
+        object.__setattr__(self, "kernel_fits", MappingProxyType(fits))
         eff = _merge(DEFAULT_EFFICIENCY, self.efficiency)
         bad = {f"{d}/{o}": v for d, t in eff.items() for o, v in t.items() if not 0 < v <= 1}
         bw = {**DEFAULT_BANDWIDTH_EFFICIENCY, **self.bandwidth_efficiency}
@@ -160,6 +173,18 @@ class AnalyticalCostModel:
         peak = device.peak_flops.get(dtype) or device.peak_flops.get("float32") or max(device.peak_flops.values())
         return peak * self.flop_efficiency(device.kind, op.kind) / 1e3
 
+    def kernel_device(self, op: Operator, device: Device) -> tuple[KernelDevice, KernelFit] | None:
+        """The device as the kernel model sees it, with its fitted constants, when its kind has a fit
+        for the op's dtype and its SM count is known (`simulator.kernel_efficiency`); else None."""
+        fit = self.kernel_fits.get(device.kind)
+        spec = DEVICE_SPECS.get(device.kind)
+        peak = device.peak_flops.get(op.outputs[0].dtype)
+        if fit is None or spec is None or spec.num_sms <= 0 or peak is None or op.outputs[0].dtype != fit.dtype:
+            return None
+        sm_flops_per_ms = peak * spec.sustained_fraction / spec.num_sms / 1e3
+        return KernelDevice(num_sms=spec.num_sms, sm_flops_per_ms=sm_flops_per_ms,
+                            bytes_per_ms=self.bandwidth_bytes_per_ms(device)), fit
+
     def compute_ms(self, op: Operator, box: Box, device: Device,
                    grads: Sequence[bool] | None = None) -> tuple[float, float]:
         if op.kind in FREE_KINDS:
@@ -172,6 +197,18 @@ class AnalyticalCostModel:
         bwd_scale = op.bwd_bytes / op.fwd_bytes if op.fwd_bytes > 0 else 2.0
         flops_per_ms = self._peak_flops_per_ms(op, device)
         bytes_per_ms = self.bandwidth_bytes_per_ms(device)
+        kernel = self.kernel_device(op, device)
+        if kernel is not None:
+            kdev, fit = kernel
+            gemms = op_gemms(op, box, grads)
+            if gemms is not None:
+                elem = DTYPE_BYTES[op.outputs[0].dtype]
+                fwd_gemms, bwd_gemms = gemms
+                fwd = sum(gemm_ms(g, kdev, fit, elem) + launch * g.repeat for g in fwd_gemms)
+                bwd = sum(gemm_ms(g, kdev, fit, elem) + launch * g.repeat for g in bwd_gemms)
+                return (fwd, max(bwd, launch))
+            # not a GEMM: the roofline at the sustained peak and the fitted large-kernel efficiency
+            flops_per_ms = kdev.sm_flops_per_ms * kdev.num_sms * fit.eff_max
         fwd = max(op.fwd_flops * share / flops_per_ms, nbytes / bytes_per_ms) + launch
         bwd = max(op.bwd_flops * share / flops_per_ms, nbytes * bwd_scale / bytes_per_ms)
         bwd += launch * (2 if op.params else 1)

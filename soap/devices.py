@@ -8,6 +8,10 @@ Every row names its source. Units (the same as in the topology file):
 - memory bandwidth in GB/s and memory capacity in GB, both with GB = 1e9 bytes. Vendors quote HBM/GDDR
   capacity in binary units (a "16 GB" P100 holds 16 GiB), so the capacity here is about 7% below the
   physical one; that is deliberate: the CUDA context and the allocator's reserve take about as much;
+- `num_sms`, `boost_clock_mhz`, `sustained_clock_mhz` (GPUs only; 0 elsewhere): the streaming
+  multiprocessors and the clocks the peak figures are quoted at (boost) and that a full training load
+  holds (sustained). The analytical cost model prices a kernel by waves of tiles over the SMs at the
+  sustained clock (`simulator.kernel_efficiency`);
 - link bandwidth in GB/s per direction for one link as the topology uses it (datasheets quote NVLink and
   PCIe as the sum of both directions; those totals are halved), latency in microseconds per hop (a route's
   latency is the sum over its hops).
@@ -45,6 +49,17 @@ class DeviceSpec:
     nvlink_links: int  # NVLink bricks per GPU (0: none)
     source: str
     busy_while_communicating: bool = False
+    num_sms: int = 0  # streaming multiprocessors (0: not a GPU, or not known)
+    boost_clock_mhz: float = 0.0  # the clock `peak_tflops` is quoted at (0: not known)
+    sustained_clock_mhz: float = 0.0  # the clock held under a full load (0: not known)
+
+    @property
+    def sustained_fraction(self) -> float:
+        """Sustained over boost clock: the fraction of `peak_tflops` a full load can reach (1 when the
+        clocks are not known)."""
+        if self.boost_clock_mhz > 0 and self.sustained_clock_mhz > 0:
+            return self.sustained_clock_mhz / self.boost_clock_mhz
+        return 1.0
 
     def __post_init__(self) -> None:
         peaks = {str(k): float(v) for k, v in dict(self.peak_tflops).items()}
@@ -59,9 +74,16 @@ class DeviceSpec:
             raise ValueError(f"device kind {self.kind!r}: memory_bandwidth_gbps="
                              f"{self.memory_bandwidth_gbps}, memory_gb={self.memory_gb} must be > 0 and "
                              f"nvlink_links={self.nvlink_links} >= 0")
+        if (self.num_sms < 0 or self.boost_clock_mhz < 0 or self.sustained_clock_mhz < 0
+                or self.sustained_clock_mhz > self.boost_clock_mhz > 0):
+            raise ValueError(f"device kind {self.kind!r}: num_sms={self.num_sms}, boost_clock_mhz="
+                             f"{self.boost_clock_mhz}, sustained_clock_mhz={self.sustained_clock_mhz} must be "
+                             f">= 0, the sustained clock at most the boost clock")
         object.__setattr__(self, "peak_tflops", MappingProxyType(peaks))
         object.__setattr__(self, "memory_bandwidth_gbps", float(self.memory_bandwidth_gbps))
         object.__setattr__(self, "memory_gb", float(self.memory_gb))
+        object.__setattr__(self, "boost_clock_mhz", float(self.boost_clock_mhz))
+        object.__setattr__(self, "sustained_clock_mhz", float(self.sustained_clock_mhz))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,25 +108,36 @@ _DEVICE_ROWS = (
         kind="p100", model="NVIDIA Tesla P100 SXM2 16 GB",
         peak_tflops={"float64": 5.3, "float32": 10.6, "float16": 21.2},
         memory_bandwidth_gbps=732, memory_gb=16, nvlink_links=4,
-        source="NVIDIA Tesla P100 datasheet (2016), NVLink (SXM2) column"),
+        num_sms=56, boost_clock_mhz=1480, sustained_clock_mhz=1480,
+        source="NVIDIA Tesla P100 datasheet (2016), NVLink (SXM2) column; SMs and clocks: NVIDIA Tesla P100 "
+               "whitepaper (2016), Table 1 (56 SMs, base 1328 MHz, GPU Boost 1480 MHz; the 300 W SXM2 board "
+               "holds its boost clock under load)"),
     DeviceSpec(
         # One K80 board carries two GK210 GPUs, each its own CUDA device: the board figures are halved.
         kind="k80", model="NVIDIA Tesla K80, one of the board's two GK210 GPUs, 12 GB",
         peak_tflops={"float64": 2.91 / 2, "float32": 8.73 / 2},  # with GPU Boost; no fast fp16
         memory_bandwidth_gbps=480 / 2, memory_gb=24 / 2, nvlink_links=0,
+        num_sms=13, boost_clock_mhz=875, sustained_clock_mhz=562,
         source="NVIDIA Tesla K80 datasheet (2014): per board 8.73 TFLOP/s fp32 and 2.91 fp64 with GPU Boost, "
-               "480 GB/s, 24 GB GDDR5"),
+               "480 GB/s, 24 GB GDDR5; Tesla K80 board specification (BD-07317-001): 2 x 13 SMX, base "
+               "clock 560-562 MHz, boost up to 875 MHz only while the two GPUs stay under the 300 W board "
+               "limit, so a full training load runs at the base clock"),
     DeviceSpec(
         kind="v100", model="NVIDIA Tesla V100 SXM2 32 GB",
         peak_tflops={"float64": 7.8, "float32": 15.7, "float16": 125},  # float16: tensor cores
         memory_bandwidth_gbps=900, memory_gb=32, nvlink_links=6,
-        source="NVIDIA Tesla V100 datasheet (2018), SXM2 column"),
+        num_sms=80, boost_clock_mhz=1530, sustained_clock_mhz=1530,
+        source="NVIDIA Tesla V100 datasheet (2018), SXM2 column; SMs and clock: NVIDIA Tesla V100 "
+               "whitepaper (2017), Table 1 (80 SMs, GPU Boost 1530 MHz, held under load on the 300 W "
+               "SXM2 board)"),
     DeviceSpec(
         # float64 is the FP64 tensor-core rate, which cuBLAS uses for double-precision matmuls.
         kind="a100", model="NVIDIA A100 SXM 80 GB",
         peak_tflops={"float64": 19.5, "float32": 19.5, "tf32": 156, "bfloat16": 312, "float16": 312},
         memory_bandwidth_gbps=2039, memory_gb=80, nvlink_links=12,
-        source="NVIDIA A100 Tensor Core GPU datasheet (2021), A100 80GB SXM column"),
+        num_sms=108, boost_clock_mhz=1410, sustained_clock_mhz=1410,
+        source="NVIDIA A100 Tensor Core GPU datasheet (2021), A100 80GB SXM column; SMs and clock: NVIDIA "
+               "A100 Tensor Core GPU Architecture whitepaper (2020), Table 1 (108 SMs, GPU Boost 1410 MHz)"),
     DeviceSpec(
         kind="h100", model="NVIDIA H100 SXM 80 GB",
         peak_tflops={"float64": 67, "float32": 67, "tf32": 989 / 2, "bfloat16": 1979 / 2,
