@@ -94,6 +94,7 @@ exact and the delta simulation can equal the full one bit for bit. Must import o
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from soap.devices import DEVICE_SPECS
@@ -105,6 +106,8 @@ REDUCE_SCATTER = "reduce_scatter"
 _STEPS = {ALLREDUCE: lambda n: 2 * (n - 1), ALLGATHER: lambda n: n - 1, REDUCE_SCATTER: lambda n: n - 1}
 RING = "ring"
 TREE = "tree"
+# the rings of a group: (resources, envelope of (latency ns, ns per byte)), as `Algorithm` holds them
+_RingShape = tuple[tuple[int, ...], tuple[tuple[float, float], ...]]
 
 
 def ms_to_ns(ms: float) -> int:
@@ -163,13 +166,14 @@ class Algorithm:
 
 class Comm:
     """Prices transfers, exchanges and collectives (rings and trees) on `topology` (plus the runtime's
-    `overhead` for exchanges and all-reduces; a bare `transfer` is the wire only); caches per device pair
-    and per (group, kind).
+    `overhead` for exchanges and all-reduces; a bare `transfer` is the wire only); caches per device pair,
+    per (group, kind) and per group's rings (the same for every kind but their number of steps).
 
     The caches hold pure functions of the topology, so they never change a result.
     """
 
-    __slots__ = ("topology", "num_devices", "overhead", "_busy", "_cap", "_cap_gbps", "_pairs", "_plans")
+    __slots__ = ("topology", "num_devices", "overhead", "_busy", "_cap", "_cap_gbps", "_pairs", "_plans",
+                 "_ring_shapes")
 
     def __init__(self, topology: DeviceTopology, overhead: CommOverhead = NO_OVERHEAD):
         self.topology = topology
@@ -188,6 +192,9 @@ class Comm:
         self._pairs: dict[tuple[int, int], tuple[tuple[int, ...], float, float]] = {}
         # (group, kind) -> (the resources of all its algorithms, the algorithms NCCL could run for it)
         self._plans: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], tuple[Algorithm, ...]]] = {}
+        # (a group's devices per node, channels) -> its rings' (resources, envelope), the same for all-reduce,
+        # all-gather and reduce-scatter, which only their numbers of steps tell apart
+        self._ring_shapes: dict[tuple[tuple[tuple[int, ...], ...], int], _RingShape] = {}
 
     def route(self, src: int, dst: int) -> tuple[tuple[int, ...], float, float]:
         """(resources, latency ns, narrowest bandwidth GB/s) of the route from `src` to `dst`."""
@@ -299,32 +306,46 @@ class Comm:
         return next((i for i in self.topology.route(src, dst) if self.topology.links[i].kind == "network"), None)
 
     def _rings(self, nodes: tuple[tuple[int, ...], ...], channels: int, kind: str) -> Algorithm:
+        shape = self._ring_shapes.get((nodes, channels))
+        if shape is None:
+            shape = self._ring_shapes[(nodes, channels)] = self._ring_shape(nodes, channels)
+        n = sum(len(local) for local in nodes)
+        return Algorithm(name=RING, resources=shape[0], steps=_STEPS[kind](n), divisor=channels * n,
+                         envelope=shape[1])
+
+    def _ring_shape(self, nodes: tuple[tuple[int, ...], ...],
+                    channels: int) -> _RingShape:
+        """(resources, envelope) of the `channels` rings over the group's devices `nodes`."""
         # ring c visits the nodes in order and enters each at its c-th device, so it leaves each node from
-        # the device before that one (its (c-1)-th): every ring crosses each node boundary on other NICs
-        hops = []
+        # the device before that one (its (c-1)-th): every ring crosses each node boundary on other NICs.
+        # Inside a node the rings share most hops (ring c runs c, c+1, ... around): each distinct hop is
+        # routed once, and counted as often as the rings take it.
+        hops: Counter[tuple[int, int]] = Counter()
         for c in range(channels):
             ring = [d for local in nodes for d in local[c:] + local[:c]]
-            hops += [self.topology.route(a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)]
+            hops.update(zip(ring, ring[1:] + ring[:1], strict=True))
+        routes = [self.topology.route(a, b) for a, b in hops]
         load: dict[int, int] = {}
-        for hop in hops:
-            for link in hop:
-                load[self._cap[link]] = load.get(self._cap[link], 0) + 1
+        for route, times in zip(routes, hops.values(), strict=True):
+            for link in route:
+                load[self._cap[link]] = load.get(self._cap[link], 0) + times
         links = self.topology.links
         # per hop: (latency ns, ns per byte of one chunk on its most loaded link); a hop another one beats
-        # on both counts never sets the step time, so only the upper envelope is kept.
-        pairs = {(sum(links[i].latency_us for i in hop) * 1e3,
-                  max(load[self._cap[i]] / self._cap_gbps[self._cap[i]] for i in hop)) for hop in hops}
-        envelope = tuple(sorted(p for p in pairs
-                                if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
-        n = sum(len(local) for local in nodes)
-        return Algorithm(name=RING, resources=self._resources(nodes, load), steps=_STEPS[kind](n),
-                         divisor=channels * n, envelope=envelope)
+        # on both counts never sets the step time, so only the upper envelope is kept: by latency from the
+        # highest, a hop is kept when its ns per byte exceeds that of every hop as slow or slower.
+        pairs = {(sum(links[i].latency_us for i in route) * 1e3,
+                  max(load[self._cap[i]] / self._cap_gbps[self._cap[i]] for i in route)) for route in routes}
+        envelope = []
+        for latency_ns, ns_per_byte in sorted(pairs, reverse=True):
+            if not envelope or ns_per_byte > envelope[-1][1]:
+                envelope.append((latency_ns, ns_per_byte))
+        return self._resources(nodes, load), tuple(reversed(envelope))
 
     def _trees(self, nodes: tuple[tuple[int, ...], ...], channels: int) -> Algorithm:
         # per channel c, two trees: NCCL's double binary tree over the nodes, whose edges join the nodes'
         # heads (each node's c-th device, on rail c), and below each head the chain of its node's other
         # devices in ring order; every tree carries 1/(2 channels) of the bytes, up and down every edge.
-        load: dict[int, int] = {}
+        edges: Counter[tuple[int, int]] = Counter()  # (child, parent) -> how many trees have that edge
         latency_ns = 0.0
         for c in range(channels):
             chains = [local[c:] + local[:c] for local in nodes]
@@ -333,9 +354,11 @@ class Comm:
                 for chain in chains:
                     parent.update(zip(chain[1:], chain[:-1], strict=True))
                 latency_ns = max(latency_ns, self._fill_ns(parent))
-                for child, up in parent.items():
-                    for link in self.topology.route(child, up) + self.topology.route(up, child):
-                        load[self._cap[link]] = load.get(self._cap[link], 0) + 1
+                edges.update(parent.items())
+        load: dict[int, int] = {}
+        for (child, up), times in edges.items():
+            for link in self.topology.route(child, up) + self.topology.route(up, child):
+                load[self._cap[link]] = load.get(self._cap[link], 0) + times
         slowest = max(count / self._cap_gbps[cap] for cap, count in load.items())
         return Algorithm(name=TREE, resources=self._resources(nodes, load), steps=1, divisor=2 * channels,
                          envelope=((latency_ns, slowest),))

@@ -14,8 +14,12 @@ Link kinds: ``nvlink`` (direct GPU <-> GPU NVLink; the bandwidth is all the bric
 ``nvswitch`` (GPU <-> the node's NVSwitch), ``pcie`` (device <-> the node's PCIe switch), ``nic`` (the hop
 from inside a node into its NIC), ``network`` (NIC <-> network switch: InfiniBand), ``loopback`` (process
 <-> the loopback hub of local processes). A route between two devices is the shortest path by hop count,
-then by total latency (networkx Dijkstra on an exact integer weight; the remaining ties are broken by link
-order, so routes are deterministic), cached per pair.
+then by total latency (an exact integer weight; where paths still tie, networkx's bidirectional Dijkstra
+over the whole graph picks one, the same every run), cached per pair. It is found block by block
+(`_Router`): an endpoint whose removal splits the links apart (``net`` between nodes, a node's one NIC)
+is on every route between the parts, so a route is the shortest path inside each part between such
+endpoints, and a search inside one node's links replaces one over the whole machine; only where a part
+has two equally short paths (a DGX-1 cube-mesh: GPU 0 to 5 through 1 or 4) is the whole graph searched.
 
 Presets (``load_topology("KIND-NxM")``: N nodes x M devices per node, device ids node-major):
 
@@ -74,6 +78,7 @@ Must not import torch, the simulator, the search or the runtime.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import os
 import re
@@ -220,6 +225,7 @@ class DeviceTopology:
     _graph: nx.DiGraph = field(init=False, compare=False)
     _link_ids: dict[tuple[str, str], int] = field(init=False, compare=False)
     _routes: dict[tuple[int, int], tuple[int, ...]] = field(init=False, compare=False)
+    _router: _Router | None = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         devices = tuple(sorted(self.devices, key=lambda d: d.id))
@@ -239,6 +245,7 @@ class DeviceTopology:
         object.__setattr__(self, "_graph", graph)
         object.__setattr__(self, "_link_ids", {(link.src, link.dst): link.id for link in links})
         object.__setattr__(self, "_routes", {})
+        object.__setattr__(self, "_router", None)  # built by the first route between two devices
 
     def __repr__(self) -> str:
         return (f"DeviceTopology(name={self.name!r}, num_devices={self.num_devices}, "
@@ -283,9 +290,13 @@ class DeviceTopology:
             if src == dst:
                 hit = ()
             else:
-                path = nx.shortest_path(self._graph, self.devices[src].endpoint, self.devices[dst].endpoint,
-                                        weight="weight")
-                hit = tuple(self._link_ids[pair] for pair in pairwise(path))
+                if self._router is None:
+                    object.__setattr__(self, "_router", _Router(self._graph, self.links))
+                a, b = self.devices[src].endpoint, self.devices[dst].endpoint
+                hit = self._router.route(a, b)
+                if hit is None:  # two equally short paths: networkx's choice over the whole graph
+                    path = nx.shortest_path(self._graph, a, b, weight="weight")
+                    hit = tuple(self._link_ids[pair] for pair in pairwise(path))
             self._routes[(src, dst)] = hit
         return hit
 
@@ -377,6 +388,117 @@ class DeviceTopology:
                          "spec": spec or None, "bandwidth_gbps": bandwidth, "latency_us": latency,
                          "detail": "bandwidth per direction, latency per hop"})
         return rows
+
+
+class _Router:
+    """Shortest paths between endpoints of a topology's graph (edge attribute ``weight``: positive
+    integers), found block by block.
+
+    The blocks are the biconnected components of the links taken as undirected (every link lies in one),
+    the cut endpoints those in several (``net``, a one-NIC node's NIC, a PCIe switch). Blocks and cut
+    endpoints form a tree, and every path from a to b passes the cut endpoints on the tree's path between
+    them, in order, each piece between two of them staying inside one block (a simple path that left a
+    block would have to come back through the same cut endpoint). So the shortest path from a to b is the
+    shortest path inside each of those blocks between its two ends, and it is unique exactly where each
+    piece is: one Dijkstra per (block, start), counting the shortest paths to every endpoint (up to two),
+    cached. `route` answers None where a piece has two, so that the caller breaks the tie as before."""
+
+    __slots__ = ("_adjacent", "_cut", "_depth", "_home", "_num_blocks", "_parent", "_searches", "_src")
+
+    def __init__(self, graph: nx.DiGraph, links: tuple[Link, ...]):
+        blocks = list(nx.biconnected_components(graph.to_undirected(as_view=True)))
+        blocks_of: dict[str, list[int]] = {}
+        for b, block in enumerate(blocks):
+            for v in block:
+                blocks_of.setdefault(v, []).append(b)
+        # tree nodes: block b is b, the k-th cut endpoint is len(blocks) + k
+        cuts = [v for v, bs in blocks_of.items() if len(bs) > 1]
+        self._num_blocks = len(blocks)
+        self._cut = cuts
+        self._home = {v: bs[0] for v, bs in blocks_of.items()}
+        self._home |= {v: len(blocks) + k for k, v in enumerate(cuts)}
+        tree: dict[int, list[int]] = {}
+        for k, v in enumerate(cuts):
+            for b in blocks_of[v]:
+                tree.setdefault(b, []).append(len(blocks) + k)
+                tree.setdefault(len(blocks) + k, []).append(b)
+        self._parent: dict[int, int] = {}
+        self._depth: dict[int, int] = {}
+        for root in range(len(blocks)):  # a forest where switches are linked apart from every device
+            if root in self._depth:
+                continue
+            self._parent[root], self._depth[root] = -1, 0
+            frontier = [root]
+            while frontier:
+                node = frontier.pop()
+                for near in tree.get(node, ()):
+                    if near not in self._depth:
+                        self._parent[near], self._depth[near] = node, self._depth[node] + 1
+                        frontier.append(near)
+        # per block, endpoint -> [(next endpoint, weight, link id)], in link order
+        self._adjacent: list[dict[str, list[tuple[str, int, int]]]] = [{} for _ in blocks]
+        for link in links:
+            (b,) = set(blocks_of[link.src]) & set(blocks_of[link.dst])
+            self._adjacent[b].setdefault(link.src, []).append(
+                (link.dst, graph[link.src][link.dst]["weight"], link.id))
+        self._src = tuple(link.src for link in links)
+        # (block, start) -> (endpoint -> number of shortest paths from start, capped at 2; -> last link)
+        self._searches: dict[tuple[int, str], tuple[dict[str, int], dict[str, int]]] = {}
+
+    def route(self, a: str, b: str) -> tuple[int, ...] | None:
+        """Link ids of the shortest path from endpoint `a` to endpoint `b` (a != b), or None when there are
+        two or more."""
+        links: list[int] = []
+        start = a
+        path = self._tree_path(self._home[a], self._home[b])
+        for k, node in enumerate(path):
+            if node >= self._num_blocks:  # a cut endpoint: where the previous piece ended
+                continue
+            end = b if k == len(path) - 1 else self._cut[path[k + 1] - self._num_blocks]
+            counts, last = self._search(node, start)
+            if counts[end] != 1:
+                return None
+            piece = []
+            v = end
+            while v != start:
+                piece.append(last[v])
+                v = self._src[last[v]]
+            links += reversed(piece)
+            start = end
+        return tuple(links)
+
+    def _tree_path(self, x: int, y: int) -> list[int]:
+        """The tree nodes from `x` to `y`, both included."""
+        up, down = [x], [y]
+        while self._depth[up[-1]] > self._depth[down[-1]]:
+            up.append(self._parent[up[-1]])
+        while self._depth[down[-1]] > self._depth[up[-1]]:
+            down.append(self._parent[down[-1]])
+        while up[-1] != down[-1]:
+            up.append(self._parent[up[-1]])
+            down.append(self._parent[down[-1]])
+        return up + down[-2::-1]
+
+    def _search(self, block: int, start: str) -> tuple[dict[str, int], dict[str, int]]:
+        hit = self._searches.get((block, start))
+        if hit is None:
+            adjacent = self._adjacent[block]
+            dist, counts, last = {start: 0}, {start: 1}, {}
+            done = set()
+            heap = [(0, start)]
+            while heap:
+                d, u = heapq.heappop(heap)
+                if u in done:
+                    continue
+                done.add(u)  # its count is final: every shortest path to it comes from nearer endpoints
+                for v, weight, link in adjacent.get(u, ()):
+                    if v not in dist or d + weight < dist[v]:
+                        dist[v], counts[v], last[v] = d + weight, counts[u], link
+                        heapq.heappush(heap, (d + weight, v))
+                    elif d + weight == dist[v]:
+                        counts[v] = min(2, counts[v] + counts[u])
+            hit = self._searches[(block, start)] = (counts, last)
+        return hit
 
 
 def _role(endpoint: str) -> str:
