@@ -66,7 +66,7 @@ from simulator.taskgraph import (
 from simulator.timeline import Timeline
 from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import OperatorGraph
-from soap.lowering import GradFlow, StepPlan, lower
+from soap.lowering import GradFlow, NotReplicable, Replicas, StepPlan, find_replicas, lower
 from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, validate_strategy
 from soap.topology import DeviceTopology
@@ -141,8 +141,9 @@ class Simulator:
     """
 
     def __init__(self, graph: OperatorGraph, topology: DeviceTopology, cost_model: CostModel | None = None, *,
-                 setup: TrainSetup | None = None):
+                 setup: TrainSetup | None = None, replicas: Replicas | None = None):
         self.graph = graph
+        self.replicas = replicas
         self.topology = topology
         self.setup = setup if setup is not None else TrainSetup()
         self.cost_model: CostModel = cost_model if cost_model is not None else AnalyticalCostModel()
@@ -154,7 +155,7 @@ class Simulator:
         self.flow = GradFlow(graph, self.setup)
         self.keys = KeySpace(len(graph), topology.num_devices)
         self.comm = Comm(topology, getattr(self.cost_model, "comm_overhead", NO_OVERHEAD))
-        self.planner = Planner(self.flow, topology, self.cost_model, self.keys, self.comm)
+        self.planner = Planner(self.flow, topology, self.cost_model, self.keys, self.comm, replicas=replicas)
         self.num_devices = topology.num_devices
         self.num_resources = self.num_devices + len(topology.links)
         self.capacity = [d.memory_bytes for d in topology.devices]
@@ -180,13 +181,16 @@ class Simulator:
     def peak_memory_bytes(self) -> tuple[int, ...]:
         """Per device, what it keeps plus its largest transient (`soap.lowering`'s memory rule)."""
         self._need_state()
-        return tuple(m + t for m, t in zip(self._mem, self._tmax, strict=True))
+        peak = [m + t for m, t in zip(self._mem, self._tmax, strict=True)]
+        if self.replicas is not None:  # every device as its counterpart in replica 0
+            peak = [peak[d % self.replicas.size] for d in range(self.num_devices)]
+        return tuple(peak)
 
     @property
     def memory_excess_bytes(self) -> int:
         """The largest amount by which a device's peak exceeds its capacity (0 when feasible)."""
         self._need_state()
-        return max(0, max(m + t - c for m, t, c in zip(self._mem, self._tmax, self.capacity, strict=True)))
+        return max(0, max(p - c for p, c in zip(self.peak_memory_bytes, self.capacity, strict=True)))
 
     @property
     def feasible(self) -> bool:
@@ -201,9 +205,11 @@ class Simulator:
     def pending(self) -> bool:
         return self._journal is not None
 
-    def full(self, strategy: Strategy) -> Timeline:
-        """Simulate `strategy` from scratch; it becomes the current state (a pending proposal is dropped)."""
-        validate_strategy(self.graph, strategy, self.num_devices)
+    def full(self, strategy: Strategy, *, validated: bool = False) -> Timeline:
+        """Simulate `strategy` from scratch; it becomes the current state (a pending proposal is dropped).
+        `validated`: the caller has checked the strategy (`validate_strategy`) already."""
+        if not validated:
+            validate_strategy(self.graph, strategy, self.num_devices)
         self._journal = None
         self._build([strategy[op.name] for op in self.graph.ops])
         return self.timeline()
@@ -215,6 +221,8 @@ class Simulator:
         does not fit the op or the topology).
         """
         self._need_state()
+        if self.replicas is not None:
+            raise RuntimeError("a simulator of one replica simulates whole strategies only (full)")
         if self._journal is not None:
             raise RuntimeError("a proposal is pending: accept() or reject() it first")
         i = self.flow.index.get(op)
@@ -251,12 +259,17 @@ class Simulator:
         return self.timeline()
 
     def step_plan(self) -> StepPlan:
-        """The `StepPlan` the state described times (lowered afresh: what the runtime would execute)."""
-        return lower(self.graph, self.strategy, self.setup, self.num_devices, flow=self.flow)
+        """The `StepPlan` the state described times (lowered afresh: what the runtime would execute; under
+        `replicas`, replica 0's)."""
+        return lower(self.graph, self.strategy, self.setup, self.num_devices, flow=self.flow,
+                     replicas=self.replicas)
 
     def collectives(self) -> list[dict[str, dict[str, int]]]:
         """Per device, per kind, the count and bytes of the collectives of one step (`StepPlan.collectives`)."""
-        return self.step_plan().collectives()
+        out = self.step_plan().collectives()
+        if self.replicas is not None:  # every device as its counterpart in replica 0
+            out = [out[d % self.replicas.size] for d in range(self.num_devices)]
+        return out
 
     def timeline(self) -> Timeline:
         """The `Timeline` of the state described (the pending proposal if there is one)."""
@@ -273,7 +286,8 @@ class Simulator:
                         bytes_moved=self._moved, peak_memory=list(self.peak_memory_bytes), capacity=self.capacity,
                         order=list(self._order), keys=list(self._key), cats=list(self._cat),
                         res=list(self._res), start=[e - d for e, d in zip(end, dur, strict=True)],
-                        end=list(end), nbytes=list(self._nbytes), namer=self.task_name, critical_path=critical)
+                        end=list(end), nbytes=list(self._nbytes), namer=self.task_name, critical_path=critical,
+                        replicas=1 if self.replicas is None else self.replicas.count)
 
     def task_name(self, key: int) -> str:
         """A readable name for a task key (traces, task records)."""
@@ -345,10 +359,46 @@ class Simulator:
         for e in range(len(flow.edges)):
             ep = self._edge_plan(e)
             self._add_mem(ep.recv, 1)
-            self._moved += ep.moved
+            self._moved += ep.moved * (1 if self.replicas is None else self.replicas.count)
         for sync in self._syncs.values():
             self._moved += self._nbytes[sync.tid]
+        if self.replicas is not None:
+            self._check_replicas()
         self._simulate_all()
+
+    def _check_replicas(self) -> None:
+        """Raise `NotReplicable` unless timing replica 0 alone is exact: every device is the same device as
+        its counterpart in replica 0, and every exchange of every replica takes as long as replica 0's and
+        runs on links that no other replica's exchange and no all-reduce uses (so nothing the plan leaves
+        out could delay what it keeps)."""
+        rep, n, devices = self.replicas, self.num_devices, self.topology.devices
+        for d in range(n):
+            a, b = devices[d], devices[d % rep.size]
+            if (a.kind, dict(a.peak_flops), a.memory_bandwidth_gbps, a.memory_bytes) != (
+                    b.kind, dict(b.peak_flops), b.memory_bandwidth_gbps, b.memory_bytes):
+                raise NotReplicable(f"device {d} differs from device {d % rep.size}")
+        owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it (-1: all-reduces)
+        for sync in self._syncs.values():
+            owner.update((r, -1) for r in self._res[sync.tid] if r >= n)
+        for e, edge in enumerate(self.flow.edges):
+            step = self._edge_plan(e).step
+            if not step.moving:
+                continue
+            pdev = self._plans[edge.src].step.devices
+            cdev = self._plans[edge.dst].step.devices
+            pairs = [(pdev[p], cdev[c], nb) for p, c, nb, _ in map(step.pieces.__getitem__, step.moving)]
+            passes = [pairs] + ([[(b, a, nb) for a, b, nb in pairs]] if edge.grad else [])
+            for pieces in passes:
+                ns = None
+                for g in range(rep.count):
+                    res, t = self.comm.exchange([(a + g * rep.size, b + g * rep.size, nb) for a, b, nb in pieces])
+                    if ns is not None and t != ns:
+                        raise NotReplicable(f"an exchange of replica {g} takes longer than replica 0's")
+                    ns = t
+                    for r in res:
+                        if r >= n and owner.setdefault(r, g) != g:
+                            raise NotReplicable("two replicas' exchanges, or an exchange and an all-reduce, "
+                                                "share a link")
 
     def _apply(self, links: list[Link]) -> None:
         succs, preds = self._succs, self._preds
@@ -466,7 +516,8 @@ class Simulator:
     def _sync_links(self, u: int, tid: int, share: SyncShare, group: tuple[int, ...]) -> list[Link]:
         units = self._op_units
         upd = self._update_units[u].by_device
-        return [(units[i].bwd[c], tid) for i, c in share.holders] + [(tid, upd[d]) for d in group]
+        # (under replicas, the updates of replica 0's devices: the others are not simulated)
+        return [(units[i].bwd[c], tid) for i, c in share.holders] + [(tid, upd[d]) for d in group if d in upd]
 
     def _new_sync(self, sid: SyncId, members: dict[int, SyncShare], links: list[Link]) -> _Sync:
         res, ns, key, wire = self._sync_figures(sid, members)
@@ -804,10 +855,32 @@ class Simulator:
 
 
 def simulate(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology,
-             cost_model: CostModel | None = None, *, setup: TrainSetup | None = None) -> Timeline:
+             cost_model: CostModel | None = None, *, setup: TrainSetup | None = None,
+             symmetry: bool = True) -> Timeline:
     """Simulate one training iteration of `graph` under `strategy` on `topology` (analytical costs and the
-    default `TrainSetup` unless given)."""
-    return Simulator(graph, topology, cost_model, setup=setup).full(strategy)
+    default `TrainSetup` unless given).
+
+    With `symmetry`, a strategy made of R identical replicas (`soap.lowering.find_replicas`: data
+    parallelism, `hybrid:tp=T` and the like) is simulated by its replica 0 alone where that is exact
+    (`Simulator._check_replicas`), with the same iteration time, per-device memory and bytes moved as
+    the whole; the timeline's tasks are then replica 0's (`Timeline.replicas` says R)."""
+    return simulator_of(graph, strategy, topology, cost_model, setup=setup, symmetry=symmetry)[1]
 
 
-__all__ = ["BWD", "FWD", "REDUCE", "SYNC", "Simulator", "UPDATE", "XFER", "simulate"]
+def simulator_of(graph: OperatorGraph, strategy: Strategy, topology: DeviceTopology,
+                 cost_model: CostModel | None = None, *, setup: TrainSetup | None = None,
+                 symmetry: bool = True) -> tuple[Simulator, Timeline]:
+    """`simulate`, with the `Simulator` that ran it (of one replica where `Timeline.replicas` > 1)."""
+    validate_strategy(graph, strategy, topology.num_devices)
+    replicas = find_replicas(graph, strategy, topology.num_devices) if symmetry else None
+    if replicas is not None:
+        sim = Simulator(graph, topology, cost_model, setup=setup, replicas=replicas)
+        try:
+            return sim, sim.full(strategy, validated=True)
+        except NotReplicable:
+            pass
+    sim = Simulator(graph, topology, cost_model, setup=setup)
+    return sim, sim.full(strategy, validated=True)
+
+
+__all__ = ["BWD", "FWD", "REDUCE", "SYNC", "Simulator", "UPDATE", "XFER", "simulate", "simulator_of"]

@@ -41,7 +41,7 @@ import numpy as np
 from simulator.comm import ALLGATHER, REDUCE_SCATTER, Comm, ms_to_ns
 from simulator.costmodel import CostModel
 from soap.config import ParallelConfig
-from soap.lowering import EdgeStep, GradFlow, OpStep, ParamStep, lower_edge, lower_op, lower_params
+from soap.lowering import EdgeStep, GradFlow, OpStep, ParamStep, Replicas, lower_edge, lower_op, lower_params
 from soap.topology import DeviceTopology
 
 # task categories
@@ -204,8 +204,9 @@ class Planner:
     """
 
     def __init__(self, flow: GradFlow, topology: DeviceTopology, cost_model: CostModel, keys: KeySpace,
-                 comm: Comm, *, cache_limit: int = 200_000):
+                 comm: Comm, *, cache_limit: int = 200_000, replicas: Replicas | None = None):
         self.flow = flow
+        self.replicas = replicas
         self.topology = topology
         self.cost_model = cost_model
         self.keys = keys
@@ -230,7 +231,7 @@ class Planner:
 
     def _make_op_plan(self, i: int, cfg: ParallelConfig) -> OpPlan:
         flow, keys = self.flow, self.keys
-        step = lower_op(flow, i, cfg)
+        step = lower_op(flow, i, cfg, self.replicas)
         plan = OpPlan(step)
         if flow.everywhere[i]:
             return plan
@@ -270,7 +271,7 @@ class Planner:
         edge = self.flow.edges[eid]
         prod = self.op_plan(edge.src, pcfg).step
         cons = self.op_plan(edge.dst, ccfg).step
-        step = lower_edge(self.flow, eid, prod, cons)
+        step = lower_edge(self.flow, eid, prod, cons, self.replicas)
         plan = EdgePlan(step)
         pdev, cdev = prod.devices, cons.devices
         moving = set(step.moving)
@@ -314,7 +315,7 @@ class Planner:
         flow, keys = self.flow, self.keys
         members = flow.units[u]
         steps = {i: self.op_plan(i, cfg).step for i, cfg in zip(members, cfgs, strict=True)}
-        step = lower_params(flow, u, steps)
+        step = lower_params(flow, u, steps, self.replicas)
         plan = ParamPlan(step)
         upos = keys.update_pos(flow.unit_first[u])
         passes = flow.setup.update_passes

@@ -60,8 +60,11 @@ class Timeline:
                  path_ns: tuple[int, int, int], bytes_moved: int, peak_memory: Sequence[int],
                  capacity: Sequence[int], order: list[int], keys: list[int], cats: list[int],
                  res: list[tuple[int, ...]], start: list[int], end: list[int], nbytes: list[int],
-                 namer: Callable[[int], str], critical_path: list[int]):
+                 namer: Callable[[int], str], critical_path: list[int], replicas: int = 1):
         self.name = name
+        # >1: the simulation timed replica 0 of this many identical replicas (`simulator.engine.simulate`);
+        # its tasks are replica 0's, the figures (time, memory per device, bytes moved) the whole step's
+        self.replicas = replicas
         self.num_devices = num_devices
         self._link_names = tuple(link_names)
         self._iteration_ns = iteration_ns

@@ -169,12 +169,13 @@ def param_keys(op: Operator, box: Box) -> tuple[tuple[str, Region], ...]:
     return tuple(param_pieces(op, box).values())
 
 
-def parts(op: Operator, cfg: ParallelConfig) -> list[tuple[Box, int]]:
-    """(box, device) for every part, in part order."""
+def parts(op: Operator, cfg: ParallelConfig, limit: int | None = None) -> list[tuple[Box, int]]:
+    """(box, device) for every part, in part order (the first `limit` parts where given)."""
     dims = dims_of(op)
     degrees = [cfg.degree(d.name) for d in dims]
     out = []
-    for idx, device in zip(itertools.product(*(range(g) for g in degrees)), cfg.devices, strict=True):
+    grid = itertools.product(*(range(g) for g in degrees))
+    for idx, device in itertools.islice(zip(grid, cfg.devices, strict=True), limit):
         box = tuple(split_range(d.size, g, i) for d, g, i in zip(dims, degrees, idx, strict=True))
         out.append((box, device))
     return out

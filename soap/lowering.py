@@ -73,6 +73,15 @@ outputs and of the inputs it reads. The kept sum is an upper bound (no liveness 
 transient is the peak of one op at a time, as the runtime frees a part's transients before the next
 op's.
 
+- **Replicas.** `lower(..., replicas=Replicas(count=R, size=m))` lowers only replica 0 of a strategy
+  that repeats itself R times (`find_replicas`): every op that computes splits its sample dim outermost
+  into a multiple of R chunks, and the parts of replica g are those of replica 0 on devices shifted by
+  g x m (devices 0..m-1 hold replica 0). Replica g then computes what replica 0 computes on its own share
+  of the batch: the plan keeps replica 0's parts, the exchanges among them and the updates and memory of
+  its devices, with every parameter group (all-reduce, shard and cross groups) over the holders of all
+  replicas. An exchange that would read another replica's parts raises `NotReplicable`. The simulator
+  times such a plan exactly where no two replicas' exchanges share a link (`simulator.engine.simulate`).
+
 Regions are in global tensor coordinates, half-open; device `d` is rank `d` of the runtime. Pure Python
 with numpy: must not import torch, the simulator, the search or the runtime.
 """
@@ -81,13 +90,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from math import gcd
 
 import numpy as np
 
 from soap.config import ParallelConfig, param_keys, param_pieces, parts
 from soap.graph import DTYPE_BYTES, OperatorGraph, TensorRef
-from soap.opdef import Region, intersect, region_numel
-from soap.registry import op_def
+from soap.opdef import DimKind, Region, intersect, region_numel
+from soap.registry import dims_of, op_def
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
@@ -102,6 +112,53 @@ ALL_REDUCE = "all_reduce"
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 
+
+class NotReplicable(ValueError):
+    """A strategy lowered by replicas reads, in some exchange, parts of another replica."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replicas:
+    """`count` copies of one replica of `size` devices (module docstring): replica g is devices
+    g x size .. (g + 1) x size - 1."""
+
+    count: int
+    size: int
+
+    def expand(self, devices) -> tuple[int, ...]:
+        """The devices of every replica that correspond to `devices` of replica 0, sorted."""
+        return tuple(sorted(d + g * self.size for g in range(self.count) for d in devices))
+
+
+def find_replicas(graph: OperatorGraph, strategy: Strategy, num_devices: int) -> Replicas | None:
+    """The largest `Replicas` that `strategy` is (module docstring), None when it is not one of two or
+    more: every op that computes splits a dim of kind sample that comes first among its split dims, its
+    part p + g x (parts / R) runs on device(p) + g x (devices / R) and replica 0 runs on devices below
+    devices / R."""
+    count = 0
+    fixed = []
+    for op in graph:
+        if op_def(op.kind).everywhere:
+            continue
+        cfg = strategy[op.name]
+        split = [d for d in dims_of(op) if cfg.degree(d.name) > 1]
+        if not split or split[0].kind != DimKind.SAMPLE or split[0].size % cfg.degree(split[0].name):
+            return None  # (uneven sample chunks make replicas of different sizes)
+        count = gcd(count, cfg.degree(split[0].name))
+        fixed.append(cfg)
+    while count > 1:
+        if num_devices % count == 0 and all(_repeats(cfg, count, num_devices // count) for cfg in fixed):
+            return Replicas(count=count, size=num_devices // count)
+        count = max(d for d in range(1, count) if count % d == 0)
+    return None
+
+
+def _repeats(cfg: ParallelConfig, count: int, size: int) -> bool:
+    devices = cfg.devices
+    per = len(devices) // count
+    first = devices[:per]
+    return all(d < size for d in first) and all(
+        devices[g * per + p] == first[p] + g * size for g in range(1, count) for p in range(per))
 
 class Edge:
     """One use of output `out` of op `src` by input `slot` of op `dst` (op positions in the graph).
@@ -334,14 +391,15 @@ class OpStep:
         return None
 
 
-def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig) -> OpStep:
+def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig, replicas: Replicas | None = None) -> OpStep:
     op = flow.ops[i]
     entry = op_def(op.kind)
     step = OpStep()
     step.op = i
-    boxes_devices = parts(op, cfg)
+    keep = None if replicas is None or flow.everywhere[i] else cfg.num_parts // replicas.count
+    boxes_devices = parts(op, cfg, keep)
     boxes = step.boxes = tuple(b for b, _ in boxes_devices)
-    step.devices = cfg.devices
+    step.devices = cfg.devices if keep is None else cfg.devices[:keep]
     n = len(boxes)
     step.out_regions = [_regions([entry.output_region(op, b, o) for b in boxes], n, spec.ndim)
                         for o, spec in enumerate(op.outputs)]
@@ -390,7 +448,7 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig) -> OpStep:
                 for c, r in enumerate(rows[s]):
                     act[c] += region_numel(r) * in_items[s]
     step.activation_bytes = tuple(act)
-    _lower_shards(flow, op, step, cfg.shard)
+    _lower_shards(flow, op, step, cfg.shard, replicas)
     step.transient_bytes = tuple(t + g + r for t, g, r in zip(transient, step.gather_bytes, step.scatter_bytes,
                                                              strict=True))
     return step
@@ -401,7 +459,7 @@ def chunk_numel(numel: int, shard: int) -> int:
     return -(-numel // shard)
 
 
-def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int) -> None:
+def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int, replicas: Replicas | None = None) -> None:
     """The shard groups, cross groups and collective bytes of `step` (module docstring)."""
     n = step.num_parts
     step.shard_groups = step.cross_groups = None
@@ -412,6 +470,12 @@ def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int) -> None:
     holders: dict[tuple, list[int]] = {}
     for k, d in zip(keys, step.devices, strict=True):
         holders.setdefault(k, []).append(d)
+    if replicas is not None:
+        holders = {k: list(replicas.expand(v)) for k, v in holders.items()}
+        # every chunk's all-reduce among its holders (a cross group) must have a device in replica 0
+        if any(len(v[r::shard]) > 1 and all(d >= replicas.size for d in v[r::shard])
+               for v in holders.values() for r in range(shard)):
+            raise NotReplicable(f"{op.name}: a chunk held by no device of replica 0")
     shard_groups, cross_groups, gather, scatter = [], [], [], []
     compute = DTYPE_BYTES[flow.setup.compute_dtype]
     specs = {p.fqn: p for p in op.params.values()}
@@ -465,10 +529,12 @@ def _piece_pairs(prod: OpStep, cons: OpStep, out: np.ndarray, inp: np.ndarray, s
     return ps, cs, lo[ps, cs], hi[ps, cs]
 
 
-def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep) -> EdgeStep:
+def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep, replicas: Replicas | None = None) -> EdgeStep:
     edge = flow.edges[eid]
     out = prod.out_regions[edge.out]
     inp = cons.in_regions[edge.slot]
+    if replicas is not None and prod.reduced:
+        _within_replica(flow, edge, prod, inp)
     step = EdgeStep()
     step.edge = eid
     step.reduced = prod.reduced
@@ -500,6 +566,8 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep) -> EdgeStep
         for _, c, nbytes, _ in step.pieces:
             covered[c] += nbytes
         want = np.clip(inp[:, :, 1] - inp[:, :, 0], 0, None).prod(axis=1) * elem if inp.shape[1] else None
+        if replicas is not None and want is not None and covered != want.tolist():
+            raise NotReplicable(f"{flow.ops[edge.dst].name} input {edge.slot} reads another replica's parts")
         assert want is None or covered == want.tolist(), (
             f"{flow.ops[edge.dst].name} input {edge.slot}: producer parts cover {covered} bytes of {want.tolist()}")
     step.moving = tuple(k for k, (p, c, _, _) in enumerate(step.pieces) if pdev[p] != cdev[c])
@@ -555,6 +623,22 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep) -> EdgeStep
     return step
 
 
+def _within_replica(flow: GradFlow, edge: Edge, prod: OpStep, inp: np.ndarray) -> None:
+    """Raise `NotReplicable` unless replica 0's consumer parts read partial sums only from replica 0's
+    producer parts: the producer's sample dim has an output axis and what they read along it lies within
+    the range replica 0's producer parts cover (the other replicas' parts hold the ranges after it)."""
+    op = flow.ops[edge.src]
+    sample = next((d for d in dims_of(op) if d.kind == DimKind.SAMPLE and d.out_axis is not None), None)
+    out = prod.out_regions[edge.out]
+    if sample is None or not inp.shape[1]:
+        raise NotReplicable(f"{op.name}: partial sums without a sample axis")
+    a = sample.out_axis
+    lo, hi = int(out[:, a, 0].min()), int(out[:, a, 1].max())
+    reads = inp[:, a][inp[:, a, 1] > inp[:, a, 0]]
+    if len(reads) and (int(reads[:, 0].min()) < lo or int(reads[:, 1].max()) > hi):
+        raise NotReplicable(f"{flow.ops[edge.dst].name} reads partial sums of another replica")
+
+
 class SyncEntry:
     """A parameter gradient to all-reduce: shard `region` of `fqn` (None: the whole parameter, its shards
     overlapping without being equal) over the sorted devices `group`, in bucket `bucket`. `holders` are
@@ -583,8 +667,10 @@ def _pairwise_equal_or_disjoint(regions: Sequence[Region]) -> bool:
     return all(a == b or intersect(a, b) is None for i, a in enumerate(regions) for b in regions[i + 1:])
 
 
-def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> ParamStep:
-    """Lower unit `unit`'s parameters from its ops' `OpStep`s (`steps[i]` for every op i of the unit)."""
+def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep], replicas: Replicas | None = None
+                 ) -> ParamStep:
+    """Lower unit `unit`'s parameters from its ops' `OpStep`s (`steps[i]` for every op i of the unit;
+    under `replicas`, replica 0's, the holders of all replicas)."""
     out = ParamStep()
     out.unit = unit
     holders: dict[tuple[str, Region], list[tuple[int, int]]] = {}
@@ -601,7 +687,8 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
                 param_of[key] = spec.key
                 holders.setdefault(key, []).append((i, c))
                 devices.setdefault(key, set()).add(d)
-    out.shards = {k: tuple(sorted(v)) for k, v in sorted(devices.items())}
+    out.shards = {k: replicas.expand(v) if replicas is not None else tuple(sorted(v))
+                  for k, v in sorted(devices.items())}
     members = flow.units[unit]
     shard = steps[members[0]].shard if len(members) == 1 else 1
     assert shard == 1 or steps[members[0]].shard_groups is not None
@@ -622,6 +709,8 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep]) -> Para
             numel = chunk_numel(region_numel(key[1]), shard)
             nbytes = numel * itemsize
             for d in out.shards[key]:
+                if replicas is not None and d >= replicas.size:
+                    continue  # another replica's device: the same as its counterpart in replica 0
                 memory[d] = memory.get(d, 0) + nbytes * (1 + (0 if bucket is None else 1 + copies)) + numel * copy
                 if bucket is not None:
                     update[d] = update.get(d, 0) + nbytes
@@ -775,22 +864,24 @@ class StepPlan:
 
 
 def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devices: int, *,
-          flow: GradFlow | None = None) -> StepPlan:
+          flow: GradFlow | None = None, replicas: Replicas | None = None) -> StepPlan:
     """The `StepPlan` of one step of `graph` under `strategy` (already validated) on `num_devices`.
 
-    `flow` may pass a `GradFlow` of the same graph and setup already built."""
+    `flow` may pass a `GradFlow` of the same graph and setup already built; `replicas` lowers replica 0
+    only (module docstring)."""
     if flow is None:
         flow = GradFlow(graph, setup)
     assert flow.source is graph and flow.setup == setup
     graph = flow.graph
     loss = graph.ops[-1]
     assert loss.outputs[0].numel == 1, f"the last op {loss.name!r} must be the scalar loss"
-    ops = [lower_op(flow, i, strategy[op.name]) for i, op in enumerate(graph.ops)]
-    edges = [lower_edge(flow, e.id, ops[e.src], ops[e.dst]) for e in flow.edges]
-    params = [lower_params(flow, u, {i: ops[i] for i in members}) for u, members in enumerate(flow.units)]
+    ops = [lower_op(flow, i, strategy[op.name], replicas) for i, op in enumerate(graph.ops)]
+    edges = [lower_edge(flow, e.id, ops[e.src], ops[e.dst], replicas) for e in flow.edges]
+    params = [lower_params(flow, u, {i: ops[i] for i in members}, replicas) for u, members in enumerate(flow.units)]
     return StepPlan(flow, strategy, num_devices, ops, edges, params)
 
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow",
-           "OpStep", "ParamStep", "REDUCE_SCATTER", "StepPlan", "SyncEntry", "all_reduces", "chunk_numel", "lower",
-           "lower_edge", "lower_op", "lower_params", "recompute_points", "run_graph"]
+           "NotReplicable", "OpStep", "ParamStep", "REDUCE_SCATTER", "Replicas", "StepPlan", "SyncEntry",
+           "all_reduces", "chunk_numel", "find_replicas", "lower", "lower_edge", "lower_op", "lower_params",
+           "recompute_points", "run_graph"]

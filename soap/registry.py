@@ -19,6 +19,7 @@ Pure Python: must not import torch, the simulator, the search or the runtime.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -976,6 +977,18 @@ def reshape_region(in_shape: Sequence[int], out_shape: Sequence[int], out_region
     return tuple(result)
 
 
+@functools.lru_cache(maxsize=4096)
+def _reshape_split_refusal(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+                           split: tuple[tuple[str, int], ...]) -> str | None:
+    """Why splitting the reshape `in_shape` -> `out_shape` by `split` (dim, degree) is refused, or None:
+    a part whose output box is not a box of the input. Cached: the blocks of a model repeat their shapes."""
+    for box in part_boxes(tuple(axis_dims(out_shape)), dict(split)):
+        if reshape_region(in_shape, out_shape, box) is None:
+            return (f"reshape {list(in_shape)} -> {list(out_shape)} split {dict(split)} has a part "
+                    f"{list(box)} that is not a box of the input")
+    return None
+
+
 class Reshape(OpDef):
     """y = x.reshape(`shape`) (view, flatten, unflatten, squeeze, unsqueeze).
 
@@ -996,12 +1009,8 @@ class Reshape(OpDef):
     def check(self, op: Operator, degrees: Mapping[str, int]) -> str | None:
         reason = super().check(op, degrees)
         if reason is None and any(g > 1 for g in degrees.values()):
-            in_shape, out_shape = input_shape(op, 0), op.outputs[0].shape
-            for box in part_boxes(self.dims(op), degrees):
-                if reshape_region(in_shape, out_shape, box) is None:
-                    split = {k: g for k, g in degrees.items() if g > 1}
-                    return (f"reshape {list(in_shape)} -> {list(out_shape)} split {split} has a part "
-                            f"{list(box)} that is not a box of the input")
+            split = tuple(sorted((k, g) for k, g in degrees.items() if g > 1))
+            reason = _reshape_split_refusal(tuple(input_shape(op, 0)), tuple(op.outputs[0].shape), split)
         return reason
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:

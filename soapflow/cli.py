@@ -130,7 +130,7 @@ def cmd_topology(args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
-    from simulator.engine import Simulator
+    from simulator.engine import simulator_of
     from soapflow.api import capture_model, resolve_strategy
     from soapflow.optimize import topology_and_cost_model
 
@@ -138,8 +138,7 @@ def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
     topo, cost_model = topology_and_cost_model(args.topology, args.costdb)
     spec, graph = capture_model(args.model, batch_size=args.batch)
     strategy = resolve_strategy(args.strategy, graph=graph, topology=topo, setup=setup)
-    sim = Simulator(graph, topo, cost_model, setup=setup)
-    timeline = sim.full(strategy)
+    sim, timeline = simulator_of(graph, strategy, topo, cost_model, setup=setup)
     out = {"model": spec.name, "batch_size": graph.batch_size, "topology": topo.name, "strategy": args.strategy,
            "setup": setup.to_dict(), **timeline.summary(), "collectives": sim.collectives()}
     if args.trace:
@@ -158,7 +157,8 @@ def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
             ["bytes moved", _human_bytes(out["bytes_moved"])],
             ["peak memory per device (max)", _human_bytes(max(peak))],
             ["peak memory per device (min)", _human_bytes(min(peak))],
-            ["tasks", out["num_tasks"]],
+            ["tasks", out["num_tasks"] if timeline.replicas == 1 else
+             f"{out['num_tasks']} (one of {timeline.replicas} identical replicas, simulated for all)"],
         ], ["", "value"]),
     ]
     for o in out.get("oom") or []:

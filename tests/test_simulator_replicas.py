@@ -1,0 +1,76 @@
+"""Simulation by replicas (`soap.lowering.find_replicas`, `simulator.engine.simulate`): a strategy made of
+identical replicas is timed by its replica 0 alone, and that is exact: the same iteration time, per-device
+memory, bytes moved and collectives as the plain simulation of every device, or it falls back to it."""
+
+from __future__ import annotations
+
+import pytest
+import runtime_cases as rc
+
+from search.baselines import BaselineNotApplicable, parse_baseline
+from simulator.engine import Simulator, simulate, simulator_of
+from soap.config import ParallelConfig
+from soap.lowering import Replicas, find_replicas
+from soap.strategy import Strategy
+from soap.topology import load_topology
+
+BASELINES = ("dp", "fsdp", "hybrid:tp=2", "hybrid:tp=2,shard=2", "hybrid:tp=2,recompute=full", "hybrid:tp=4",
+             "tp", "expert")
+CASES = [(model, topo) for model in ("mlp", "transformer", "rescnn", "rnnlm", "llama")
+         for topo in ("p100-2x2", "a100-2x4", "cpu-4")]
+
+
+@pytest.mark.parametrize(("model", "topology"), CASES)
+def test_simulating_one_replica_equals_simulating_every_device(model, topology):
+    graph, topo = rc.graph_of(model), load_topology(topology)
+    quotients, ran = 0, set()
+    for name in BASELINES:
+        try:
+            strategy = parse_baseline(name)(graph, topo)
+        except BaselineNotApplicable:
+            continue
+        ran.add(name)
+        plain_sim, plain = simulator_of(graph, strategy, topo, symmetry=False)
+        sim, timeline = simulator_of(graph, strategy, topo)
+        assert plain.replicas == 1
+        assert timeline.iteration_time_ms == plain.iteration_time_ms, name
+        assert timeline.peak_memory_bytes == plain.peak_memory_bytes, name
+        assert timeline.bytes_moved == plain.bytes_moved, name
+        assert timeline.feasible == plain.feasible
+        assert sim.collectives() == plain_sim.collectives(), name
+        if timeline.replicas > 1:
+            quotients += 1
+            assert timeline.num_tasks < plain.num_tasks
+    # data parallelism, where the batch divides over the devices, is R replicas of one device
+    assert quotients >= 1 or "dp" not in ran
+
+
+def test_replicas_of_data_parallelism_and_of_tensor_parallel_groups():
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    assert find_replicas(graph, parse_baseline("dp")(graph, topo), 4) == Replicas(count=4, size=1)
+    assert find_replicas(graph, parse_baseline("hybrid:tp=2")(graph, topo), 4) == Replicas(count=2, size=2)
+    # a layout with no sample split, or one on devices that do not repeat, has no replicas
+    assert find_replicas(graph, parse_baseline("mp")(graph, topo), 4) is None
+    shuffled = {op.name: ParallelConfig(degrees={"sample": 2}, devices=(1, 0)) for op in graph}
+    assert find_replicas(graph, Strategy(shuffled), 4) is None
+    assert Replicas(count=3, size=2).expand((1,)) == (1, 3, 5)
+
+
+def test_replicas_sharing_links_fall_back_to_the_plain_simulation():
+    """hybrid:tp=2 on p100-2x2: the all-reduces between the two nodes and the exchanges inside them meet on
+    links, so timing replica 0 alone is not exact: the simulation is the plain one."""
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    strategy = parse_baseline("hybrid:tp=2")(graph, topo)
+    assert find_replicas(graph, strategy, 4) is not None
+    timeline = simulate(graph, strategy, topo)
+    assert timeline.replicas == 1
+    assert timeline.num_tasks == simulate(graph, strategy, topo, symmetry=False).num_tasks
+
+
+def test_a_replica_simulator_makes_no_delta_proposals():
+    graph, topo = rc.graph_of("mlp"), load_topology("cpu-4")
+    strategy = parse_baseline("dp")(graph, topo)
+    sim = Simulator(graph, topo, replicas=find_replicas(graph, strategy, 4))
+    sim.full(strategy)
+    with pytest.raises(RuntimeError, match="whole strategies only"):
+        sim.propose(graph.ops[2].name, ParallelConfig.single(0))
