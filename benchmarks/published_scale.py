@@ -54,10 +54,10 @@ Where the comparison misses (what the simulation does not model as Megatron runs
   attention and after the MLP); Megatron keeps only each block's input;
 - tensor parallelism: the hybrid layout runs the ops between the linears (LayerNorm, dropout, residual
   adds) split on the batch inside the TP group, so the inputs of the column-parallel linears are
-  gathered and the partial sums of the row-parallel ones sent back; and since the column split of the
-  fused qkv projection (`Linear(d, 3d)`, q|k|v concatenated) does not fall on the q/k/v boundaries, the
-  q/k/v split and reshapes run batch-split too and attention's inputs are exchanged twice (Megatron
-  orders the qkv weight by head, so each rank's column shard holds whole heads). A recomputation moves
+  gathered and the partial sums of the row-parallel ones sent back. The fused qkv projection
+  (`Linear(d, 3d)`, q|k|v concatenated) is captured as three linears over the blocks of its weight
+  (`soap.capture.fused`), so a column split gives each rank whole heads of q, k and v and attention reads
+  them in place, as with Megatron's per-head ordering of its qkv weight. A recomputation moves
   nothing again (`soap.lowering`), so every device keeps all those received pieces for backward: most
   of the diagnostics' "kept inputs" column, which grows with T (about 160 GB per device in the 18.4B
   row), where Megatron's recomputation communicates again. The memory model is an upper bound besides
@@ -108,7 +108,6 @@ import torch  # noqa: E402
 
 from search.baselines import parse_baseline  # noqa: E402
 from simulator import Simulator  # noqa: E402
-from soap.config import recompute_refusal  # noqa: E402
 from soap.graph import OperatorGraph  # noqa: E402
 from soap.lowering import lower  # noqa: E402
 from soap.setup import TrainSetup  # noqa: E402
@@ -209,18 +208,6 @@ def rail_topology(preset: DeviceTopology) -> DeviceTopology:
                                      "devices": devices, "links": links})
 
 
-def recompute_per_tensor(graph: OperatorGraph, strategy: Strategy) -> Strategy:
-    """`strategy` with every op recomputing none of whose output tensors is read twice (where
-    `recompute_full` counts the uses of all outputs together, which keeps a split with three outputs)."""
-    configs = dict(strategy.configs)
-    last = graph.ops[-1].name
-    for op in graph:
-        uses = collections.Counter(index for _, _, index in graph.consumers(op.name))
-        if op.name != last and max(uses.values(), default=0) < 2 and recompute_refusal(op) is None:
-            configs[op.name] = configs[op.name].replace(recompute=True)
-    return Strategy(configs)
-
-
 def graph_flops(graph: OperatorGraph, strategy: Strategy) -> float:
     """FLOPs the step executes per the captured graph: forward and backward of every op, plus the
     forward again of every recomputing op."""
@@ -290,10 +277,6 @@ def run_row(row: Row, *, setup: TrainSetup, diagnostics: bool) -> tuple[dict, Op
     if diagnostics:
         diag: dict = {}
         diag["memory"], diag["breakdown_s"] = _timed(lambda: memory_breakdown(graph, strategy, setup, sim))
-        per_tensor = recompute_per_tensor(graph, strategy)
-        t = sim.full(per_tensor)
-        diag["per_tensor_recompute"] = {"predicted_s": t.iteration_time_ms / 1e3,
-                                        "peak_memory_gb": max(t.peak_memory_bytes) / 1e9, "feasible": t.feasible}
         rails = rail_topology(topology)
         t, rails_s = _timed(lambda: Simulator(graph, rails, cost_model, setup=setup).full(strategy))
         diag["rails"] = {"topology": rails.name, "predicted_s": t.iteration_time_ms / 1e3,
@@ -421,22 +404,20 @@ def render(rows: list[dict], opt: dict | None, meta: dict) -> str:
             "25 GB/s InfiniBand link to the switch instead of one shared 8 x 25 GB/s node uplink, on which the "
             "preset serializes the data-parallel rings of the TP ranks. Memory of device 0 by what it is: outputs "
             "kept for backward, inputs kept from recomputing producers and received pieces, parameters with their "
-            "gradients, fp16 copies and AdamW state, the largest transient. Per-tensor recompute: the split of "
-            "q/k/v recomputing as well (none of its outputs is read twice).",
+            "gradients, fp16 copies and AdamW state, the largest transient.",
             "",
             "| model | rails: predicted s | ratio | sync ms | kept outputs GB (largest) | kept inputs GB | "
-            "params+grads+state GB | transient GB | per-tensor recompute: peak GB | s |",
-            "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+            "params+grads+state GB | transient GB |",
+            "|---|---:|---:|---:|---|---:|---:|---:|",
         ]
         for r in diag:
             d = r["diagnostics"]
-            m, ra, pt = d["memory"], d["rails"], d["per_tensor_recompute"]
+            m, ra = d["memory"], d["rails"]
             largest = ", ".join(f"{k} {v:.1f}" for k, v in list(m["kept_outputs_by_op_gb"].items())[:3])
             lines.append(
                 f"| {r['row']} | {ra['predicted_s']:.2f} | {ra['ratio']:.2f} | {ra['sync_ms']:.0f} | "
                 f"{m['kept_outputs_gb']:.1f} ({largest}) | {m['received_and_kept_inputs_gb']:.1f} | "
-                f"{m['params_grads_optimizer_gb']:.1f} | {m['largest_transient_gb']:.1f} | "
-                f"{pt['peak_memory_gb']:.1f}{'' if pt['feasible'] else ' (over)'} | {pt['predicted_s']:.2f} |")
+                f"{m['params_grads_optimizer_gb']:.1f} | {m['largest_transient_gb']:.1f} |")
     if opt is not None:
         lines += ["", f"## Search on the {opt['row']} row ({opt['topology']}, batch {opt['batch']})", ""]
         pub = opt["published_config_predicted_s"]
@@ -488,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=",".join(r.name for r in ROWS),
                     help=f"comma-separated rows to simulate ({', '.join(BY_NAME)}); empty for none")
     ap.add_argument("--no-diagnostics", action="store_true",
-                    help="skip the rails topology, the memory breakdown and the per-tensor recompute")
+                    help="skip the rails topology and the memory breakdown")
     ap.add_argument("--optimize", action="store_true", help="also run the search on the 1.7B row")
     ap.add_argument("--budget", type=float, default=300.0, help="search budget, wall-clock seconds")
     ap.add_argument("--jobs", type=int, default=1, help="search worker processes")
