@@ -201,8 +201,8 @@ def precision_cases(count: int, seed: int) -> list[dict]:
     left out: under bf16 a split batch norm differs from the autocast reference by more than the
     tolerance (normalizing 2-sample halves amplifies the rounding; a channel split differs too, not yet
     explained)."""
-    def options(precision: str) -> TrainOptions:
-        return TrainOptions(steps=3, setup=TrainSetup(lr=0.05, precision=precision), verify=True)
+    def options(precision: str, steps: int = 3) -> TrainOptions:
+        return TrainOptions(steps=steps, setup=TrainSetup(lr=0.05, precision=precision), verify=True)
 
     cases = []
     for model, baseline, precision in (("mlp", "tp", "bf16"), ("transformer", "tp", "bf16"), ("llama", "tp", "bf16"),
@@ -211,8 +211,15 @@ def precision_cases(count: int, seed: int) -> list[dict]:
                                        ("transformer", "expert", "fp16")):
         case = rc.baseline_case(model, baseline, 2, options=options(precision))
         cases.append({**case, "label": f"{case['label']}/{precision}"})
+    # Random strategies are compared after one step (their gradients). Over several steps a bf16 run and
+    # its reference part ways by more than any tolerance that still catches a wrong gradient: at 8 bits of
+    # mantissa max-pool windows hold ties and ReLU inputs sit at zero, so the first step's rounding
+    # differences (0.5% of the update) flip which element a max-pool or ReLU passes in the next one. Seen
+    # on rescnn with fc2 split on out_features: after 2 steps 14% of the update apart, while at the run's
+    # own parameters autocast's gradient equals the run's to 0.5%, and a 5e-5 change of the parameters
+    # moves autocast's gradient by 19%.
     for case in random_cases(MODELS, count, 2, seed=seed):
-        cases.append({**case, "label": f"{case['label']}/bf16", "options": options("bf16")})
+        cases.append({**case, "label": f"{case['label']}/bf16", "options": options("bf16", steps=1)})
     return cases
 
 
