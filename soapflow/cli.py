@@ -138,7 +138,8 @@ def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
     topo, cost_model = topology_and_cost_model(args.topology, args.costdb)
     spec, graph = capture_model(args.model, batch_size=args.batch)
     strategy = resolve_strategy(args.strategy, graph=graph, topology=topo, setup=setup)
-    sim, timeline = simulator_of(graph, strategy, topo, cost_model, setup=setup)
+    # a trace shows every device's tasks: no simulation by one replica then
+    sim, timeline = simulator_of(graph, strategy, topo, cost_model, setup=setup, symmetry=not args.trace)
     out = {"model": spec.name, "batch_size": graph.batch_size, "topology": topo.name, "strategy": args.strategy,
            "setup": setup.to_dict(), **timeline.summary(), "collectives": sim.collectives()}
     if args.trace:
