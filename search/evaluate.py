@@ -110,13 +110,19 @@ class Move:
     its `cost`, then exactly one `accept()` (the changed strategy becomes the evaluator's current one) or
     `reject()` (`current` stays). Up to `MAX_DELTA_OPS` ops it is costed op by op (all but the last made
     current, the last proposed; a rejection undoes them op by op), beyond that by one full simulation
-    (`start`) of the changed strategy (and, rejected, one of `current`)."""
+    of the changed strategy: on the evaluator's spare simulator where it has one (`DeltaEvaluator.trial`:
+    accepted, the spare becomes current; rejected, nothing is simulated again), else by `start` (and,
+    rejected, a `start` of `current`)."""
 
     def __init__(self, evaluator: Evaluator, current: Strategy, changes: Mapping[str, ParallelConfig]):
         assert changes, "a move changes at least one op"
         self._evaluator, self._current = evaluator, current
         self.strategy = current.with_configs(changes)
         self._whole = len(changes) > MAX_DELTA_OPS
+        self._trial = self._whole and isinstance(evaluator, DeltaEvaluator)
+        if self._trial:
+            self.cost = evaluator.trial(self.strategy)
+            return
         if self._whole:
             self.cost = evaluator.start(self.strategy)
             return
@@ -127,10 +133,14 @@ class Move:
         self.cost = evaluator.propose(last, last_cfg)
 
     def accept(self) -> None:
-        if not self._whole:
+        if self._trial:
+            self._evaluator.adopt()
+        elif not self._whole:
             self._evaluator.accept()
 
     def reject(self) -> None:
+        if self._trial:
+            return  # the evaluator's current simulator never left `current`
         if self._whole:
             self._evaluator.start(self._current)
             return
@@ -148,10 +158,24 @@ def simulated_cost(sim: Simulator) -> Cost:
 
 
 class DeltaEvaluator:
-    """An `Evaluator` on the simulator's delta simulation: a proposal re-times only what it changes."""
+    """An `Evaluator` on the simulator's delta simulation: a proposal re-times only what it changes.
+
+    `trial(strategy)` costs a whole strategy on a spare simulator (`Simulator.twin`, sharing the plan
+    caches) while `sim` stays on the current one; `adopt()` makes the trial current (the two swap)."""
 
     def __init__(self, sim: Simulator):
         self.sim = sim
+        self._spare: Simulator | None = None
+
+    def trial(self, strategy: Strategy) -> Cost:
+        if self._spare is None:
+            self._spare = self.sim.twin()
+        self._spare.full(strategy)
+        return simulated_cost(self._spare)
+
+    def adopt(self) -> None:
+        assert self._spare is not None, "adopt needs a trial"
+        self.sim, self._spare = self._spare, self.sim
 
     def start(self, strategy: Strategy) -> Cost:
         self.sim.full(strategy)

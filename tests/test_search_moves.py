@@ -17,6 +17,7 @@ from search.moves import COPY_SHARE, MODULE_SHARE, PROPAGATION_SHARE, TIED_SHARE
 from search.space import ConfigSpace
 from search.structure import copies_of, modules_of, neighbours
 from simulator.engine import simulate
+from soap.config import ParallelConfig
 from soap.topology import load_topology
 
 
@@ -158,3 +159,30 @@ def test_a_move_over_two_ops_with_different_configs_costs_what_it_changes_to():
     assert move.cost.time_ms == simulate(graph, move.strategy, topo).iteration_time_ms
     move.reject()
     assert evaluator.propose(first, start[first]).time_ms == simulate(graph, start, topo).iteration_time_ms
+
+
+def test_a_rejected_move_over_many_ops_leaves_the_evaluator_on_its_strategy():
+    """A move over more than two ops is costed on the evaluator's spare simulator: rejected, the evaluator
+    still describes the current strategy (a delta from it costs what the full simulation says); accepted,
+    the changed one."""
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    evaluator = SimulatorEvaluators()(graph, topo)
+    start = dp(graph, topo)
+    evaluator.start(start)
+    linears = [op.name for op in graph if op.kind == "linear"]
+    changes = {name: ParallelConfig.single(1) for name in linears}
+    assert len(changes) > 2
+    move = Move(evaluator, start, changes)
+    assert move.cost.time_ms == simulate(graph, move.strategy, topo).iteration_time_ms
+    move.reject()
+    first = linears[0]
+    cfg = ParallelConfig.single(0)
+    expected = simulate(graph, start.with_config(first, cfg), topo).iteration_time_ms
+    assert evaluator.propose(first, cfg).time_ms == expected
+    evaluator.reject()
+    move = Move(evaluator, start, changes)
+    move.accept()
+    changed = move.strategy
+    expected = simulate(graph, changed.with_config(first, cfg), topo).iteration_time_ms
+    assert evaluator.propose(first, cfg).time_ms == expected
+    evaluator.reject()
