@@ -379,19 +379,23 @@ class Simulator:
         self._simulate_all()
 
     def _check_replicas(self) -> None:
-        """Raise `NotReplicable` unless timing replica 0 alone is exact: every device is the same device as
-        its counterpart in replica 0, and every exchange of every replica takes as long as replica 0's and
-        runs on links that no other replica's exchange and no all-reduce uses (so nothing the plan leaves
-        out could delay what it keeps)."""
+        """Raise `NotReplicable` unless timing replica 0 alone is exact. The whole step is then invariant
+        under the shift of every device by one replica (d -> d + size, modulo the device count), so every
+        task starts when its counterpart in replica 0 does: every device is the same device as its
+        counterpart; every all-reduce's group is its own shift (a task of the replica plan, it waits for
+        replica 0's devices as for all others); and every exchange of every replica takes as long as
+        replica 0's on links no other replica's exchanges use (an edge's exchange is one task over every
+        replica's pieces, as long as replica 0's share of it when their links are apart)."""
         rep, n, devices = self.replicas, self.num_devices, self.topology.devices
         for d in range(n):
             a, b = devices[d], devices[d % rep.size]
             if (a.kind, dict(a.peak_flops), a.memory_bandwidth_gbps, a.memory_bytes) != (
                     b.kind, dict(b.peak_flops), b.memory_bandwidth_gbps, b.memory_bytes):
                 raise NotReplicable(f"device {d} differs from device {d % rep.size}")
-        owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it (-1: all-reduces)
-        for sync in self._syncs.values():
-            owner.update((r, -1) for r in self._res[sync.tid] if r >= n)
+        for group, _ in self._syncs:
+            if {(d + rep.size) % n for d in group} != set(group):
+                raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
+        owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it
         for e, edge in enumerate(self.flow.edges):
             step = self._edge_plan(e).step
             if not step.moving:
@@ -409,8 +413,7 @@ class Simulator:
                     ns = t
                     for r in res:
                         if r >= n and owner.setdefault(r, g) != g:
-                            raise NotReplicable("two replicas' exchanges, or an exchange and an all-reduce, "
-                                                "share a link")
+                            raise NotReplicable("two replicas' exchanges share a link")
 
     def _apply(self, links: list[Link]) -> None:
         succs, preds = self._succs, self._preds

@@ -10,7 +10,7 @@ import runtime_cases as rc
 from search.baselines import BaselineNotApplicable, parse_baseline
 from simulator.engine import Simulator, simulate, simulator_of
 from soap.config import ParallelConfig
-from soap.lowering import Replicas, find_replicas
+from soap.lowering import NotReplicable, Replicas, find_replicas
 from soap.strategy import Strategy
 from soap.topology import load_topology
 
@@ -56,12 +56,16 @@ def test_replicas_of_data_parallelism_and_of_tensor_parallel_groups():
     assert Replicas(count=3, size=2).expand((1,)) == (1, 3, 5)
 
 
-def test_replicas_sharing_links_fall_back_to_the_plain_simulation():
-    """hybrid:tp=2 on p100-2x2: the all-reduces between the two nodes and the exchanges inside them meet on
-    links, so timing replica 0 alone is not exact: the simulation is the plain one."""
-    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
-    strategy = parse_baseline("hybrid:tp=2")(graph, topo)
-    assert find_replicas(graph, strategy, 4) is not None
+def test_replicas_whose_collectives_leave_replica_0_fall_back_to_the_plain_simulation():
+    """hybrid:tp=2,shard=2 on a100-2x4 (4 replicas of 2 devices): the chunks of a sharded layer are
+    all-reduced among devices of other replicas only, which replica 0's plan would leave out: the
+    simulation is the plain one."""
+    graph, topo = rc.graph_of("mlp"), load_topology("a100-2x4")
+    strategy = parse_baseline("hybrid:tp=2,shard=2")(graph, topo)
+    replicas = find_replicas(graph, strategy, 8)
+    assert replicas == Replicas(count=4, size=2)
+    with pytest.raises(NotReplicable, match="held by no device of replica 0"):
+        Simulator(graph, topo, replicas=replicas).full(strategy)
     timeline = simulate(graph, strategy, topo)
     assert timeline.replicas == 1
     assert timeline.num_tasks == simulate(graph, strategy, topo, symmetry=False).num_tasks
