@@ -78,3 +78,27 @@ def test_a_replica_simulator_makes_no_delta_proposals():
     sim.full(strategy)
     with pytest.raises(RuntimeError, match="whole strategies only"):
         sim.propose(graph.ops[2].name, ParallelConfig.single(0))
+
+
+def test_replicas_whose_exchanges_share_a_link_fall_back_to_the_plain_simulation(tmp_path):
+    """Two hubs joined by one link, devices 0 and 2 on one, 1 and 3 on the other: under hybrid:tp=2 the
+    replicas (0, 1) and (2, 3) exchange over that one link, so replica 0 alone would time its exchanges
+    without the other's: the simulation is the plain one (and equals it)."""
+    import json
+
+    doc = {"format": "soapflow.topology/1", "name": "two-hubs",
+           "devices": [{"id": i, "kind": "p100", "node": 0} for i in range(4)],
+           "links": [{"src": f"gpu{i}", "dst": "hubA" if i % 2 == 0 else "hubB", "kind": "pcie",
+                      "spec": "pcie3-x16"} for i in range(4)]
+           + [{"src": "hubA", "dst": "hubB", "kind": "pcie", "spec": "pcie3-x16"}]}
+    path = tmp_path / "two-hubs.json"
+    path.write_text(json.dumps(doc))
+    graph, topo = rc.graph_of("mlp"), load_topology(str(path))
+    strategy = parse_baseline("hybrid:tp=2")(graph, topo)
+    replicas = find_replicas(graph, strategy, 4)
+    assert replicas == Replicas(count=2, size=2)
+    with pytest.raises(NotReplicable, match="share a link"):
+        Simulator(graph, topo, replicas=replicas).full(strategy)
+    timeline = simulate(graph, strategy, topo)
+    plain = simulate(graph, strategy, topo, symmetry=False)
+    assert timeline.replicas == 1 and timeline.iteration_time_ms == plain.iteration_time_ms
