@@ -194,9 +194,7 @@ class Simulator:
         """Per device, what it keeps plus its largest transient (`soap.lowering`'s memory rule)."""
         self._need_state()
         peak = [m + t for m, t in zip(self._mem, self._tmax, strict=True)]
-        if self.replicas is not None:  # every device as its counterpart in replica 0
-            peak = [peak[d % self.replicas.size] for d in range(self.num_devices)]
-        return tuple(peak)
+        return tuple(peak if self.replicas is None else self.replicas.spread(peak))
 
     @property
     def memory_excess_bytes(self) -> int:
@@ -279,9 +277,7 @@ class Simulator:
     def collectives(self) -> list[dict[str, dict[str, int]]]:
         """Per device, per kind, the count and bytes of the collectives of one step (`StepPlan.collectives`)."""
         out = self.step_plan().collectives()
-        if self.replicas is not None:  # every device as its counterpart in replica 0
-            out = [out[d % self.replicas.size] for d in range(self.num_devices)]
-        return out
+        return out if self.replicas is None else self.replicas.spread(out)
 
     def timeline(self) -> Timeline:
         """The `Timeline` of the state described (the pending proposal if there is one)."""

@@ -129,6 +129,11 @@ class Replicas:
         """The devices of every replica that correspond to `devices` of replica 0, sorted."""
         return tuple(sorted(d + g * self.size for g in range(self.count) for d in devices))
 
+    def spread(self, per_device: Sequence) -> list:
+        """A per-device list whose entries for replica 0 are right, with every device given its
+        counterpart's entry in replica 0."""
+        return [per_device[d % self.size] for d in range(self.count * self.size)]
+
 
 def find_replicas(graph: OperatorGraph, strategy: Strategy, num_devices: int) -> Replicas | None:
     """The largest `Replicas` that `strategy` is (module docstring), None when it is not one of two or
@@ -136,7 +141,7 @@ def find_replicas(graph: OperatorGraph, strategy: Strategy, num_devices: int) ->
     part p + g x (parts / R) runs on device(p) + g x (devices / R) and replica 0 runs on devices below
     devices / R."""
     count = 0
-    fixed = []
+    configs = []
     for op in graph:
         if op_def(op.kind).everywhere:
             continue
@@ -145,9 +150,9 @@ def find_replicas(graph: OperatorGraph, strategy: Strategy, num_devices: int) ->
         if not split or split[0].kind != DimKind.SAMPLE or split[0].size % cfg.degree(split[0].name):
             return None  # (uneven sample chunks make replicas of different sizes)
         count = gcd(count, cfg.degree(split[0].name))
-        fixed.append(cfg)
+        configs.append(cfg)
     while count > 1:
-        if num_devices % count == 0 and all(_repeats(cfg, count, num_devices // count) for cfg in fixed):
+        if num_devices % count == 0 and all(_repeats(cfg, count, num_devices // count) for cfg in configs):
             return Replicas(count=count, size=num_devices // count)
         count = max(d for d in range(1, count) if count % d == 0)
     return None
@@ -159,6 +164,7 @@ def _repeats(cfg: ParallelConfig, count: int, size: int) -> bool:
     first = devices[:per]
     return all(d < size for d in first) and all(
         devices[g * per + p] == first[p] + g * size for g in range(1, count) for p in range(per))
+
 
 class Edge:
     """One use of output `out` of op `src` by input `slot` of op `dst` (op positions in the graph).

@@ -56,19 +56,25 @@ def test_replicas_of_data_parallelism_and_of_tensor_parallel_groups():
     assert Replicas(count=3, size=2).expand((1,)) == (1, 3, 5)
 
 
+def _falls_back(graph, strategy, topo, replicas: Replicas, reason: str) -> None:
+    """`strategy` is `replicas`, the simulator of one replica refuses it for `reason`, and `simulate`
+    runs the plain simulation instead."""
+    assert find_replicas(graph, strategy, topo.num_devices) == replicas
+    with pytest.raises(NotReplicable, match=reason):
+        Simulator(graph, topo, replicas=replicas).full(strategy)
+    timeline = simulate(graph, strategy, topo)
+    plain = simulate(graph, strategy, topo, symmetry=False)
+    assert timeline.replicas == 1
+    assert timeline.num_tasks == plain.num_tasks and timeline.iteration_time_ms == plain.iteration_time_ms
+
+
 def test_replicas_whose_collectives_leave_replica_0_fall_back_to_the_plain_simulation():
     """hybrid:tp=2,shard=2 on a100-2x4 (4 replicas of 2 devices): the chunks of a sharded layer are
     all-reduced among devices of other replicas only, which replica 0's plan would leave out: the
     simulation is the plain one."""
     graph, topo = rc.graph_of("mlp"), load_topology("a100-2x4")
     strategy = parse_baseline("hybrid:tp=2,shard=2")(graph, topo)
-    replicas = find_replicas(graph, strategy, 8)
-    assert replicas == Replicas(count=4, size=2)
-    with pytest.raises(NotReplicable, match="held by no device of replica 0"):
-        Simulator(graph, topo, replicas=replicas).full(strategy)
-    timeline = simulate(graph, strategy, topo)
-    assert timeline.replicas == 1
-    assert timeline.num_tasks == simulate(graph, strategy, topo, symmetry=False).num_tasks
+    _falls_back(graph, strategy, topo, Replicas(count=4, size=2), "held by no device of replica 0")
 
 
 def test_a_replica_simulator_makes_no_delta_proposals():
@@ -95,10 +101,4 @@ def test_replicas_whose_exchanges_share_a_link_fall_back_to_the_plain_simulation
     path.write_text(json.dumps(doc))
     graph, topo = rc.graph_of("mlp"), load_topology(str(path))
     strategy = parse_baseline("hybrid:tp=2")(graph, topo)
-    replicas = find_replicas(graph, strategy, 4)
-    assert replicas == Replicas(count=2, size=2)
-    with pytest.raises(NotReplicable, match="share a link"):
-        Simulator(graph, topo, replicas=replicas).full(strategy)
-    timeline = simulate(graph, strategy, topo)
-    plain = simulate(graph, strategy, topo, symmetry=False)
-    assert timeline.replicas == 1 and timeline.iteration_time_ms == plain.iteration_time_ms
+    _falls_back(graph, strategy, topo, Replicas(count=2, size=2), "share a link")
