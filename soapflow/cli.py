@@ -171,23 +171,35 @@ def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
 
 
 class Progress:
-    """A one-line progress bar on stderr (redrawn at most 5 times a second; silent when stderr is not a
-    terminal, so logs and `--json` pipelines stay clean)."""
+    """Progress of a long command on stderr. On a terminal: one line redrawn at most 5 times a second. Else
+    (a log file, a pipe): once the job has run `LINE_AFTER_S` (so a quick job or an early error stays one
+    line), a plain line whenever the stage changes (the fields named in `LINE_KEYS`) and at most one a minute
+    between, so a job in a log shows where it is. `enabled=False` (the commands' `--json`) silences it."""
+
+    LINE_KEYS = ("stage", "model", "strategy", "round")
+    LINE_AFTER_S = 5.0
+    LINE_EVERY_S = 60.0
 
     def __init__(self, label: str, *, total_s: float | None = None, enabled: bool | None = None) -> None:
         self.label, self.total_s = label, total_s
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.enabled = True if enabled is None else enabled
+        self.terminal = sys.stderr.isatty()
         self._last = 0.0
         self._shown = False
+        self._key: tuple | None = None
 
     def __call__(self, info: dict) -> None:
         if not self.enabled:
             return
         now = time.monotonic()
-        if now - self._last < 0.2:
-            return
-        self._last = now
         elapsed = float(info.get("elapsed_s") or 0.0)
+        key = tuple(info.get(k) for k in self.LINE_KEYS)
+        if self.terminal and now - self._last < 0.2:
+            return
+        if not self.terminal and (elapsed < self.LINE_AFTER_S
+                                  or key == self._key and now - self._last < self.LINE_EVERY_S):
+            return
+        self._last, self._key = now, key
         bar = ""
         if self.total_s:
             done = min(elapsed / self.total_s, 1.0)
@@ -195,8 +207,11 @@ class Progress:
         fields = " ".join(f"{k.removesuffix('_ms').replace('_per_s', '/s')}={_fmt(v)}"
                           + (" ms" if k.endswith("_ms") else "")
                           for k, v in info.items() if k != "elapsed_s")
-        print(f"\r{self.label} {bar}{elapsed:5.1f}s {fields}\033[K", end="", file=sys.stderr, flush=True)
-        self._shown = True
+        if self.terminal:
+            print(f"\r{self.label} {bar}{elapsed:5.1f}s {fields}\033[K", end="", file=sys.stderr, flush=True)
+            self._shown = True
+        else:
+            print(f"{self.label} {elapsed:7.1f}s {fields}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._shown:

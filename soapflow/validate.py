@@ -223,7 +223,9 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
         if db_path is not None or profile is not None:
             report("op parts", model=model_ref)
             db, _ = measure_parts(part_jobs(graph, [s for _, s in picked]), db_path, nproc=nproc,
-                                  timeout_s=timeout_s, source="validate")
+                                  timeout_s=timeout_s, source="validate",
+                                  progress=lambda done, total, m=model_ref: report("op parts", model=m,
+                                                                                  done=done, total=total))
             _, cost_model = cost_model_for(topology_ref, db=db)
         # Rounds over all strategies rather than all steps of one strategy at once: a change of the
         # machine's load during the runs then spreads over the strategies instead of favouring some.

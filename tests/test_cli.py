@@ -307,3 +307,22 @@ def test_a_precision_a_device_does_not_run_is_one_line(capsys):
     lines = err.strip().splitlines()
     assert code != 0 and out == "" and len(lines) == 1
     assert "precision fp16 computes in float16, which device 0 (k80) does not run" in lines[0], err
+
+
+def test_progress_in_a_log_prints_a_line_per_stage(capsys):
+    from soapflow.cli import Progress
+
+    bar = Progress("validating")
+    assert not bar.terminal  # pytest captures stderr: as a log file would
+    bar({"elapsed_s": 0.5, "stage": "capture", "model": "mlp"})  # an early error stays one line
+    for info in ({"stage": "capture", "model": "mlp"}, {"stage": "op parts", "model": "mlp", "done": 1},
+                 {"stage": "op parts", "model": "mlp", "done": 2}, {"stage": "run", "model": "mlp"},
+                 {"stage": "run", "model": "mlp", "strategy": "dp", "round": 1}):
+        bar({"elapsed_s": 6.0, **info})
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[2] for line in lines] == ["stage=capture", "stage=op", "stage=run", "stage=run"]
+    assert all(line.startswith("validating") for line in lines) and "strategy=dp" in lines[-1]
+    quiet = Progress("validating", enabled=False)  # --json
+    quiet({"elapsed_s": 6.0, "stage": "capture"})
+    assert capsys.readouterr().err == ""
