@@ -1,6 +1,6 @@
 """The baseline strategies: dp, mp, tp, expert and fsdp, each a plain function returning a `Strategy`, and
-the parametric Megatron-LM layout `hybrid:tp=T[,shard=S][,recompute=none|full]` (`parse_baseline` reads
-any baseline name).
+the parametric Megatron-LM layout `hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]`
+(`parse_baseline` reads any baseline name).
 
 They are presets of the general method (per-op `ParallelConfig`s), not special cases: the simulator,
 the search and the runtime treat them like any other strategy. Every baseline gives every op of any graph
@@ -250,11 +250,13 @@ def recompute_full(graph: OperatorGraph, strategy: Strategy) -> Strategy:
     return Strategy(configs)
 
 
-def _with_sample(op: Operator, cfg: ParallelConfig, groups: int, group_size: int) -> ParallelConfig | None:
+def _with_sample(op: Operator, cfg: ParallelConfig, groups: int, group_size: int,
+                 microbatches: int = 1) -> ParallelConfig | None:
     """`cfg` (a config over devices 0..group_size-1 of one group) replicated over `groups` consecutive
-    groups of devices, group g taking the g-th contiguous block of the batch (a sample split `groups`
-    times finer); None when the op cannot split its sample dim that far."""
-    if groups == 1:
+    groups of devices, group g taking the g-th contiguous block of the batch in `microbatches` contiguous
+    micro-batches (a sample split `groups` x `microbatches` times finer, each group's devices repeated per
+    micro-batch); None when the op cannot split its sample dim that far."""
+    if groups == 1 and microbatches == 1:
         return cfg
     sample = _sample(op)
     if sample is None:
@@ -264,43 +266,69 @@ def _with_sample(op: Operator, cfg: ParallelConfig, groups: int, group_size: int
     inner = [cfg.degree(name) for name in names]
     k = inner[s]
     outer = list(inner)
-    outer[s] = k * groups
+    outer[s] = k * groups * microbatches
     degrees = {name: g for name, g in zip(names, outer, strict=True) if g > 1}
     if not _allowed(op, degrees):
         return None
     device_of = dict(zip(itertools.product(*(range(g) for g in inner)), cfg.devices, strict=True))
     devices = []
     for idx in itertools.product(*(range(g) for g in outer)):  # part order, as `soap.config.parts`
-        group, local = divmod(idx[s], k)
-        devices.append(group * group_size + device_of[idx[:s] + (local,) + idx[s + 1:]])
+        block, local = divmod(idx[s], k)
+        devices.append(block // microbatches * group_size + device_of[idx[:s] + (local,) + idx[s + 1:]])
     return ParallelConfig(degrees=degrees, devices=tuple(devices))
 
 
+def _shifted(cfg: ParallelConfig, offset: int) -> ParallelConfig:
+    return cfg if not offset else cfg.replace(devices=tuple(d + offset for d in cfg.devices))
+
+
+def pipeline_stages(graph: OperatorGraph, stages: int) -> list[int]:
+    """Stage index per op: `stages` runs of consecutive ops balanced by their compute (forward and backward
+    FLOPs), as Megatron-LM's pipeline stages of consecutive layers."""
+    return _blocks([op.fwd_flops + op.bwd_flops for op in graph], stages)
+
+
 def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shard: int = 1,
-           recompute: str = "none") -> Strategy:
-    """The Megatron-LM layout: `tp` within groups of `tp_size` consecutive devices, data parallel over the
-    groups, parameters sharded over `shard` of their replicas, and with ``recompute="full"`` the
-    recomputation of `recompute_full`."""
+           recompute: str = "none", pp: int = 1, microbatches: int = 1) -> Strategy:
+    """The Megatron-LM layout: data parallel over replicas of `pp` x `tp_size` consecutive devices, each
+    replica's batch in `microbatches` micro-batches (its devices repeated); inside a replica, `pp`
+    pipeline stages of consecutive ops (`pipeline_stages`), stage s on the replica's s-th group of
+    `tp_size` devices, `tp` within the group; parameters sharded over `shard` of their replicas, and with
+    ``recompute="full"`` the recomputation of `recompute_full`. Replicas outermost (Megatron-LM puts the
+    pipeline outermost instead) keep every replica a block of devices, which a 512-device simulation
+    times by one replica (`soap.lowering.find_replicas`); a stage's tensor-parallel group stays inside
+    a node where tp divides its size either way."""
     n = topology.num_devices
-    if tp_size < 1 or n % tp_size:
-        raise BaselineNotApplicable(f"hybrid: tp={tp_size} does not divide the {n} devices")
-    groups = n // tp_size
+    if pp < 1 or n % pp:
+        raise BaselineNotApplicable(f"hybrid: pp={pp} does not divide the {n} devices")
+    per_stage = n // pp
+    if tp_size < 1 or per_stage % tp_size:
+        raise BaselineNotApplicable(f"hybrid: tp={tp_size} does not divide the {per_stage} devices of a stage"
+                                    if pp > 1 else f"hybrid: tp={tp_size} does not divide the {n} devices")
+    groups = per_stage // tp_size
     if shard < 1 or groups % shard:
         raise BaselineNotApplicable(f"hybrid: shard={shard} does not divide the {groups} data-parallel "
-                                    f"group(s) (tp={tp_size} over {n} devices)")
+                                    f"group(s) (tp={tp_size} over {n} devices"
+                                    + (f" in {pp} stages)" if pp > 1 else ")"))
+    if microbatches > 1 and (shard > 1 or recompute != "none"):
+        raise BaselineNotApplicable("hybrid: micro-batches with shard > 1 or recompute=full are not built yet "
+                                    "(a device runs one part of a sharded or recomputing op)")
     for op in graph:
         if op.kind == "input":
             sample = _sample(op)
-            if sample is not None and sample.size % groups:
-                raise BaselineNotApplicable(f"hybrid: the batch ({sample.size}) does not divide over the "
-                                            f"{groups} data-parallel groups")
+            if sample is not None and sample.size % (groups * microbatches):
+                raise BaselineNotApplicable(
+                    f"hybrid: the batch ({sample.size}) does not divide over the {groups} data-parallel "
+                    f"groups" + (f" x {microbatches} micro-batches" if microbatches > 1 else ""))
     inner = _tensor_parallel(graph, tuple(range(tp_size)))
     shared = graph.shared_params()
+    stage_of = pipeline_stages(graph, pp) if pp > 1 else [0] * len(graph.ops)
     configs = {}
-    for op in graph:
-        cfg = _with_sample(op, inner[op.name], groups, tp_size)
+    for op, stage in zip(graph, stage_of, strict=True):
+        local = _shifted(inner[op.name], stage * tp_size)  # the stage's group of the first replica
+        cfg = _with_sample(op, local, groups, pp * tp_size, microbatches)
         if cfg is None:
-            cfg = inner[op.name]  # no sample dim: it runs in the first group only
+            cfg = local  # no sample dim: it runs in the first replica only
         configs[op.name] = _sharded(op, cfg, shard, shared)
     strategy = Strategy(configs)
     return recompute_full(graph, strategy) if recompute == "full" else strategy
@@ -316,14 +344,14 @@ class BaselineSpecError(ValueError):
 
 
 def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strategy] | None:
-    """The baseline function `ref` names (a key of `BASELINES`, or ``hybrid:tp=T[,shard=S]
-    [,recompute=none|full]``), None when `ref` names no baseline; `BaselineSpecError` for a malformed
-    ``hybrid:`` spec, or one asking for pipelining (``pp``, ``microbatches``), which is not built yet."""
+    """The baseline function `ref` names (a key of `BASELINES`, or ``hybrid:tp=T[,pp=P][,microbatches=M]
+    [,shard=S][,recompute=none|full]``), None when `ref` names no baseline; `BaselineSpecError` for a
+    malformed ``hybrid:`` spec."""
     if ref in BASELINES:
         return BASELINES[ref]
     if not ref.startswith("hybrid:"):
         return None
-    usage = "hybrid:tp=T[,shard=S][,recompute=none|full]"
+    usage = "hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]"
     fields: dict[str, str] = {}
     for item in ref[len("hybrid:"):].split(","):
         key, eq, value = item.partition("=")
@@ -333,14 +361,12 @@ def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strate
         if key in fields:
             raise BaselineSpecError(f"malformed baseline {ref!r}: {key} given twice")
         fields[key] = value
-    if "pp" in fields or "microbatches" in fields:
-        raise BaselineSpecError(f"baseline {ref!r}: pipeline stages (pp) and micro-batches are not supported "
-                                f"yet; use {usage}")
-    unknown = sorted(set(fields) - {"tp", "shard", "recompute"})
+    numeric = ("tp", "pp", "microbatches", "shard")
+    unknown = sorted(set(fields) - {*numeric, "recompute"})
     if unknown:
         raise BaselineSpecError(f"malformed baseline {ref!r}: unknown key(s) {', '.join(unknown)}; expected {usage}")
     numbers = {}
-    for key in ("tp", "shard"):
+    for key in numeric:
         if key in fields:
             if not fields[key].isdigit() or int(fields[key]) < 1:
                 raise BaselineSpecError(f"malformed baseline {ref!r}: {key} must be a positive integer, "
@@ -353,6 +379,7 @@ def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strate
         raise BaselineSpecError(f"malformed baseline {ref!r}: recompute must be none or full, got {recompute!r}")
 
     def make(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
-        return hybrid(graph, topology, tp_size=numbers["tp"], shard=numbers.get("shard", 1), recompute=recompute)
+        return hybrid(graph, topology, tp_size=numbers["tp"], shard=numbers.get("shard", 1), recompute=recompute,
+                      pp=numbers.get("pp", 1), microbatches=numbers.get("microbatches", 1))
 
     return make

@@ -2,7 +2,10 @@
 recomputes its activations and over how many replicas its parameters are sharded.
 
 Parts are numbered row-major over the op's iteration dims in registry order (the last dim varies
-fastest); part `i` runs on `devices[i]`.
+fastest); part `i` runs on `devices[i]`. A device may appear more than once: its parts run one after
+another and add their weight gradients locally (a sample split with repeated devices is micro-batching;
+`soap.lowering` states the rules). Not with `recompute` or `shard` > 1, nor for ops with running
+statistics (each part would update them).
 
 - `recompute`: the op keeps nothing for backward; its forward runs again on each of its devices before
   its backward (and before the recomputation of a consumer that reads it). What it reads from other
@@ -60,8 +63,6 @@ class ParallelConfig:
         if len(self.devices) != self.num_parts:
             raise ValueError(f"degrees {dict(self.degrees)} make {self.num_parts} parts "
                              f"but {len(self.devices)} devices are listed")
-        if len(set(self.devices)) != len(self.devices):
-            raise ValueError(f"devices {list(self.devices)} are not distinct")
 
     @property
     def num_parts(self) -> int:
@@ -112,6 +113,10 @@ def validate(op: Operator, cfg: ParallelConfig, num_devices: int | None = None) 
     reason = entry.check(op, cfg.degrees)
     if reason:
         raise ConfigError(f"op {op.name!r}: {reason}")
+    if len(set(cfg.devices)) != len(cfg.devices):
+        reason = repeat_refusal(op, cfg)
+        if reason:
+            raise ConfigError(f"op {op.name!r}: devices {list(cfg.devices)} repeat, but {reason}")
     if cfg.recompute:
         reason = recompute_refusal(op)
         if reason:
@@ -137,6 +142,17 @@ def recompute_refusal(op: Operator) -> str | None:
         return f"it is a source ({op.kind}) and computes nothing"
     if entry.buffer_regions(op, tuple((0, d.size) for d in dims_of(op))):
         return "it updates running statistics, which a second forward would update twice"
+    return None
+
+
+def repeat_refusal(op: Operator, cfg: ParallelConfig) -> str | None:
+    """Why `op` cannot run several parts on one device under `cfg` (None: it can)."""
+    if cfg.recompute:
+        return "an op that recomputes runs one part per device (not built yet)"
+    if cfg.shard > 1:
+        return "a sharded op runs one part per device (not built yet)"
+    if op_def(op.kind).buffer_regions(op, tuple((0, d.size) for d in dims_of(op))):
+        return "it updates running statistics, which each part on a device would update again"
     return None
 
 

@@ -73,6 +73,22 @@ outputs and of the inputs it reads. The kept sum is an upper bound (no liveness 
 transient is the peak of one op at a time, as the runtime frees a part's transients before the next
 op's.
 
+- **Rounds.** A config's devices may repeat: part c's *round* is how many earlier parts run on its
+  device (`part_rounds`), so the parts of one round run on distinct devices and a device runs its parts
+  one after another (a sample split with repeated devices is micro-batching). Parts on one device share
+  the device's parameter shards: their gradients add up locally, and the all-reduce groups are over
+  distinct devices. An edge's moving pieces make one exchange per consumer round (`EdgeStep.exchanges`),
+  so round r of a consumer waits only for the producer parts it reads. Repeated devices are refused with
+  `recompute` and `shard` > 1 and for ops with running statistics (`soap.config.validate`).
+- **Order.** The step's forward runs the rounds of its ops in one global order (`StepPlan.forward_order`):
+  a topological order of the rounds (an edge's pieces and the rounds of one op in turn are the
+  dependencies) that takes first, among the rounds ready, the one that ends earliest in its op (round r
+  of R ends at (r + 1) / R), then the lowest op position: GPipe's order, micro-batch after micro-batch
+  through the ops. The backward runs the reverse (`StepPlan.backward_order`: the last micro-batch's
+  first). Without repeated devices both are the graph order. Every rank walks the same orders and takes
+  part in the exchanges of each round as it comes, so the ranks issue their collectives in one
+  consistent order and a device two stages apart from another works on an earlier micro-batch while it
+  works on a later one.
 - **Replicas.** `lower(..., replicas=Replicas(count=R, size=m))` lowers only replica 0 of a strategy
   that repeats itself R times (`find_replicas`): every op that computes splits its sample dim outermost
   into a multiple of R chunks, and the parts of replica g are those of replica 0 on devices shifted by
@@ -89,7 +105,9 @@ with numpy: must not import torch, the simulator, the search or the runtime.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from math import gcd
 
 import numpy as np
@@ -363,9 +381,9 @@ class OpStep:
     and their gradient).
     """
 
-    __slots__ = ("op", "devices", "boxes", "out_regions", "in_regions", "reads", "reduced", "runs_bwd",
-                 "activation_bytes", "recompute", "shard", "shard_groups", "cross_groups", "gather_bytes",
-                 "scatter_bytes", "transient_bytes", "_in_overlap", "_out_overlap")
+    __slots__ = ("op", "devices", "boxes", "rounds", "num_rounds", "out_regions", "in_regions", "reads",
+                 "reduced", "runs_bwd", "activation_bytes", "recompute", "shard", "shard_groups", "cross_groups",
+                 "gather_bytes", "scatter_bytes", "transient_bytes", "_in_overlap", "_out_overlap")
 
     def __init__(self) -> None:
         self._in_overlap: dict[int, np.ndarray] = {}
@@ -389,12 +407,29 @@ class OpStep:
             found = self._out_overlap[index] = bool(_overlap_matrix(self.out_regions[index]).any())
         return found
 
+    def parts_on(self, device: int) -> list[int]:
+        """The parts that run on `device`, in part order (= round order; none, one, or one per round)."""
+        return [c for c, d in enumerate(self.devices) if d == device]
+
     def part_on(self, device: int) -> int | None:
-        """The part that runs on `device`, if any (a config's devices are distinct)."""
-        for c, d in enumerate(self.devices):
-            if d == device:
-                return c
-        return None
+        """The one part that runs on `device`, if any (for ops whose devices do not repeat)."""
+        found = self.parts_on(device)
+        assert len(found) <= 1, f"op position {self.op}: {len(found)} parts on device {device}"
+        return found[0] if found else None
+
+    def round_parts(self, r: int) -> list[int]:
+        """The parts of round `r` (on distinct devices), in part order."""
+        return [c for c, k in enumerate(self.rounds) if k == r]
+
+
+def part_rounds(devices: Sequence[int]) -> tuple[int, ...]:
+    """Per part, its round: how many earlier parts run on the same device (module docstring)."""
+    seen: dict[int, int] = {}
+    out = []
+    for d in devices:
+        out.append(seen.get(d, 0))
+        seen[d] = out[-1] + 1
+    return tuple(out)
 
 
 def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig, replicas: Replicas | None = None) -> OpStep:
@@ -406,6 +441,8 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig, replicas: Replicas | N
     boxes_devices = parts(op, cfg, keep)
     boxes = step.boxes = tuple(b for b, _ in boxes_devices)
     step.devices = cfg.devices if keep is None else cfg.devices[:keep]
+    step.rounds = part_rounds(step.devices)
+    step.num_rounds = max(step.rounds) + 1
     n = len(boxes)
     step.out_regions = [_regions([entry.output_region(op, b, o) for b in boxes], n, spec.ndim)
                         for o, spec in enumerate(op.outputs)]
@@ -505,17 +542,19 @@ class EdgeStep:
 
     `pieces`: (producer part, consumer part, bytes, region) for every piece a consumer part reads (local
     and moving alike; region in the tensor's global coordinates). `moving` lists the pieces that cross
-    devices, as indices into `pieces`; `ranks` is the sorted set of devices of the edge's exchange
-    (empty: nothing moves). `sums` lists (consumer part, contributions, bytes of its input region) where a
-    consumer adds two or more partial sums; `grad_sums` (producer part, contributions, bytes of its output
+    devices, as indices into `pieces`; `exchanges` lists the edge's exchanges, one per consumer round
+    that receives a moving piece: (round, sorted devices that send or receive its pieces, indices into
+    `pieces` of its moving pieces); `ranks` is the sorted union of their devices (empty: nothing moves).
+    `sums` lists (consumer part, contributions, bytes of its input region) where a consumer adds two or
+    more partial sums; `grad_sums` (producer part, contributions, bytes of its output
     region) where a producer part adds overlapping gradients. `recv_bytes` maps a device to the bytes it
     receives and adds up; `kept_bytes` maps a device to the bytes a consumer part that does not recompute
     keeps of a recomputing producer's output it reads locally; `mem_bytes` is their sum per device (the
     edge's memory); `moved_bytes` counts bytes crossing devices, both passes.
     """
 
-    __slots__ = ("edge", "pieces", "moving", "ranks", "sums", "grad_sums", "recv_bytes", "kept_bytes",
-                 "mem_bytes", "moved_bytes", "reduced", "grad")
+    __slots__ = ("edge", "pieces", "moving", "exchanges", "ranks", "sums", "grad_sums", "recv_bytes",
+                 "kept_bytes", "mem_bytes", "moved_bytes", "reduced", "grad")
 
 
 def _piece_pairs(prod: OpStep, cons: OpStep, out: np.ndarray, inp: np.ndarray, same: bool
@@ -587,6 +626,15 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep, replicas: R
         recv[cdev[c]] = recv.get(cdev[c], 0) + nbytes
         moved += nbytes
     step.ranks = tuple(sorted(ranks))
+    if cons.num_rounds == 1:
+        step.exchanges = ((0, step.ranks, step.moving),) if step.moving else ()
+    else:
+        by_round: dict[int, list[int]] = {}
+        for k in step.moving:
+            by_round.setdefault(cons.rounds[step.pieces[k][1]], []).append(k)
+        step.exchanges = tuple(
+            (r, tuple(sorted({pdev[step.pieces[k][0]] for k in ks} | {cdev[step.pieces[k][1]] for k in ks})),
+             tuple(ks)) for r, ks in sorted(by_round.items()))
     sums = []
     if prod.reduced:
         counts: dict[int, int] = {}
@@ -755,32 +803,82 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep], replica
 
 class AllReduce:
     """One all-reduce of a step: the `entries` of bucket `bucket` over devices `group`, `nbytes` in all,
-    issued once the backward of op position `after` (the lowest-placed op holding any of them) is done."""
+    issued once the backward of op position `after` is done: of the ops holding any of them, the one whose
+    backward (every round of it) completes last in the step's backward order."""
 
     __slots__ = ("bucket", "group", "entries", "nbytes", "after")
 
-    def __init__(self, bucket: int, group: tuple[int, ...], entries: tuple[SyncEntry, ...]):
-        self.bucket, self.group, self.entries = bucket, group, entries
+    def __init__(self, bucket: int, group: tuple[int, ...], entries: tuple[SyncEntry, ...], after: int):
+        self.bucket, self.group, self.entries, self.after = bucket, group, entries, after
         self.nbytes = sum(e.nbytes for e in entries)
-        self.after = min(i for e in entries for i, _ in e.holders)
 
 
-def all_reduces(entries: Sequence[SyncEntry]) -> list[AllReduce]:
+def all_reduces(entries: Sequence[SyncEntry], done_at: Sequence[int] | None = None) -> list[AllReduce]:
     """The step's all-reduces from its sync entries, in the order every member issues them: by the
-    backward walk (descending `after`), then bucket, then group. An entry over one device (an overlap on
-    one device) is an all-reduce over one device: no collective, its sum is local."""
+    backward walk (when their `after` op's backward completes), then bucket, then group. `done_at[i]` is
+    the position in the backward order at which op i's backward completes (`StepPlan.done_at`; by default
+    the reverse graph order). An entry over one device (an overlap on one device) is an all-reduce over one
+    device: no collective, its sum is local."""
+    def done(i: int) -> int:
+        return -i if done_at is None else done_at[i]
+
     grouped: dict[tuple[int, tuple[int, ...]], list[SyncEntry]] = {}
     for e in entries:
         grouped.setdefault((e.bucket, e.group), []).append(e)
-    out = [AllReduce(b, g, tuple(es)) for (b, g), es in grouped.items()]
-    out.sort(key=lambda a: (-a.after, a.bucket, a.group))
+    out = [AllReduce(b, g, tuple(es), max((i for e in es for i, _ in e.holders), key=lambda i: (done(i), -i)))
+           for (b, g), es in grouped.items()]
+    out.sort(key=lambda a: (done(a.after), a.bucket, a.group))
     return out
+
+
+def step_orders(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]
+                ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """The forward and backward orders of a step (module docstring): (op position, round) for every round
+    of every op that is not a source; backward lists the ops that run backward, in the reverse of forward."""
+    live = [i for i in range(flow.num_ops) if not flow.everywhere[i]]
+    if all(ops[i].num_rounds == 1 for i in live):
+        fwd = tuple((i, 0) for i in live)
+    else:
+        # the dependencies between rounds: an edge's pieces, and the rounds of one op in order
+        after: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        for step in edges:
+            e = flow.edges[step.edge]
+            pr, cr = ops[e.src].rounds, ops[e.dst].rounds
+            for p, c, _, _ in step.pieces:
+                after.setdefault((e.src, pr[p]), set()).add((e.dst, cr[c]))
+        waiting: dict[tuple[int, int], int] = {}
+        for i in live:
+            for r in range(1, ops[i].num_rounds):
+                after.setdefault((i, r - 1), set()).add((i, r))
+        for succ in after.values():
+            for n in succ:
+                waiting[n] = waiting.get(n, 0) + 1
+
+        def key(node: tuple[int, int]) -> tuple[Fraction, int]:
+            return Fraction(node[1] + 1, ops[node[0]].num_rounds), node[0]
+
+        ready = [(key(n), n) for i in live for n in [(i, 0)] if not waiting.get(n)]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, node = heapq.heappop(ready)
+            order.append(node)
+            for n in after.get(node, ()):
+                waiting[n] -= 1
+                if not waiting[n]:
+                    heapq.heappush(ready, (key(n), n))
+        assert len(order) == sum(ops[i].num_rounds for i in live), "the rounds of a step form a cycle"
+        fwd = tuple(order)
+    bwd = tuple(node for node in reversed(fwd) if flow.needs_bwd[node[0]])
+    return fwd, bwd
 
 
 class StepPlan:
     """Everything one training step does, for every device (see the module docstring).
 
     `ops[i]`, `edges[e]`, `params[u]` are the lowerings of op position i, edge id e and parameter unit u;
+    `forward_order` and `backward_order` the step's (op position, round) order (`step_orders`), and
+    `done_at[i]` the position in `backward_order` of op i's last round (-1: it runs no backward);
     `all_reduces` the step's gradient all-reduces in issue order.
     """
 
@@ -794,13 +892,18 @@ class StepPlan:
         self.ops = tuple(ops)
         self.edges = tuple(edges)
         self.params = tuple(params)
-        self.all_reduces = tuple(all_reduces([e for p in self.params for e in p.sync]))
+        self.forward_order, self.backward_order = step_orders(flow, self.ops, self.edges)
+        done_at = [-1] * flow.num_ops
+        for k, (i, _) in enumerate(self.backward_order):
+            done_at[i] = k
+        self.done_at = tuple(done_at)
+        self.all_reduces = tuple(all_reduces([e for p in self.params for e in p.sync], self.done_at))
         self.loss_op = self.graph.ops[-1].name
 
     def process_groups(self) -> list[tuple[int, ...]]:
         """Every device set a collective runs within (the exchanges', the all-reduces'), sorted: the runtime
         creates one group each."""
-        groups = {step.ranks for step in self.edges if step.ranks}
+        groups = {ranks for step in self.edges for _, ranks, _ in step.exchanges}
         groups |= {a.group for a in self.all_reduces if len(a.group) > 1}
         groups |= {g for step in self.ops if step.shard_groups for g in step.shard_groups if len(g) > 1}
         return sorted(groups)
@@ -808,7 +911,8 @@ class StepPlan:
     def collectives(self) -> list[dict[str, dict[str, int]]]:
         """Per device, per kind, the count and bytes of the collectives one step issues.
 
-        ``all_to_all``: one per exchange a device takes part in, bytes it sends to other devices;
+        ``all_to_all``: one per exchange (edge, consumer round) and pass a device takes part in, bytes it
+        sends to other devices;
         ``all_reduce``: one per all-reduce over two or more devices, bytes of the buffer reduced;
         ``all_gather`` and ``reduce_scatter`` (sharded parts): one per part and pass, bytes of the whole
         (gathered or reduced) buffer."""
@@ -820,19 +924,18 @@ class StepPlan:
             slot["bytes"] += nbytes
 
         for step in self.edges:
-            if not step.ranks:
-                continue
             prod = self.ops[self.flow.edges[step.edge].src]
             cons = self.ops[self.flow.edges[step.edge].dst]
             # (devices of the sending parts, which end of a piece sends) per pass
             passes = [(prod.devices, 0)] + ([(cons.devices, 1)] if step.grad else [])
-            for src_dev, si in passes:
-                sent = dict.fromkeys(step.ranks, 0)
-                for k in step.moving:
-                    piece = step.pieces[k]
-                    sent[src_dev[piece[si]]] += piece[2]
-                for d in step.ranks:
-                    add(d, ALL_TO_ALL, sent[d])
+            for _, ranks, moving in step.exchanges:
+                for src_dev, si in passes:
+                    sent = dict.fromkeys(ranks, 0)
+                    for k in moving:
+                        piece = step.pieces[k]
+                        sent[src_dev[piece[si]]] += piece[2]
+                    for d in ranks:
+                        add(d, ALL_TO_ALL, sent[d])
         for a in self.all_reduces:
             if len(a.group) > 1:
                 for d in a.group:
@@ -890,4 +993,4 @@ def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devic
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow",
            "NotReplicable", "OpStep", "ParamStep", "REDUCE_SCATTER", "Replicas", "StepPlan", "SyncEntry",
            "all_reduces", "chunk_numel", "find_replicas", "lower", "lower_edge", "lower_op", "lower_params",
-           "recompute_points", "run_graph"]
+           "part_rounds", "recompute_points", "run_graph", "step_orders"]

@@ -38,8 +38,8 @@ def capture_model(ref: str, *, batch_size: int | None = None) -> tuple[ModelSpec
 
 def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology,
                      setup: TrainSetup) -> Strategy:
-    """A baseline name (dp, mp, tp, expert, fsdp, hybrid:tp=T[,shard=S][,recompute=none|full]) or a strategy
-    file, validated against graph and topology.
+    """A baseline name (dp, mp, tp, expert, fsdp, `search.baselines.parse_baseline`'s hybrid:...) or a
+    strategy file, validated against graph and topology.
 
     Ops a file leaves out run data parallel (with a warning); where data parallelism is not defined
     for the graph, they run whole on device 0. A file found for another training setup than `setup`
@@ -54,8 +54,8 @@ def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology
         validate_strategy(graph, strategy, topology.num_devices)
         return strategy
     if not Path(ref).exists():
-        raise StrategyError(f"strategy {ref!r} is neither a baseline ({', '.join(BASELINES)}, "
-                            f"hybrid:tp=T[,shard=S][,recompute=none|full]) nor an existing file")
+        raise StrategyError(f"strategy {ref!r} is neither a baseline ({', '.join(BASELINES)}, hybrid:tp=T[,pp=P]"
+                            "[,microbatches=M][,shard=S][,recompute=none|full]) nor an existing file")
     try:
         default = dp(graph, topology)
     except BaselineNotApplicable:

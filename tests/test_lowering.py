@@ -252,7 +252,7 @@ def test_grad_sync_launches_all_reduces_after_their_last_op_and_writes_sums_back
     `finish`; one of a single gradient is reduced in place, a larger one through a flat buffer; `finish`
     writes the sums back; every launch is logged with its bytes."""
     from runtime import collectives
-    from soap.lowering import AllReduce, SyncEntry
+    from soap.lowering import SyncEntry, all_reduces
 
     launched = []
 
@@ -271,7 +271,8 @@ def test_grad_sync_launches_all_reduces_after_their_last_op_and_writes_sums_back
     big = SyncEntry("big", ((0, 300),), (0, 1), 0, 300, 1200, ((5, 0),))
     a = SyncEntry("a", ((0, 10),), (0, 1), 1, 10, 40, ((3, 0),))
     b = SyncEntry("b", ((0, 20),), (0, 1), 1, 20, 80, ((2, 0),))
-    plan = [AllReduce(0, (0, 1), (big,)), AllReduce(1, (0, 1), (a, b))]
+    plan = all_reduces([big, a, b])
+    assert [(x.bucket, x.after) for x in plan] == [(0, 5), (1, 2)]
     grads = {e.fqn: torch.full((e.numel,), 1.0) for e in (big, a, b)}
     out = {}
     log = collectives.CollectiveLog()
@@ -314,3 +315,127 @@ def test_the_simulators_memory_is_the_plans():
     for s in strategies:
         sim.full(s)
         assert list(sim.peak_memory_bytes) == lowered(tied, s, 2, TrainSetup(optimizer="adamw")).memory_bytes()
+
+
+# ---------------------------------------------------------------------------- several parts on one device
+
+
+def test_rounds_count_earlier_parts_on_the_same_device():
+    from soap.lowering import part_rounds
+
+    assert part_rounds((0, 1, 2)) == (0, 0, 0)
+    assert part_rounds((0, 0, 1, 1)) == (0, 1, 0, 1)
+    assert part_rounds((3, 1, 3, 3, 1)) == (0, 0, 1, 2, 1)
+
+
+def _position_in(order) -> dict:
+    return {node: k for k, node in enumerate(order)}
+
+
+def test_a_two_stage_pipeline_exchanges_per_micro_batch_in_gpipe_order():
+    g = mlp_graph()
+    stage0, stage1 = cfg((0,) * 4, sample=4), cfg((1,) * 4, sample=4)
+    plan = lowered(g, strategy(g, stage0, fc1=stage1, loss=stage1), 2)
+    fc0, relu0, fc1, loss = (g.position(n) for n in ("fc0", "relu0", "fc1", "loss"))
+    assert plan.ops[fc0].rounds == (0, 1, 2, 3) and plan.ops[fc1].num_rounds == 4
+    edge = edge_into(plan, "fc1")
+    # one exchange per micro-batch, each moving the one piece that micro-batch's part reads
+    assert [(r, ranks, len(moving)) for r, ranks, moving in edge.exchanges] == [(r, (0, 1), 1) for r in range(4)]
+    assert all(edge.pieces[k][1] == r for r, _, (k,) in edge.exchanges)
+    assert not edge_into(plan, "relu0").exchanges  # same device: local
+    # GPipe: micro-batch after micro-batch through the ops, the reverse in backward
+    assert plan.forward_order == tuple((i, r) for r in range(4) for i in (fc0, relu0, fc1, loss))
+    assert plan.backward_order == tuple(reversed(plan.forward_order))
+    assert plan.done_at[fc0] == len(plan.backward_order) - 1
+    # every crossing is an all-to-all per micro-batch and pass; no parameter is held twice: no all-reduce
+    batch_bytes = 8 * 32 * 4
+    assert plan.collectives() == [{"all_to_all": {"count": 8, "bytes": batch_bytes}}] * 2
+    assert plan.all_reduces == () and plan.process_groups() == [(0, 1)]
+
+
+def test_micro_batches_on_one_device_hold_parameters_once_and_keep_every_activation():
+    g = mlp_graph()
+    whole = lowered(g, strategy(g, cfg((0,))), 1)
+    micro = lowered(g, strategy(g, cfg((0, 0), sample=2)), 1)
+    # GPipe keeps all micro-batches' activations; the largest transient is one part's, now half as large
+    def peak_transient(plan):
+        return max(t for step in plan.ops for t in step.transient_bytes)
+
+    assert peak_transient(micro) < peak_transient(whole)
+    kept = [(sum(a.activation_bytes), sum(b.activation_bytes))
+            for a, b in zip(whole.ops[:-1], micro.ops[:-1], strict=True)]
+    assert all(a == b for a, b in kept) and sum(a for a, _ in kept) > 0  # (the loss keeps a scalar per part)
+    assert micro.memory_bytes()[0] < whole.memory_bytes()[0]
+    assert [p.shards for p in micro.params] == [p.shards for p in whole.params]
+    assert micro.all_reduces == () and micro.collectives() == [{}]
+
+
+def test_data_parallel_micro_batches_all_reduce_once_after_the_last_round():
+    g = mlp_graph()
+    plan = lowered(g, strategy(g, cfg((0, 0, 1, 1), sample=4)), 2)
+    assert {(e.fqn, e.group) for e in entries(plan)} == {
+        (f"fc{i}.{p}", (0, 1)) for i in range(2) for p in ("weight", "bias")}
+    (a,) = plan.all_reduces
+    assert a.after == g.position("fc0")
+    # fc0's last backward round is the last op round of the step
+    assert plan.backward_order[-1] == (g.position("fc0"), 0)
+    assert all(not step.exchanges for step in plan.edges)
+
+
+def test_rounds_of_different_counts_wait_for_what_they_read():
+    g = mlp_graph()
+    plan = lowered(g, strategy(g, cfg((0,) * 4, sample=4), fc1=cfg((1, 1), sample=2), loss=cfg((1,))), 2)
+    at = _position_in(plan.forward_order)
+    fc0, fc1, loss = (g.position(n) for n in ("fc0", "fc1", "loss"))
+    relu0 = g.position("relu0")
+    # fc1's first half-batch needs relu0's first two quarter-batches, not the last two
+    assert at[(relu0, 1)] < at[(fc1, 0)] < at[(relu0, 2)]
+    assert at[(loss, 0)] > at[(fc1, 1)]
+    # the exchange into fc1 of round 0 moves what its part 0 reads: two quarter-batch pieces
+    edge = edge_into(plan, "fc1")
+    assert [(r, len(moving)) for r, _, moving in edge.exchanges] == [(0, 2), (1, 2)]
+    assert plan.ops[fc0].num_rounds == 4
+
+
+def test_random_repeated_devices_give_topological_orders():
+    import random
+
+    g = mlp_graph()
+    rng = random.Random(0)
+    for _ in range(40):
+        configs = {}
+        for op in g:
+            parts = rng.choice((1, 2, 4, 8))
+            degrees = {"sample": parts} if parts > 1 else {}
+            configs[op.name] = cfg(tuple(rng.randrange(3) for _ in range(parts)), **degrees)
+        plan = lowered(g, Strategy(configs), 3)
+        at = _position_in(plan.forward_order)
+        assert len(at) == sum(plan.ops[i].num_rounds for i in range(len(g.ops)) if not plan.flow.everywhere[i])
+        for step in plan.edges:
+            e = plan.flow.edges[step.edge]
+            for p, c, _, _ in step.pieces:
+                assert at[(e.src, plan.ops[e.src].rounds[p])] < at[(e.dst, plan.ops[e.dst].rounds[c])]
+            for r, ranks, moving in step.exchanges:
+                assert all(plan.ops[e.dst].rounds[step.pieces[k][1]] == r for k in moving)
+                assert set(ranks) == {plan.ops[e.src].devices[step.pieces[k][0]] for k in moving} | {
+                    plan.ops[e.dst].devices[step.pieces[k][1]] for k in moving}
+            assert sorted(k for _, _, moving in step.exchanges for k in moving) == sorted(step.moving)
+        for op in g:
+            i = g.position(op.name)
+            if not plan.flow.everywhere[i]:
+                assert [at[(i, r)] for r in range(plan.ops[i].num_rounds)] == sorted(
+                    at[(i, r)] for r in range(plan.ops[i].num_rounds))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"recompute": True}, "recomputes"),
+    ({"shard": 2}, "sharded"),
+])
+def test_repeated_devices_are_refused_where_not_built(fields, message):
+    from soap.config import ConfigError, validate
+
+    g = mlp_graph()
+    bad = ParallelConfig(degrees={"sample": 4}, devices=(0, 0, 1, 1), **fields)
+    with pytest.raises(ConfigError, match=f"repeat, but .*{message}"):
+        validate(g["fc0"], bad, 2)
+    validate(g["fc0"], bad.replace(recompute=False, shard=1), 2)

@@ -201,8 +201,8 @@ def test_hybrid_groups_are_consecutive_devices_holding_contiguous_batch_blocks(t
     ("hybrid:shard=2", "tp=T is required"),
     ("hybrid:tp=2,recompute=some", "recompute must be none or full"),
     ("hybrid:tp=2,zero=1", "unknown key"),
-    ("hybrid:tp=2,pp=2", "pipeline stages"),
-    ("hybrid:tp=2,microbatches=4", "pipeline stages"),
+    ("hybrid:tp=2,pp=0", "pp must be a positive integer"),
+    ("hybrid:tp=2,microbatches=x", "microbatches must be a positive integer"),
 ])
 def test_malformed_hybrid_specs(spec, message):
     with pytest.raises(BaselineSpecError, match=message):
@@ -218,7 +218,10 @@ def test_hybrid_that_does_not_divide(transformer):
 
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "mlp", "-t", "cpu-4", "-s", "hybrid:tp=3"], "tp=3 does not divide"),
-    (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=2,pp=2"], "pipeline stages"),
+    (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=2,pp=2"], "tp=2 does not divide the 1 devices of a stage"),
+    (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=1,pp=3"], "pp=3 does not divide the 2 devices"),
+    (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=1,pp=2,microbatches=5"], "micro-batches"),
+    (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=1,pp=2,microbatches=2,recompute=full"], "not built yet"),
     (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=two"], "tp must be a positive integer"),
 ])
 def test_cli_bad_baselines_are_one_line_errors(capsys, argv, message):
