@@ -2,16 +2,16 @@
 bucketed gradient all-reduce, and the count of the collectives a step issues.
 
 Owns `make_groups`, `CollectiveLog`, `exchange`, `EdgeMover` and `GradSync`. What moves is decided by the
-step plan (`soap.lowering`): one exchange per edge and pass among the edge's ranks, one all-reduce per
-bucket and device group; this module only executes it. Imports torch and `soap` only (no simulator, no
-search, no soapflow).
+step plan (`soap.lowering`): one exchange per edge, consumer round and pass among that exchange's ranks
+(one per edge and pass without repeated devices), one all-reduce per bucket and device group; this module
+only executes it. Imports torch and `soap` only (no simulator, no search, no soapflow).
 
 Why the adjoint is explicit and not an `autograd.Function`: in backward, torch's autograd engine orders
 ready nodes by local dependencies, which differ from rank to rank (each rank holds different parts), so
 exchanges issued from inside autograd could be reached in different orders on two ranks and deadlock; and
 a rank that only *sent* a piece has no local use of it, so autograd would never run its backward and the
 gradient sent back to it would never be received. The interpreter therefore runs the adjoint itself, edge
-by edge in reverse graph order, the same order on every rank. The adjoint rule is the one of
+by edge and round by round in the plan's backward order, the same order on every rank. The adjoint rule is the one of
 `docs/architecture.md` ("the runtime"): every piece's gradient goes back to the rank the piece came from
 and is added there. This gives, without special cases, a reduce-scatter for the adjoint of a gather into
 a partitioned consumer, a slice for a replicated consumer, and the broadcast of a partial-sum reduction.
@@ -116,107 +116,119 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 class EdgeMover:
-    """Moves one edge's tensor (`soap.lowering.EdgeStep`) to the consumer part on this rank, and its
-    gradient back.
+    """Moves one edge's tensor (`soap.lowering.EdgeStep`) into the consumer part of one round on this rank
+    (`round`: the consumer parts of that round, `OpStep.rounds`), and its gradient back.
 
-    `forward(output)` takes this rank's part of the producer's output (None where it has none) and
-    returns the consumer part's input region here (None where this rank has no part, or the part does
-    not read the input). `backward(grad, accumulate)` takes the gradient of that input and sends every
-    piece back to its producer part, calling `accumulate(slices, piece)` where this rank holds that
-    producer part. What this rank sends, receives and assembles depends on the plan only, so it is worked
-    out once here; a step only moves tensors. `bind(groups)` hands it the process group of its exchange.
+    The pieces it handles are those the consumer parts of its round read: local ones (producer and
+    consumer part on one device) are sliced from the producer part's output, the moving ones travel in
+    that round's exchange (`EdgeStep.exchanges`: one all-to-all per pass among its ranks; none where the
+    round receives nothing). Producer outputs are passed by producer part (`outputs[p]`), as a device may
+    hold several parts of the producer. `forward(outputs)` returns the consumer part's input region here
+    (None where this rank has no part in the round, or the part does not read the input);
+    `backward(grad, accumulate)` takes the gradient of that input and sends every piece back to its
+    producer part, calling `accumulate(p, slices, piece)` where this rank holds producer part `p`. What
+    this rank sends, receives and assembles depends on the plan only, so it is worked out once here; a
+    step only moves tensors. `bind(groups)` hands it the process group of its exchange.
     """
 
     def __init__(self, step: EdgeStep, edge: Edge, prod: OpStep, cons: OpStep, *, rank: int, dtype: torch.dtype,
-                 log: CollectiveLog):
+                 log: CollectiveLog, round: int = 0):
         self.step = step
         self.rank = rank
         self.dtype = dtype
         self.log = log
+        self.round = round
         self.group: dist.ProcessGroup | None = None
-        self.member = rank in step.ranks
-        my_part = cons.part_on(rank)
+        found = [(ranks, moving) for r, ranks, moving in step.exchanges if r == round]
+        self.ranks, moving = found[0] if found else ((), ())
+        self.member = rank in self.ranks
+        pdev, cdev, rounds = prod.devices, cons.devices, cons.rounds
+        mine = [c for c in cons.parts_on(rank) if rounds[c] == round]
+        my_part = self.part = mine[0] if mine else None
         # the region of the tensor each producer part holds (what a piece's slices are relative to)
         frames = prod.out_regions[edge.out].tolist()
         self._src_frame = {p: tuple(map(tuple, frames[p])) for p in {piece[0] for piece in step.pieces}}
-        pdev, cdev = prod.devices, cons.devices
-        # forward: sends (slices of the producer part, peer); receives (piece index, shape, peer)
-        self._sends: list[tuple[tuple[slice, ...], int]] = []
+        # forward: sends (producer part, its slices, peer); receives (piece index, shape, peer), in piece order
+        self._sends: list[tuple[int, tuple[slice, ...], int]] = []
         self._recvs: list[tuple[int, tuple[int, ...], int]] = []
-        for k in step.moving:
+        for k in moving:
             p, c, _, region = step.pieces[k]
             if pdev[p] == rank:
-                self._sends.append((rel_slices(region, self._src_frame[p]), cdev[c]))
+                self._sends.append((p, rel_slices(region, self._src_frame[p]), cdev[c]))
             elif cdev[c] == rank:
                 self._recvs.append((k, region_shape(region), pdev[p]))
         want = cons.reads[edge.slot][my_part] if my_part is not None else None
-        # how the consumer part's input is made: None (not read here), ("whole", k, slices of the
-        # producer part or None for a received piece), or ("build", shape, [(k, producer slices or None,
+        # how the consumer part's input is made: None (not read here), ("whole", k, producer part or None
+        # for a received piece, its slices), or ("build", shape, [(k, producer part or None, its slices,
         # input slices)])
         self._input: tuple | None = None
+        local: set[int] = set()
         if want is not None:
-            mine = [(k, rel_slices(region, self._src_frame[p]) if pdev[p] == rank else None, rel_slices(region, want))
-                    for k, (p, c, _, region) in enumerate(step.pieces) if c == my_part]
-            if len(mine) == 1 and step.pieces[mine[0][0]][3] == want:
-                self._input = ("whole", mine[0][0], mine[0][1])
+            pieces = []
+            for k, (p, c, _, region) in enumerate(step.pieces):
+                if c != my_part:
+                    continue
+                here = pdev[p] == rank
+                if here:
+                    local.add(p)
+                pieces.append((k, p if here else None, rel_slices(region, self._src_frame[p]) if here else None,
+                               rel_slices(region, want)))
+            if len(pieces) == 1 and step.pieces[pieces[0][0]][3] == want:
+                self._input = ("whole", *pieces[0][:3])
             else:
-                self._input = ("build", region_shape(want), mine)
-        # backward: ("add", grad slices, shape, producer slices), ("send", grad slices, shape, peer) or
-        # ("recv", producer slices, shape, peer), in piece order
+                self._input = ("build", region_shape(want), pieces)
+        # the producer parts on this rank whose output the assembly reads, and those the exchange reads
+        self.local_parts = tuple(sorted(local))
+        self.forward_parts = tuple(sorted(local | {p for p, _, _ in self._sends}))
+        # backward: ("add", grad slices, shape, producer part, its slices), ("send", grad slices, shape,
+        # peer) or ("recv", producer part, its slices, shape, peer), in piece order
         self._grads: list[tuple] = []
         if step.grad:
             for p, c, _, region in step.pieces:
+                if rounds[c] != round:
+                    continue
                 shape = region_shape(region)
                 if cdev[c] == rank:
                     if pdev[p] == rank:
-                        self._grads.append(("add", rel_slices(region, want), shape,
+                        self._grads.append(("add", rel_slices(region, want), shape, p,
                                             rel_slices(region, self._src_frame[p])))
                     else:
                         self._grads.append(("send", rel_slices(region, want), shape, pdev[p]))
                 elif pdev[p] == rank:
-                    self._grads.append(("recv", rel_slices(region, self._src_frame[p]), shape, cdev[c]))
+                    self._grads.append(("recv", p, rel_slices(region, self._src_frame[p]), shape, cdev[c]))
 
     def bind(self, groups: Mapping[tuple[int, ...], dist.ProcessGroup | None]) -> None:
         if self.member:
-            self.group = groups.get(self.step.ranks)
+            self.group = groups.get(self.ranks)
 
-    @property
-    def reads_local(self) -> bool:
-        """Whether the consumer part's input here takes any piece from this rank's producer part."""
-        how = self._input
-        if how is None:
-            return False
-        if how[0] == "whole":
-            return how[2] is not None
-        return any(src is not None for _, src, _ in how[2])
+    def forward(self, outputs: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
+        return self.assemble(outputs, self.receive(outputs))
 
-    def forward(self, output: torch.Tensor | None) -> torch.Tensor | None:
-        return self.assemble(output, self.receive(output))
-
-    def receive(self, output: torch.Tensor | None) -> dict[int, torch.Tensor]:
-        """Take part in the edge's forward exchange: send this rank's pieces of `output`, return the
-        received ones by piece index."""
+    def receive(self, outputs: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Take part in the round's forward exchange: send this rank's pieces of the producer parts'
+        `outputs` (by producer part: at least `forward_parts`), return the received ones by piece index."""
         if not self.member:
             return {}
-        sends = [(output[slices], peer) for slices, peer in self._sends]
-        got = exchange(self.step.ranks, self.group, sends, [(shape, peer) for _, shape, peer in self._recvs],
+        sends = [(outputs[p][slices], peer) for p, slices, peer in self._sends]
+        got = exchange(self.ranks, self.group, sends, [(shape, peer) for _, shape, peer in self._recvs],
                        self.dtype, self.log)
         return {k: t for (k, _, _), t in zip(self._recvs, got, strict=True)}
 
-    def assemble(self, output: torch.Tensor | None, received: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
-        """The consumer part's input here from this rank's producer part `output` (read only where
-        `reads_local`) and the `received` pieces (adding partial sums); no communication."""
+    def assemble(self, outputs: Mapping[int, torch.Tensor], received: Mapping[int, torch.Tensor]
+                 ) -> torch.Tensor | None:
+        """The consumer part's input here from this rank's producer parts' `outputs` (read only for
+        `local_parts`) and the `received` pieces (adding partial sums); no communication."""
         how = self._input
         if how is None:
             return None
         if how[0] == "whole":
-            _, k, src = how
-            return received[k] if src is None else output[src]
+            _, k, p, src = how
+            return received[k] if p is None else outputs[p][src]
         _, shape, pieces = how
         reduced = self.step.reduced
         buf = (torch.zeros if reduced else torch.empty)(shape, dtype=self.dtype)
-        for k, src, dst in pieces:
-            piece = received[k] if src is None else output[src]
+        for k, p, src, dst in pieces:
+            piece = received[k] if p is None else outputs[p][src]
             if reduced:
                 buf[dst].add_(piece)
             else:
@@ -224,39 +236,41 @@ class EdgeMover:
         return buf
 
     def backward(self, grad: torch.Tensor | None,
-                 accumulate: Callable[[tuple[slice, ...], torch.Tensor], None]) -> None:
-        """`grad` is the gradient of the input region on this rank (None: zeros, or no part)."""
+                 accumulate: Callable[[int, tuple[slice, ...], torch.Tensor], None]) -> None:
+        """`grad` is the gradient of the input region of the round's consumer part on this rank (None:
+        zeros, or no part)."""
         if not self.step.grad:
             return
         sends: list[tuple[torch.Tensor, int]] = []
         recvs: list[tuple[tuple[int, ...], int]] = []
-        targets: list[tuple[slice, ...]] = []
+        targets: list[tuple[int, tuple[slice, ...]]] = []
         for how in self._grads:
             if how[0] == "recv":
-                _, src, shape, peer = how
+                _, p, src, shape, peer = how
                 recvs.append((shape, peer))
-                targets.append(src)
+                targets.append((p, src))
                 continue
             piece = grad[how[1]] if grad is not None else torch.zeros(how[2], dtype=self.dtype)
             if how[0] == "add":
-                accumulate(how[3], piece)
+                accumulate(how[3], how[4], piece)
             else:
                 sends.append((piece, how[3]))
         if self.member:
-            got = exchange(self.step.ranks, self.group, sends, recvs, self.dtype, self.log)
-            for slices, buf in zip(targets, got, strict=True):
-                accumulate(slices, buf)
+            got = exchange(self.ranks, self.group, sends, recvs, self.dtype, self.log)
+            for (p, slices), buf in zip(targets, got, strict=True):
+                accumulate(p, slices, buf)
 
 
 class GradSync:
     """The step plan's gradient all-reduces (`soap.lowering.AllReduce`, sum) on this rank, asynchronous.
 
-    `ready(op)` is called after the backward of every op position, in the same order on every rank; the
-    all-reduces whose last gradient that op finished (`AllReduce.after`) are launched there, in the plan's
-    order, so they overlap the backward of the ops before it (as DDP's buckets do); a shard's gradient
-    is from then on its view of the bucket, which the all-reduce sums in place. `finish()` waits for them
-    (and writes back the sums of whole parameters). An all-reduce over one rank (overlapping shards of one parameter on
-    that rank) adds them locally and issues no collective. Only the members of a group take part: a
+    `ready(op)` is called once the backward of an op position is done (all its rounds), in the same order
+    on every rank; the all-reduces whose last gradient that op finished (`AllReduce.after`: the parts of
+    one device add their gradients into its shards first) are launched there, in the plan's order, so
+    they overlap the backward of the ops before it (as DDP's buckets do); a shard's gradient is from then
+    on its view of the bucket, which the all-reduce sums in place. `finish()` waits for them (and writes
+    back the sums of whole parameters). An all-reduce over one rank (overlapping shards of one parameter
+    on that rank) adds them locally and issues no collective. Only the members of a group take part: a
     parameter replicated on devices (1, 2) of 4 never involves ranks 0 and 3.
     """
 

@@ -5,28 +5,40 @@ Owns `Executor` (forward, explicit backward, gradient synchronization, the local
 other `runtime` modules only (no simulator, no search, no soapflow).
 
 How a step runs on one rank, with the step plan (`soap.lowering.StepPlan`) saying who holds what and
-what moves where:
+what moves where. A rank may hold several parts of one op (its rounds, `OpStep.rounds`: micro-batches);
+each has its own input, outputs, autograd graph and output gradients, and they share the rank's
+parameter shards, so autograd adds their parameter gradients up.
 
-- forward, op by op in graph order: move the op's input regions to its part here, edge by edge
-  (`EdgeMover`: local slices and one exchange per edge, partial sums added), then compute the part with
+- forward, round by round in the plan's forward order (`StepPlan.forward_order`, (op, round); the graph
+  order without repeated devices): take part in each input edge's exchange of that round and assemble
+  the input of this rank's part of the round, edge by edge (`EdgeMover`: local slices of the producer
+  parts here, one exchange per edge and consumer round, partial sums added), then compute the part with
   `runtime.kernels.compute_part` on detached leaf copies of the inputs and on this rank's parameter
-  shards. Sources move nothing (`OpDef.everywhere`): an op reads its region of an `input` from the
-  global synthetic batch every rank holds, and of a `constant` from this rank's own buffer (or the value
-  its recipe computes from the buffers, once, at setup).
-- backward, op by op in reverse graph order: backpropagate the part from the gradients its consumers
-  sent back (leaf gradients give the input gradients), send every input piece's gradient back to the
-  rank it came from (added there), then tell `GradSync` the op is done: it launches the plan's
-  all-reduces whose gradients just became final, within exactly their device set, asynchronous.
+  shards. A rank without a part in the round still sends what its producer parts owe the exchange (they
+  are computed: the order is topological). Sources move nothing (`OpDef.everywhere`): an op reads its
+  region of an `input` from the global synthetic batch every rank holds, and of a `constant` from this
+  rank's own buffer (or the value its recipe computes from the buffers, once, at setup).
+- backward, round by round in the plan's backward order (the reverse): backpropagate this rank's part
+  of the round from the gradients its consumers sent back (leaf gradients give the input gradients),
+  send every input piece's gradient back through the same round's exchange to the part it came from
+  (added there; a producer part on this rank gets it added locally), and once the op's last round is
+  done (`StepPlan.done_at`) tell `GradSync`: it launches the plan's all-reduces whose gradients just
+  became final, within exactly their device set, asynchronous.
+
+Every rank walks the same orders and, at each round, the same edges in slot order, so the collectives of
+the step are issued in one order on every rank.
 
 `collectives` counts what this rank issued in the last step (`CollectiveLog`), in the shape of
 `StepPlan.collectives`, so a run can show that it did what the plan says.
 
 The loss is the last op: its parts hold partial sums of the global mean (or the whole loss), each
-backpropagated with gradient 1; the step's loss is the sum over ranks of the local parts.
+backpropagated with gradient 1; a rank's share is the sum of its loss parts, the step's loss the sum over
+ranks.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
@@ -61,19 +73,18 @@ def as_slices(region: Region) -> tuple[slice, ...]:
 
 
 def pieces_needed(plan: StepPlan, rank: int) -> list[PieceKey]:
-    """The parameter pieces (fqn, region, chunk) the parts of `rank` hold under `plan`: what an `Executor`
-    reads from its `tensors` (a sharded part's chunk of each region, else the region), buffers aside."""
+    """The parameter pieces (fqn, region, chunk) the parts of `rank` hold under `plan`, each once: what an
+    `Executor` reads from its `tensors` (a sharded part's chunk of each region, else the region), buffers
+    aside."""
     out = []
     for step, op in zip(plan.ops, plan.flow.graph, strict=True):
-        p = step.part_on(rank)
-        if p is None:
-            continue
-        groups = step.shard_groups
-        group = groups[p] if groups is not None else (rank,)
-        chunk = (group.index(rank), len(group)) if len(group) > 1 else None
-        for fqn, region in param_pieces(op, step.boxes[p]).values():
-            out.append((fqn, region, chunk))
-    return out
+        for p in step.parts_on(rank):
+            groups = step.shard_groups
+            group = groups[p] if groups is not None else (rank,)
+            chunk = (group.index(rank), len(group)) if len(group) > 1 else None
+            for fqn, region in param_pieces(op, step.boxes[p]).values():
+                out.append((fqn, region, chunk))
+    return list(dict.fromkeys(out))
 
 
 class Executor:
@@ -112,14 +123,16 @@ class Executor:
         self.log = CollectiveLog()
         self.shards: dict[tuple[str, Region], torch.Tensor] = {}
         self.buffers: dict[tuple[str, Region], torch.Tensor] = {}
-        self.op_params: dict[str, dict[str, torch.Tensor]] = {}
+        # per (op position, part) here, its parameters by local name (the parts of one op on this rank
+        # share the shard tensors of the regions they have in common); per op name, its buffers
+        self.op_params: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.op_buffers: dict[str, dict[str, torch.Tensor]] = {}
         self.param_shapes = {p.fqn: p.full_shape for op in graph for p in op.params.values()}
         # Outputs every rank holds whole (`OpDef.everywhere`): the buffers, and each step's global batch.
         self.sources: dict[str, torch.Tensor] = {}
-        # Per op position, the part on this rank (None: none) and its box.
-        self.parts = [step.part_on(rank) for step in plan.ops]
-        self.boxes = [step.boxes[p] if p is not None else None for step, p in zip(plan.ops, self.parts, strict=True)]
+        # Per op position, the parts on this rank (in round order) and, by round, the part of that round.
+        self.parts = [step.parts_on(rank) for step in plan.ops]
+        self.round_part = [{step.rounds[c]: c for c in mine} for step, mine in zip(plan.ops, self.parts, strict=True)]
         # sharded parts: per op position, (shard group, [(local name, key, numel, chunk numel, shape)]);
         # per key of a chunk, (its index in the group, the group's size)
         self.gathers: dict[int, tuple[tuple[int, ...], list[tuple[str, tuple, int, int, tuple[int, ...]]]]] = {}
@@ -129,69 +142,96 @@ class Executor:
             if op.kind == "constant":
                 value = kernels.constant_value(op, tensors, cast=self._cast)
                 self.sources[op.name] = self._as_output(value, op).detach()
-            box = self.boxes[i]
-            if box is None:
+            mine = self.parts[i]
+            if not mine:
                 continue
-            groups = plan.ops[i].shard_groups
-            sharded = groups is not None and len(groups[self.parts[i]]) > 1
+            step = plan.ops[i]
+            groups = step.shard_groups
+            sharded = groups is not None and len(groups[mine[0]]) > 1
             if sharded:
-                self._chunk_params(i, op, groups[self.parts[i]], tensors)
-            params = {}
-            for name, key in ({} if sharded else param_pieces(op, box)).items():
-                fqn = key[0]
-                if key not in self.shards:
-                    value = take_piece(tensors, fqn, key[1])
-                    self.shards[key] = self._cast(value).detach().clone().requires_grad_(True)
-                params[name] = self.shards[key]
-            if not sharded:
-                self.op_params[op.name] = params
+                assert len(mine) == 1, f"{op.name}: a sharded op runs one part per device"
+                self._chunk_params(i, op, groups[mine[0]], tensors)
             buffers = {}
-            for name, region in entry.buffer_regions(op, box).items():
-                fqn = op.attrs[name]
-                key = (fqn, tuple(tuple(r) for r in region))
-                if key not in self.buffers:
-                    self.buffers[key] = self._cast(take_piece(tensors, fqn, key[1])).detach().clone()
-                buffers[name] = self.buffers[key]
+            for c in mine:
+                box = step.boxes[c]
+                params = {}
+                for name, key in ({} if sharded else param_pieces(op, box)).items():
+                    fqn = key[0]
+                    if key not in self.shards:
+                        value = take_piece(tensors, fqn, key[1])
+                        self.shards[key] = self._cast(value).detach().clone().requires_grad_(True)
+                    params[name] = self.shards[key]
+                if not sharded:
+                    self.op_params[(i, c)] = params
+                for name, region in entry.buffer_regions(op, box).items():
+                    assert len(mine) == 1, f"{op.name}: an op with running statistics runs one part per device"
+                    fqn = op.attrs[name]
+                    key = (fqn, tuple(tuple(r) for r in region))
+                    if key not in self.buffers:
+                        self.buffers[key] = self._cast(take_piece(tensors, fqn, key[1])).detach().clone()
+                    buffers[name] = self.buffers[key]
             self.op_buffers[op.name] = buffers
         flow = self.flow
-        self.movers = [EdgeMover(step, flow.edges[step.edge], plan.ops[flow.edges[step.edge].src],
-                                 plan.ops[flow.edges[step.edge].dst], rank=rank,
-                                 dtype=self.torch_dtype(graph.tensor(flow.edges[step.edge].ref).dtype), log=self.log)
-                       for step in plan.edges]
+        # per (edge id, consumer round), the mover of that round's pieces
+        self.movers: dict[tuple[int, int], EdgeMover] = {}
+        for step in plan.edges:
+            e = flow.edges[step.edge]
+            dtype = self.torch_dtype(graph.tensor(e.ref).dtype)
+            for r in range(plan.ops[e.dst].num_rounds):
+                self.movers[(e.id, r)] = EdgeMover(step, e, plan.ops[e.src], plan.ops[e.dst], rank=rank, dtype=dtype,
+                                                   log=self.log, round=r)
         self.out_refs = {op.name: tuple(TensorRef(op=op.name, index=i) for i in range(len(op.outputs)))
                          for op in graph}
-        # the shape of this rank's part of every output a gradient flows back to
-        self.grad_shapes = {}
+        # the shape of each part here of every output a gradient flows back to, by (output, part)
+        self.grad_shapes: dict[tuple[TensorRef, int], tuple[int, ...]] = {}
         for e in flow.edges:
-            p = self.parts[e.src]
-            if p is not None:
-                self.grad_shapes[e.ref] = tuple(int(hi - lo) for lo, hi in plan.ops[e.src].out_regions[e.out][p])
+            for p in self.parts[e.src]:
+                self.grad_shapes[(e.ref, p)] = tuple(int(hi - lo) for lo, hi in plan.ops[e.src].out_regions[e.out][p])
         self.wheres = {op.name: (f"forward of op {op.name!r} ({op.kind})", f"backward of op {op.name!r} ({op.kind})")
                        for op in graph}
         # Every process group, for the exchanges and the all-reduces, created up front in the same (sorted)
         # order on every rank.
         groups = self.groups = make_groups(plan.process_groups(), timeout_s=timeout_s) if self.distributed else {}
-        for mover in self.movers:
+        for mover in self.movers.values():
             mover.bind(groups)
         self.sync = GradSync(plan.all_reduces, rank=rank, groups=groups, grad_of=self._grad_of,
                              set_grad=self._set_grad, log=self.log)
-        # recomputation (`soap.lowering`'s rule): per op position, where it is recomputed; per backward
-        # position, the ops recomputed there (ascending); what recomputing parts received in forward
+        # recomputation (`soap.lowering`'s rule, per op: a recomputing op runs one part per device): per
+        # position in the backward order, the ops recomputed before it (ascending), just before the first
+        # round of their recomputation point's backward, at the same place on every rank (a sharded
+        # part's all-gathers are collectives); what recomputing parts received in forward
         self.recompute = [step.recompute for step in plan.ops]
-        at = recompute_points(flow, self.recompute)
+        bwd = plan.backward_order
+        first_bwd: dict[int, int] = {}
+        for k, (i, _) in enumerate(bwd):
+            first_bwd.setdefault(i, k)
         self.recompute_before: dict[int, list[int]] = {}
-        for j, point in enumerate(at):
+        for j, point in enumerate(recompute_points(flow, self.recompute)):
             if point is not None:
-                self.recompute_before.setdefault(point, []).append(j)
-        # a recomputing op's output is dropped after the forward of its last consumer
+                assert len(self.parts[j]) <= 1, f"{graph.ops[j].name}: a recomputing op runs one part per device"
+                self.recompute_before.setdefault(first_bwd[point], []).append(j)
+        # a recomputing op's output is dropped after the forward of its consumers' last rounds
+        at_fwd = {node: k for k, node in enumerate(plan.forward_order)}
         self.drop_after: dict[int, list[int]] = {}
         for j, edges in enumerate(flow.out_edges):
             if self.recompute[j] and edges and j != len(graph.ops) - 1:
-                self.drop_after.setdefault(max(flow.edges[e].dst for e in edges), []).append(j)
-        self.kept: dict[int, dict[int, torch.Tensor]] = {}
-        self.saved: dict[str, tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]]] = {}
-        self.values: dict[str, tuple[torch.Tensor, ...]] = {}
-        self.grads: dict[TensorRef, torch.Tensor] = {}
+                k = max(at_fwd[(d, plan.ops[d].num_rounds - 1)] for d in {flow.edges[e].dst for e in edges})
+                self.drop_after.setdefault(k, []).append(j)
+        # An op that runs no backward lets its outputs go once every op after it is done with backward
+        # (the graph order's point without repeated devices): before backward position k.
+        self.release_before: dict[int, list[int]] = {}
+        lowest = [0] * len(bwd)  # minus the highest op position at backward position k or later: ascending
+        for k in range(len(bwd) - 1, -1, -1):
+            lowest[k] = min(lowest[k + 1] if k + 1 < len(bwd) else 0, -bwd[k][0])
+        for j in range(len(graph.ops)):
+            if not flow.needs_bwd[j] and not flow.everywhere[j]:
+                self.release_before.setdefault(bisect.bisect_left(lowest, -j), []).append(j)
+        self.kept: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+        # per (op position, part) here: (input leaves, outputs) kept for backward, and detached outputs
+        self.saved: dict[tuple[int, int], tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]]] = {}
+        self.values: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        # per (output, producer part here): the gradient consumers sent back so far
+        self.grads: dict[tuple[TensorRef, int], torch.Tensor] = {}
         self.collectives: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ setup helpers
@@ -212,7 +252,8 @@ class Executor:
         `group`): the region flattened, padded to a multiple of the group's size, cut in equal chunks."""
         size, j = len(group), group.index(self.rank)
         layout = []
-        for name, key in param_pieces(op, self.boxes[i]).items():
+        c = self.parts[i][0]
+        for name, key in param_pieces(op, self.plan.ops[i].boxes[c]).items():
             fqn = key[0]
             shape = tuple(hi - lo for lo, hi in key[1])
             numel = math.prod(shape)
@@ -221,7 +262,7 @@ class Executor:
             self.chunks[key] = (j, size)
             layout.append((name, key, numel, chunk_numel(numel, size), shape))
         self.gathers[i] = (group, layout)
-        self.op_params[op.name] = {}
+        self.op_params[(i, c)] = {}
 
     def _gather(self, i: int, op: Operator) -> None:
         """All-gather op position `i`'s sharded parameters into fresh leaf tensors its part computes with
@@ -240,19 +281,20 @@ class Executor:
             value = rows[:, offset:offset + chunk].reshape(-1)[:numel].reshape(shape).detach()
             params[name] = value.requires_grad_(True)
             offset += chunk
-        self.op_params[op.name] = params
+        self.op_params[(i, self.parts[i][0])] = params
 
     def _gather_into(self, i: int, op: Operator) -> None:
         """Gather op position `i`'s sharded parameters again into the tensors its autograd graph holds."""
-        held = self.op_params[op.name]
+        key = (i, self.parts[i][0])
+        held = self.op_params[key]
         self._gather(i, op)
-        for name, w in self.op_params[op.name].items():
+        for name, w in self.op_params[key].items():
             held[name].data = w.detach()
-        self.op_params[op.name] = held
+        self.op_params[key] = held
 
-    def _param_hooks(self, op: Operator) -> tuple[Any, Any]:
+    def _param_hooks(self, i: int) -> tuple[Any, Any]:
         """Saved-tensor hooks that store a tensor on a gathered parameter's storage as (parameter, view)."""
-        by_storage = {w.untyped_storage().data_ptr(): w for w in self.op_params[op.name].values()}
+        by_storage = {w.untyped_storage().data_ptr(): w for w in self.op_params[(i, self.parts[i][0])].values()}
 
         def pack(t: torch.Tensor) -> Any:
             w = by_storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
@@ -268,9 +310,9 @@ class Executor:
 
         return pack, unpack
 
-    def _release(self, op: Operator) -> None:
+    def _release(self, i: int) -> None:
         """Free a sharded part's gathered parameters (autograd keeps the tensors, not their data)."""
-        for w in self.op_params[op.name].values():
+        for w in self.op_params[(i, self.parts[i][0])].values():
             w.data = torch.empty(0, dtype=w.dtype)
             w.grad = None
 
@@ -327,55 +369,59 @@ class Executor:
 
     # ------------------------------------------------------------------ forward
 
-    def _inputs(self, i: int, op: Operator) -> list[torch.Tensor | None]:
-        """The input regions of op position `i`'s part here (None where it has none or does not read
-        one), every edge's exchange taken part in whether or not this rank has a part."""
-        box_part = self.parts[i]
+    def _outputs(self, eid: int, parts: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The output edge `eid` reads of each of the producer `parts` here, by part."""
+        e = self.flow.edges[eid]
+        out = {}
+        for p in parts:
+            values = self.values.get((e.src, p))
+            assert values is not None, f"{self.flow.ops[e.src].name} part {p} is neither kept nor recomputed"
+            out[p] = values[e.out]
+        return out
+
+    def _inputs(self, i: int, r: int, op: Operator) -> list[torch.Tensor | None]:
+        """The input regions of op position `i`'s part of round `r` here (None where it has none or does
+        not read one), every edge's exchange of the round taken part in whether or not this rank has a
+        part."""
+        part = self.round_part[i].get(r)
         out: list[torch.Tensor | None] = []
         for slot, eid in enumerate(self.flow.slot_edges[i]):
             if eid is None:
-                out.append(self._source_input(i, op, slot))
+                out.append(self._source_input(i, part, op, slot))
                 continue
-            e = self.flow.edges[eid]
-            values = self.values.get(self.flow.ops[e.src].name)
-            output = None if values is None else values[e.out]
-            mover = self.movers[eid]
-            received = mover.receive(output)
-            if self.recompute[i] and box_part is not None:
-                self.kept[eid] = received  # what a recomputation reads again (nothing moves twice)
-            out.append(mover.assemble(output, received))
+            mover = self.movers[(eid, r)]
+            outputs = self._outputs(eid, mover.forward_parts)
+            received = mover.receive(outputs)
+            if self.recompute[i] and part is not None:
+                self.kept[(eid, r)] = received  # what a recomputation reads again (nothing moves twice)
+            out.append(mover.assemble(outputs, received))
         return out
 
-    def _source_input(self, i: int, op: Operator, slot: int) -> torch.Tensor | None:
-        """Input `slot` of op position `i`'s part here, read from a source: every rank holds it whole and
-        slices what its part reads (None: no part here, or it does not read the input)."""
-        part = self.parts[i]
+    def _source_input(self, i: int, part: int | None, op: Operator, slot: int) -> torch.Tensor | None:
+        """Input `slot` of op position `i`'s `part` here, read from a source: every rank holds it whole and
+        slices what its part reads (None: no part, or it does not read the input)."""
         want = self.plan.ops[i].reads[slot][part] if part is not None else None
         return None if want is None else self.sources[op.inputs[slot].op][as_slices(want)]
 
     def _recompute(self, i: int) -> None:
-        """Run op position `i`'s part forward again, from the outputs kept here, the pieces it received in
-        forward and the recomputed outputs of recomputing producers (recomputed before it)."""
+        """Run op position `i`'s part here (a recomputing op has at most one per device, of round 0) forward
+        again, from the outputs kept here, the pieces it received in forward and the recomputed outputs of
+        recomputing producers (recomputed before it)."""
         op = self.graph.ops[i]
-        if self.parts[i] is None:
+        if not self.parts[i]:
             return
+        c = self.parts[i][0]
         inputs: list[torch.Tensor | None] = []
         for slot, eid in enumerate(self.flow.slot_edges[i]):
             if eid is None:
-                inputs.append(self._source_input(i, op, slot))
+                inputs.append(self._source_input(i, c, op, slot))
                 continue
-            e = self.flow.edges[eid]
-            mover = self.movers[eid]
-            output = None
-            if mover.reads_local:
-                values = self.values.get(self.flow.ops[e.src].name)
-                assert values is not None, f"{self.flow.ops[e.src].name} is neither kept nor recomputed"
-                output = values[e.out]
-            inputs.append(mover.assemble(output, self.kept.get(eid, {})))
-        self._run_part(i, op, inputs, keep=True)
+            mover = self.movers[(eid, 0)]
+            inputs.append(mover.assemble(self._outputs(eid, mover.local_parts), self.kept.get((eid, 0), {})))
+        self._run_part(i, c, op, inputs, keep=True)
 
-    def _run_part(self, i: int, op: Operator, inputs: list[torch.Tensor | None], *, keep: bool) -> None:
-        """Compute op position `i`'s part on `inputs`; with `keep`, keep its autograd graph for backward."""
+    def _run_part(self, i: int, c: int, op: Operator, inputs: list[torch.Tensor | None], *, keep: bool) -> None:
+        """Compute op position `i`'s part `c` on `inputs`; with `keep`, keep its autograd graph for backward."""
         if i in self.gathers:
             self._gather(i, op)
         leaves = [x.detach().requires_grad_(True) if x is not None and grad and keep else x
@@ -386,19 +432,19 @@ class Executor:
             # What autograd saves of the gathered parameters (views of them, as a linear saves its weight
             # transposed) would keep their data alive after `_release`: save a recipe instead, which
             # reads the parameter again once backward has gathered it back (`_gather_into`).
-            context = torch.autograd.graph.saved_tensors_hooks(*self._param_hooks(op))
+            context = torch.autograd.graph.saved_tensors_hooks(*self._param_hooks(i))
         else:
             context = contextlib.nullcontext()
         with context:
-            outs = self._compute(op, self.boxes[i], leaves)
+            outs = self._compute(op, self.op_params[(i, c)], self.plan.ops[i].boxes[c], leaves)
         if keep:
-            self.saved[op.name] = (leaves, outs)
-        self.values[op.name] = tuple(o.detach() for o in outs)
+            self.saved[(i, c)] = (leaves, outs)
+        self.values[(i, c)] = tuple(o.detach() for o in outs)
         if i in self.gathers:
-            self._release(op)
+            self._release(i)
 
-    def _compute(self, op: Operator, box, inputs: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-        params = self.op_params[op.name]
+    def _compute(self, op: Operator, params: Mapping[str, torch.Tensor], box, inputs: list[torch.Tensor | None]
+                 ) -> tuple[torch.Tensor, ...]:
         if self.compute_dtype != self.float_dtype:
             if op.name == self.plan.loss_op:  # the loss computes in the master dtype
                 inputs = [x.to(self.float_dtype) if x is not None and x.is_floating_point() else x for x in inputs]
@@ -422,7 +468,8 @@ class Executor:
 
     def forward(self, batch: Sequence[torch.Tensor], *, step: int = 0, fail: bool = False) -> torch.Tensor:
         """Run the forward pass on the full synthetic batch `batch` (one tensor per `input` position);
-        returns this rank's share of the loss (a 0-dim tensor, zero when it holds no loss part).
+        returns this rank's share of the loss (a 0-dim tensor: the sum of its loss parts, zero when it
+        holds none).
 
         `fail` (a test hook) raises in the first op this rank computes, as a failing kernel would."""
         self.step = step
@@ -430,97 +477,125 @@ class Executor:
         self.values.clear()
         self.grads.clear()
         self.log.reset()
-        for i, op in enumerate(self.graph):
-            self.where = self.wheres[op.name][0]
+        for op in self.graph:
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
                 self.sources[op.name] = self._as_output(batch[int(op.attrs["position"])], op)
-                continue
-            if op.name in self.sources:
-                continue
-            inputs = self._inputs(i, op)
-            box = self.boxes[i]
-            if box is not None:
+        for k, (i, r) in enumerate(self.plan.forward_order):
+            op = self.graph.ops[i]
+            self.where = self._where(i, r, 0)
+            inputs = self._inputs(i, r, op)
+            c = self.round_part[i].get(r)
+            if c is not None:
                 if fail:
                     raise RuntimeError("injected fault (test hook)")
-                self._run_part(i, op, inputs, keep=not self.recompute[i])
-            for j in self.drop_after.get(i, ()):
-                self.values.pop(self.graph.ops[j].name, None)
+                self._run_part(i, c, op, inputs, keep=not self.recompute[i])
+            for j in self.drop_after.get(k, ()):
+                for p in self.parts[j]:
+                    self.values.pop((j, p), None)
         self.where = "loss"
         self.num_forwards += 1
-        loss_part = self.values.get(self.plan.loss_op)
-        if loss_part is None:
+        last = len(self.graph.ops) - 1
+        losses = [self.values[(last, c)][0].reshape(()) for c in self.parts[last] if (last, c) in self.values]
+        if not losses:
             return torch.zeros((), dtype=self.float_dtype)
-        return loss_part[0].reshape(())
+        total = losses[0]
+        for part in losses[1:]:
+            total = total + part
+        return total
+
+    def _where(self, i: int, r: int, phase: int) -> str:
+        """What the rank does at round `r` of op position `i` (phase 0: forward, 1: backward), for errors."""
+        where = self.wheres[self.graph.ops[i].name][phase]
+        return where if self.plan.ops[i].num_rounds == 1 else f"{where}, round {r}"
 
     # ------------------------------------------------------------------ backward
 
-    def _accumulate(self, ref: TensorRef, slices: tuple[slice, ...], piece: torch.Tensor) -> None:
-        buf = self.grads.get(ref)
+    def _accumulate(self, key: tuple[TensorRef, int], slices: tuple[slice, ...], piece: torch.Tensor) -> None:
+        """Add `piece` into the gradient of (output, producer part) `key` at `slices`."""
+        buf = self.grads.get(key)
         if buf is None:
-            shape = self.grad_shapes[ref]
+            shape = self.grad_shapes[key]
             if tuple(piece.shape) == shape:
                 # The first contribution covers the whole output part: keep it, add later ones into it.
                 # It is a gradient buffer nothing else reads (a leaf's .grad or a received buffer).
-                self.grads[ref] = piece
+                self.grads[key] = piece
                 return
-            buf = self.grads[ref] = torch.zeros(shape, dtype=piece.dtype)
+            buf = self.grads[key] = torch.zeros(shape, dtype=piece.dtype)
         buf[slices].add_(piece)
+
+    def _release_outputs(self, j: int) -> None:
+        for c in self.parts[j]:
+            self.values.pop((j, c), None)
+            self.saved.pop((j, c), None)
 
     def backward(self, *, loss_scale: float = 1.0) -> None:
         """Backpropagate the loss parts (times `loss_scale`), move input gradients back to their producers,
         and synchronize replicated parameter gradients (waits for the all-reduces before returning)."""
         last = len(self.graph.ops) - 1
-        for j in self.recompute_before.get(last, ()):
-            self.where = f"recomputation of op {self.graph.ops[j].name!r} ({self.graph.ops[j].kind})"
-            self._recompute(j)
-        loss = self.saved.get(self.plan.loss_op)
-        if loss is not None:
-            self.grads[self.out_refs[self.plan.loss_op][0]] = torch.full_like(loss[1][0], loss_scale)
         flow = self.flow
-        for i in range(len(self.graph.ops) - 1, -1, -1):
+        order = self.plan.backward_order
+        done_at = self.plan.done_at
+        for k, (i, r) in enumerate(order):
+            for j in self.release_before.get(k, ()):
+                self._release_outputs(j)
+            for j in self.recompute_before.get(k, ()):
+                self.where = f"recomputation of op {self.graph.ops[j].name!r} ({self.graph.ops[j].kind})"
+                self._recompute(j)
             op = self.graph.ops[i]
-            if i < last:
-                for j in self.recompute_before.get(i, ()):
-                    self.where = f"recomputation of op {self.graph.ops[j].name!r} ({self.graph.ops[j].kind})"
-                    self._recompute(j)
-            self.where = self.wheres[op.name][1]
-            if op.name in self.sources:
-                continue
+            self.where = self._where(i, r, 1)
+            c = self.round_part[i].get(r)
             in_grads: list[torch.Tensor | None] = [None] * len(op.inputs)
-            # Its consumers are done with the output: let it go now, as autograd frees activations during
-            # backward (holding every activation to the end costs memory and fresh pages every step).
-            self.values.pop(op.name, None)
-            saved = self.saved.pop(op.name, None)
-            if saved is not None:
-                leaves, outs = saved
-                pairs = [(o, self.grads.pop(ref)) for o, ref in zip(outs, self.out_refs[op.name], strict=True)
-                         if ref in self.grads]
-                pairs = [(o, g) for o, g in pairs if o.requires_grad]
-                sharded = i in self.gathers
-                if sharded:
-                    self._gather_into(i, op)
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                in_grads = [x.grad if x is not None and x.requires_grad else None for x in leaves]
-                if sharded:
-                    # the gathered weights are done with: free them before the reduce-scatter's buffers
-                    grads = {name: w.grad for name, w in self.op_params[op.name].items()}
-                    self._release(op)
-                    self._scatter_grads(i, grads)
+            if c is not None:
+                # Its consumers are done with the output: let it go now, as autograd frees activations
+                # during backward (holding every activation to the end costs memory and fresh pages every
+                # step).
+                self.values.pop((i, c), None)
+                saved = self.saved.pop((i, c), None)
+                if saved is not None:
+                    in_grads = self._backward_part(i, c, op, saved, loss_scale if i == last else None)
             for slot, eid in enumerate(flow.slot_edges[i]):
                 if eid is not None:
                     ref = flow.edges[eid].ref
-                    self.movers[eid].backward(in_grads[slot],
-                                              lambda sl, piece, ref=ref: self._accumulate(ref, sl, piece))
-            self.sync.ready(i)
+                    self.movers[(eid, r)].backward(
+                        in_grads[slot], lambda p, sl, piece, ref=ref: self._accumulate((ref, p), sl, piece))
+            if done_at[i] == k:
+                self.sync.ready(i)
+        for j in self.release_before.get(len(order), ()):
+            self._release_outputs(j)
         self.where = "gradient synchronization"
         self.sync.finish()
         self.collectives = self.log.snapshot()
         self.values.clear()
+        self.saved.clear()
         self.grads.clear()
         self.kept.clear()
         self.where = "step"
+
+    def _backward_part(self, i: int, c: int, op: Operator,
+                       saved: tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]], loss_scale: float | None
+                       ) -> list[torch.Tensor | None]:
+        """Backpropagate part `c` of op position `i` (its `saved` leaves and outputs) from the gradients
+        its outputs received (the loss part: `loss_scale`); returns its input gradients."""
+        leaves, outs = saved
+        if loss_scale is not None:
+            pairs = [(outs[0], torch.full_like(outs[0], loss_scale))]
+        else:
+            pairs = [(o, self.grads.pop((ref, c))) for o, ref in zip(outs, self.out_refs[op.name], strict=True)
+                     if (ref, c) in self.grads]
+        pairs = [(o, g) for o, g in pairs if o.requires_grad]
+        sharded = i in self.gathers
+        if sharded:
+            self._gather_into(i, op)
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        in_grads = [x.grad if x is not None and x.requires_grad else None for x in leaves]
+        if sharded:
+            # the gathered weights are done with: free them before the reduce-scatter's buffers
+            grads = {name: w.grad for name, w in self.op_params[(i, c)].items()}
+            self._release(i)
+            self._scatter_grads(i, grads)
+        return in_grads
 
     def _grad_of(self, e: SyncEntry) -> torch.Tensor:
         if e.region is not None:

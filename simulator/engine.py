@@ -2,8 +2,9 @@
 
 Owns `Simulator`. It builds the tasks of a strategy from `simulator.taskgraph` plans and times them; on
 a one-op change it replaces only that op's tasks, the transfers of its edges and its update tasks, edits
-the all-reduces of its bucket, and re-times only what can have changed. Must import only `soap` (and
-the stdlib, numpy): never torch, the runtime or the search.
+the all-reduces of its bucket (and, where devices repeat, the round order's edges that change), and
+re-times only what can have changed. Must import only `soap` (and the stdlib, numpy): never torch, the
+runtime or the search.
 
 Semantics (exact, so that delta equals full). Times are integer nanoseconds. A task's ready time is the
 latest end of its data predecessors (0 without any). Every resource (device or link) runs its tasks one at
@@ -12,6 +13,12 @@ starts at max(ready, end of the previous task on each of its resources in that o
 transfer or an all-reduce waits for all its links. Since keys increase along data edges and durations are
 >= 0, (ready, key) is a topological order of data plus resource edges, so the full simulation is Kahn's
 algorithm with a heap on (ready, key) where each task takes the current last end of its resources.
+
+Rounds. Where devices repeat, the round order's edges (`simulator.taskgraph`'s task list; `_order_links`)
+are predecessors like data edges, rebuilt from the step's order on every change (they depend on every
+op's config; a proposal cuts and adds only those that differ). One may lead to a smaller key (a later
+round of an earlier op): that keeps (ready, key) a topological order unless the task before it lasts
+0 ns, so a state with such an edge (`_may_unsort`) is replayed whole by the next delta.
 
 Delta. The processing order of a simulation is sorted by (ready, key). After a change, let K0 be the
 smallest of: the old (ready, key) of every removed task and of every surviving task whose predecessors
@@ -66,7 +73,7 @@ from simulator.taskgraph import (
 from simulator.timeline import Timeline
 from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import OperatorGraph
-from soap.lowering import GradFlow, NotReplicable, Replicas, StepPlan, find_replicas, lower
+from soap.lowering import GradFlow, NotReplicable, Replicas, StepPlan, find_replicas, lower, step_orders
 from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, validate_strategy
 from soap.topology import DeviceTopology
@@ -79,8 +86,9 @@ SyncId = tuple[tuple[int, ...], int]  # (device group, bucket)
 
 
 class _Unit:
-    """The tasks of an op (forward, backward), of an edge, or of a parameter unit's updates, and the data
-    edges the unit made (undone exactly when the unit is replaced)."""
+    """The tasks of an op (forward, backward: per part), of an edge (forward, backward: its exchange tasks,
+    as `EdgePlan.fwd_xfer` and `bwd_xfer`), or of a parameter unit's updates, and the data edges the unit
+    made (undone exactly when the unit is replaced)."""
 
     __slots__ = ("tids", "links", "fwd", "bwd", "by_device")
 
@@ -119,7 +127,7 @@ class _Journal:
 
     __slots__ = ("noop", "op", "cfg", "plan", "params", "old_len", "mem", "moved", "iteration", "dead",
                  "removed", "gone", "synced", "cut", "added", "links", "new_syncs", "order", "end", "rk", "cuts",
-                 "res_tails")
+                 "res_tails", "rounds", "round_links", "round_cut", "unsorted")
 
     def __init__(self, *, noop: bool = False):
         self.noop = noop
@@ -245,6 +253,7 @@ class Simulator:
         if cfg == self._configs[i]:
             self._journal = _Journal(noop=True)
         else:
+            self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
             self._delta(i, cfg)
         return self._iteration_ns / 1e6
 
@@ -307,7 +316,9 @@ class Simulator:
             if sub == SUB_COMPUTE:
                 return f"{op.name} fwd[{a}]"
             src = op.inputs[e].op
-            return f"{src} -> {op.name}" if sub == SUB_XFER else f"{op.name} sum input {e} [{a}]"
+            if sub == SUB_XFER:
+                return f"{src} -> {op.name}" + (f" round {a}" if a else "")
+            return f"{op.name} sum input {e} [{a}]"
         if pos < 2 * n:
             op = flow.ops[2 * n - 1 - pos]
             if sub == SUB_COMPUTE:
@@ -316,7 +327,9 @@ class Simulator:
                 bucket = flow.bucket_first_op.index(2 * n - 1 - pos)
                 return f"allreduce bucket {bucket} devices {a}..{b}"
             consumer = self.graph.consumers(op.name)[e][0]
-            return f"grad {consumer} -> {op.name}" if sub == SUB_XFER else f"{op.name} sum grads [{a}]"
+            if sub == SUB_XFER:
+                return f"grad {consumer} -> {op.name}" + (f" round {a}" if a else "")
+            return f"{op.name} sum grads [{a}]"
         return f"{flow.ops[pos - 2 * n].name} update[device {a}]"
 
     # -- building ------------------------------------------------------------------------------------
@@ -354,6 +367,10 @@ class Simulator:
                 members.setdefault(sid, {})[u] = share
         for sid in sorted(members):
             self._syncs[sid] = self._new_sync(sid, members[sid], links)
+        self._rounds = sum(plan.step.num_rounds > 1 for plan in self._plans)
+        self._round_links = self._order_links()
+        links += self._round_links
+        self._unsorted = self._may_unsort(self._round_links)
         self._apply(links)
         self._mem = [0] * self.num_devices
         self._trans: list[dict[int, int]] = [{} for _ in range(self.num_devices)]  # bytes -> how many parts
@@ -380,8 +397,8 @@ class Simulator:
         task starts when its counterpart in replica 0 does: every device is the same device as its
         counterpart; every all-reduce's group is its own shift (a task of the replica plan, it waits for
         replica 0's devices as for all others); and every exchange of every replica takes as long as
-        replica 0's on links no other replica's exchanges use (an edge's exchange is one task over every
-        replica's pieces, as long as replica 0's share of it when their links are apart)."""
+        replica 0's on links no other replica's exchanges use (the exchange of an edge, pass and round is one
+        task over every replica's pieces, as long as replica 0's share of it when their links are apart)."""
         rep, n, devices = self.replicas, self.num_devices, self.topology.devices
         for d in range(n):
             a, b = devices[d], devices[d % rep.size]
@@ -394,12 +411,12 @@ class Simulator:
         owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it
         for e, edge in enumerate(self.flow.edges):
             step = self._edge_plan(e).step
-            if not step.moving:
-                continue
             pdev = self._plans[edge.src].step.devices
             cdev = self._plans[edge.dst].step.devices
-            pairs = [(pdev[p], cdev[c], nb) for p, c, nb, _ in map(step.pieces.__getitem__, step.moving)]
-            passes = [pairs] + ([[(b, a, nb) for a, b, nb in pairs]] if edge.grad else [])
+            passes = []
+            for _, _, ks in step.exchanges:
+                pairs = [(pdev[p], cdev[c], nb) for p, c, nb, _ in map(step.pieces.__getitem__, ks)]
+                passes += [pairs] + ([[(b, a, nb) for a, b, nb in pairs]] if edge.grad else [])
             for pieces in passes:
                 ns = None
                 for g in range(rep.count):
@@ -488,17 +505,19 @@ class Simulator:
         prod, cons = self._op_units[edge.src], self._op_units[edge.dst]
         mine: list[Link] = []
         tids: list[int] = []
-        self._add_pass(ep.fwd_dep, ep.fwd_xfer, ep.fwd_reduce, prod.fwd, cons.fwd, mine, tids)
+        fwd = self._add_pass(ep.fwd_dep, ep.fwd_xfer, ep.fwd_reduce, prod.fwd, cons.fwd, mine, tids)
+        bwd = []
         if edge.grad:
-            self._add_pass(ep.bwd_dep, ep.bwd_xfer, ep.bwd_reduce, cons.bwd, prod.bwd, mine, tids)
+            bwd = self._add_pass(ep.bwd_dep, ep.bwd_xfer, ep.bwd_reduce, cons.bwd, prod.bwd, mine, tids)
         links += mine
-        return _Unit(tids, mine)
+        return _Unit(tids, mine, fwd, bwd)
 
-    def _add_pass(self, deps: list[tuple[int, int]], xfer: Exchange | None, reduces: list[Reduce],
-                  src: list[int], dst: list[int], mine: list[Link], tids: list[int]) -> None:
+    def _add_pass(self, deps: list[tuple[int, int]], xfers: list[Exchange], reduces: list[Reduce],
+                  src: list[int], dst: list[int], mine: list[Link], tids: list[int]) -> list[int]:
         """The tasks and data edges of one pass of an edge, from the tasks `src` of the sending parts to
         the tasks `dst` of the receiving parts (a reduce task, where there is one, stands before its
-        part's task and receives in its place)."""
+        part's task and receives in its place): each exchange (one per consumer round) after the parts
+        that send its pieces and before those that receive them. Returns the exchange tasks."""
         target = dst
         if reduces:
             target = list(dst)
@@ -510,12 +529,16 @@ class Simulator:
                 target[r.part] = t
         if src:
             mine += [(src[p], target[c]) for p, c in deps]
-        if xfer is not None:
-            (t,) = self._new_tasks([xfer.ns], [xfer.key], [xfer.resources], XFER, [xfer.nbytes])
-            tids.append(t)
+        if not xfers:
+            return []
+        new = self._new_tasks([x.ns for x in xfers], [x.key for x in xfers], [x.resources for x in xfers], XFER,
+                              [x.nbytes for x in xfers])
+        tids += new
+        for xfer, t in zip(xfers, new, strict=True):
             if src:
                 mine += [(src[p], t) for p in xfer.senders]
             mine += [(t, target[c]) for c in xfer.receivers]
+        return new
 
     def _sync_figures(self, sid: SyncId, members: Mapping[int, SyncShare]) -> tuple[tuple[int, ...], int, int, int]:
         """(resources, ns, key, bytes on the wire) of an all-reduce with `members`."""
@@ -537,6 +560,58 @@ class Simulator:
         for group_links in mine.values():
             links += group_links
         return _Sync(tid, members, mine)
+
+    def _order_links(self) -> list[Link]:
+        """The round order's edges (`simulator.taskgraph`'s task list): on every device, the tasks of an op's
+        rounds after the first in forward and before the last in backward wait for the task before them in
+        the device's share of the step's order (`soap.lowering.step_orders`), as the runtime walks it: at
+        each (op, round), forward, the exchanges of its input edges for that round (in slot order; an
+        exchange is in the share of every device that sends or receives in it), then its part; backward,
+        its part, then those exchanges' gradients. None without repeated devices."""
+        if not self._rounds:
+            return []
+        flow, units, edge_units = self.flow, self._op_units, self._edge_units
+        steps = [plan.step for plan in self._plans]
+        edges = [self._edge_plan(e).step for e in range(len(flow.edges))]
+        fwd, bwd = step_orders(flow, steps, edges)
+        parts: dict[int, list[list[int]]] = {}  # op -> its parts per round
+        xfers: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}  # edge -> round -> (exchange, ranks)
+        out: list[Link] = []
+        for order, backward in ((fwd, False), (bwd, True)):
+            prev: dict[int, int] = {}  # device -> its last task so far in the order
+            for i, r in order:
+                step = steps[i]
+                rounds = parts.get(i)
+                if rounds is None:
+                    rounds = parts[i] = [[] for _ in range(step.num_rounds)]
+                    for c, k in enumerate(step.rounds):
+                        rounds[k].append(c)
+                tasks = units[i].bwd if backward else units[i].fwd
+                mine = [(tasks[c], (step.devices[c],)) for c in rounds[r]]
+                exchanges = []
+                for e in flow.in_edges[i]:
+                    by_round = xfers.get(e)
+                    if by_round is None:
+                        by_round = xfers[e] = {x[0]: (k, x[1]) for k, x in enumerate(edges[e].exchanges)}
+                    if r in by_round and (not backward or flow.edges[e].grad):
+                        k, ranks = by_round[r]
+                        exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks))
+                # the round each pass takes first (forward: the first; backward: the last) waits for nothing
+                waits = r != (step.num_rounds - 1 if backward else 0)
+                for t, devices in (mine + exchanges if backward else exchanges + mine):
+                    if waits:
+                        out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
+                    for d in devices:
+                        prev[d] = t
+        return out
+
+    def _may_unsort(self, links: list[Link]) -> bool:
+        """Whether order edges `links` may break the invariant that the simulation processes tasks in
+        increasing (ready, key): an order edge may go to a smaller key (an earlier op's later round), and a
+        task of zero duration before it could then make both ready at once. Delta simulation replays the
+        whole step while that may be so (rare: every real task takes time)."""
+        dur, key = self._dur, self._key
+        return any(not dur[a] and key[a] > key[v] for a, v in links)
 
     # -- simulation ----------------------------------------------------------------------------------
 
@@ -664,6 +739,8 @@ class Simulator:
         # 2. put in the new units
         self._configs[i] = cfg
         self._plans[i] = new_plan
+        j.rounds, j.round_links, j.unsorted = self._rounds, self._round_links, self._unsorted
+        self._rounds += (new_plan.step.num_rounds > 1) - (old_plan.step.num_rounds > 1)
         links: list[Link] = []
         added = [("op", i, self._add_op_unit(i, links))]
         self._op_units[i] = added[0][2]
@@ -690,6 +767,24 @@ class Simulator:
                 _, ns, _, wire = self._sync_figures(edit.sid, edit.sync.members)
                 self._dur[edit.sync.tid] = ns
                 self._nbytes[edit.sync.tid] = wire
+        # the round order's edges: those that changed (edges of the op's new tasks are all new)
+        new_order = self._order_links()
+        if new_order or j.round_links:
+            kept_order = set(new_order)
+            j.round_cut = [link for link in j.round_links if link not in kept_order]
+            for a, v in j.round_cut:
+                if alive[a]:
+                    succs[a].remove(v)
+                if alive[v]:
+                    preds[v].remove(a)
+                    if rk[v] < k0:
+                        k0 = rk[v]
+            old_order = set(j.round_links)
+            links += [link for link in new_order if link not in old_order]
+        else:
+            j.round_cut = []
+        self._round_links = new_order
+        self._unsorted = self._may_unsort(new_order)
         j.added, j.links, j.new_syncs = added, links, new_syncs
         self._apply(links)
         self._account(new_plan, new_params, edges, sids, 1)
@@ -709,6 +804,8 @@ class Simulator:
                 c = (ready << sh) | kt[t]
                 if c < k0:
                     k0 = c
+        if j.unsorted:
+            k0 = 0  # the old order may not be sorted by (ready, key): replay everything
         self._replay(k0, old_len, j)
         self._journal = j
 
@@ -800,6 +897,12 @@ class Simulator:
                     preds[v].append(a)
         for a, t in j.cut:  # the all-reduce's own lists come back whole below
             succs[a].append(t)
+        for a, v in j.round_cut:
+            if a not in gone:
+                succs[a].append(v)
+            if v not in gone:
+                preds[v].append(a)
+        self._rounds, self._round_links, self._unsorted = j.rounds, j.round_links, j.unsorted
         for sid in j.new_syncs:
             del self._syncs[sid]
         for edit in j.synced:
@@ -854,7 +957,7 @@ class Simulator:
                     best = p
             for x in self._res[t]:
                 lst = self._res_tids[x]
-                idx = bisect_left(lst, rk[t], key=rk.__getitem__)
+                idx = lst.index(t) if self._unsorted else bisect_left(lst, rk[t], key=rk.__getitem__)
                 if idx:
                     q = lst[idx - 1]
                     if end[q] == s and (best < 0 or key[q] > key[best]):

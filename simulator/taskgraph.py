@@ -12,22 +12,35 @@ Tasks of a step plan:
 
 - per part of an op: a forward task and (when the op runs backward) a backward task on its device; ops
   of kind ``input`` and ``constant`` have none (zero compute: the batch is loaded where its parts are,
-  buffers are everywhere). A recomputing part's backward task includes its forward again. A sharded
-  part's forward task includes the all-gather of its parameters and its backward task the second
-  all-gather and the reduce-scatter of their gradient, collectives over its shard group
-  (`simulator.comm`), since the runtime issues them synchronously around the part's compute (no
-  prefetch); they do not occupy the links as separate tasks, so their contention with concurrent
-  exchanges is not modeled;
-- per edge and pass: pieces between parts on one device are dependencies; the pieces that cross devices
+  buffers are everywhere). Parts of one op on one device (its rounds, `OpStep.rounds`: micro-batches)
+  are separate tasks that queue on the device like any others. A recomputing part's backward task
+  includes its forward again. A sharded part's forward task includes the all-gather of its parameters
+  and its backward task the second all-gather and the reduce-scatter of their gradient, collectives over
+  its shard group (`simulator.comm`), since the runtime issues them synchronously around the part's
+  compute (no prefetch); they do not occupy the links as separate tasks, so their contention with
+  concurrent exchanges is not modeled;
+- per edge, pass and consumer round: pieces between parts on one device are dependencies; the pieces of
+  one exchange (`EdgeStep.exchanges`: those that cross devices into the consumer parts of one round)
   make ONE exchange task (`Comm.exchange`: the union of their routes, the largest latency plus the
-  busiest link's bytes), after every sending part and before every receiving part, as the runtime's one
-  all-to-all per edge and pass. A consumer part that adds two or more partial sums gets a *reduce* task
-  on its device before its compute (`EdgeStep.sums`), and so does a producer part that adds overlapping
-  gradients (`EdgeStep.grad_sums`);
+  busiest link's bytes), after the parts that send its pieces and before the parts that receive them, as
+  the runtime's one all-to-all per exchange and pass: in forward from producer parts to the consumer
+  parts of round r, in backward from the consumer parts of round r back to the producer parts, so a
+  micro-batch waits only for what it reads. Without repeated devices that is one exchange per edge and
+  pass. A consumer part that adds two or more partial sums gets a *reduce* task on its device before its
+  compute (`EdgeStep.sums`), and so does a producer part that adds overlapping gradients
+  (`EdgeStep.grad_sums`);
 - per bucket and device group: one all-reduce (`simulator.comm`: one task, ring or tree) of the gradients
-  of its entries, after the backward of every part holding them;
-- per parameter unit and device: an optimizer update task after the backward of the device's parts of the
-  unit's ops and the all-reduces it takes part in.
+  of its entries, after the backward of every part holding them (every round of a device's parts);
+- per parameter unit and device: an optimizer update task after the backward of all the device's parts of
+  the unit's ops and the all-reduces it takes part in;
+- the round order (edges built by `simulator.engine`, since they depend on every op's config): on each
+  device, the tasks of an op's rounds after the first in forward and before the last in backward (its
+  parts, and the exchanges of its input edges for those rounds) wait for the task before them in the
+  device's share of the step's order (`soap.lowering.step_orders`: GPipe's), as the runtime walks that
+  order with blocking all-to-alls (an exchange is in the share of every device that sends or receives
+  in it). Without them a device would run every round of a stage's first op (all ready at once) before
+  the first round of the next, and a pipeline would never overlap its stages. The first round of each
+  pass, and ops without repeated devices, keep the plain ready order.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from simulator.comm import ALLGATHER, REDUCE_SCATTER, Comm, ms_to_ns
 from simulator.costmodel import CostModel
 from soap.config import ParallelConfig
 from soap.lowering import EdgeStep, GradFlow, OpStep, ParamStep, Replicas, lower_edge, lower_op, lower_params
+from soap.strategy import StrategyError
 from soap.topology import DeviceTopology
 
 # task categories
@@ -55,6 +69,8 @@ SYNC_CATS = frozenset({SYNC})
 # sub-slots of a key position: transfers into an op, then its reduce tasks, then its compute, then the
 # all-reduces of the bucket that ends there
 SUB_XFER, SUB_REDUCE, SUB_COMPUTE, SUB_SYNC = 0, 1, 2, 3
+# the most parts of one op on one device (rounds: micro-batches) the task keys have room for
+MAX_ROUNDS = 1 << 16
 
 
 class KeySpace:
@@ -64,26 +80,28 @@ class KeySpace:
     A key packs (position, sub, e, a, b): position i is op i's forward, 2N-1-i its backward, 2N+i the
     update of the parameter unit whose first op is i; sub orders exchanges < reduces < compute <
     all-reduces at a position; e is the input slot (forward), the consumer use (backward) or a hash of the
-    device group (all-reduce); a and b are part indices (0 for an exchange; the device for an update; the
-    group's first and last device for an all-reduce).
+    device group (all-reduce); a is a part index (compute, reduce), the consumer round (an exchange), the
+    device (an update) or the group's first device (an all-reduce); b is the group's last device for an
+    all-reduce, else 0. A part index runs below num_devices x `MAX_ROUNDS` (an op runs at most
+    `MAX_ROUNDS` parts on one device), so that is the radix of a; without repeated devices every a is
+    below num_devices and keys order as (position, sub, e, a, b) whatever the radices.
     """
 
-    __slots__ = ("num_ops", "radix", "bits")
+    __slots__ = ("num_ops", "radix", "part_radix", "bits")
 
     def __init__(self, num_ops: int, num_devices: int):
         self.num_ops = num_ops
         self.radix = max(2, num_devices)
-        top = (3 * num_ops + 1) * 8 * 65536 * self.radix * self.radix
+        self.part_radix = self.radix * MAX_ROUNDS
+        top = (3 * num_ops + 1) * 8 * 65536 * self.part_radix * self.radix
         self.bits = top.bit_length()
 
     def make(self, pos: int, sub: int, e: int, a: int, b: int) -> int:
-        r = self.radix
-        return (((pos * 8 + sub) * 65536 + e) * r + a) * r + b
+        return (((pos * 8 + sub) * 65536 + e) * self.part_radix + a) * self.radix + b
 
     def split(self, key: int) -> tuple[int, int, int, int, int]:
-        r = self.radix
-        key, b = divmod(key, r)
-        key, a = divmod(key, r)
+        key, b = divmod(key, self.radix)
+        key, a = divmod(key, self.part_radix)
         key, e = divmod(key, 65536)
         pos, sub = divmod(key, 8)
         return pos, sub, e, a, b
@@ -104,8 +122,8 @@ def group_hash(group: tuple[int, ...]) -> int:
 
 
 class Exchange(NamedTuple):
-    """The exchange task of one edge and pass: the sending and receiving parts, bytes on the wire, the
-    links it occupies, its duration and key."""
+    """The exchange task of one edge, pass and consumer round: the sending and receiving parts, bytes on
+    the wire, the links it occupies, its duration and key."""
 
     senders: tuple[int, ...]
     receivers: tuple[int, ...]
@@ -160,9 +178,9 @@ class OpPlan:
 
 class EdgePlan:
     """The timed tasks of one edge: dependencies (producer part, consumer part) on one device, the exchange
-    and reduce tasks of each pass (backward: sending consumer parts, receiving producer parts), `recv`
-    (device -> bytes it receives and adds up or keeps, `EdgeStep.mem_bytes`) and `moved` (bytes crossing
-    devices, both passes)."""
+    tasks of each pass (one per consumer round that receives pieces, in round order; backward: sending
+    consumer parts, receiving producer parts) and its reduce tasks, `recv` (device -> bytes it receives
+    and adds up or keeps, `EdgeStep.mem_bytes`) and `moved` (bytes crossing devices, both passes)."""
 
     __slots__ = ("step", "fwd_dep", "fwd_xfer", "fwd_reduce", "bwd_dep", "bwd_xfer", "bwd_reduce", "recv",
                  "moved")
@@ -170,10 +188,10 @@ class EdgePlan:
     def __init__(self, step: EdgeStep):
         self.step = step
         self.fwd_dep: list[tuple[int, int]] = []
-        self.fwd_xfer: Exchange | None = None
+        self.fwd_xfer: list[Exchange] = []
         self.fwd_reduce: list[Reduce] = []
         self.bwd_dep: list[tuple[int, int]] = []
-        self.bwd_xfer: Exchange | None = None
+        self.bwd_xfer: list[Exchange] = []
         self.bwd_reduce: list[Reduce] = []
         self.recv: Mapping[int, int] = step.mem_bytes
         self.moved = step.moved_bytes
@@ -236,6 +254,9 @@ class Planner:
         if flow.everywhere[i]:
             return plan
         op = flow.ops[i]
+        if step.num_rounds > MAX_ROUNDS:
+            raise StrategyError(f"op {op.name!r} runs {step.num_rounds} parts on one device; the simulator "
+                                f"times at most {MAX_ROUNDS}")
         for d, nbytes, extra in zip(step.devices, step.activation_bytes, step.transient_bytes, strict=True):
             plan.mem[d] = plan.mem.get(d, 0) + nbytes
             if extra:
@@ -277,9 +298,11 @@ class Planner:
         moving = set(step.moving)
         plan.fwd_dep = [(p, c) for k, (p, c, _, _) in enumerate(step.pieces) if k not in moving]
         fpos = keys.fwd_pos(edge.dst)
-        if moving:
-            plan.fwd_xfer = self._exchange([(p, c, nb) for p, c, nb, _ in map(step.pieces.__getitem__, step.moving)],
-                                           pdev, cdev, keys.make(fpos, SUB_XFER, edge.slot, 0, 0))
+        # (round, its pieces as (producer part, consumer part, bytes)) per exchange
+        exchanges = [(r, [(p, c, nb) for p, c, nb, _ in map(step.pieces.__getitem__, ks)])
+                     for r, _, ks in step.exchanges]
+        plan.fwd_xfer = [self._exchange(pieces, pdev, cdev, keys.make(fpos, SUB_XFER, edge.slot, r, 0))
+                         for r, pieces in exchanges]
         for c, k, nbytes in step.sums:
             dev = self.topology.devices[cdev[c]]
             plan.fwd_reduce.append(Reduce(c, ms_to_ns(self.cost_model.reduce_ms(nbytes, k, dev)),
@@ -287,10 +310,9 @@ class Planner:
         if step.grad:
             bpos = keys.bwd_pos(edge.src)
             plan.bwd_dep = [(c, p) for p, c in plan.fwd_dep]
-            if moving:
-                plan.bwd_xfer = self._exchange(
-                    [(c, p, nb) for p, c, nb, _ in map(step.pieces.__getitem__, step.moving)], cdev, pdev,
-                    keys.make(bpos, SUB_XFER, edge.use, 0, 0))
+            plan.bwd_xfer = [self._exchange([(c, p, nb) for p, c, nb in pieces], cdev, pdev,
+                                            keys.make(bpos, SUB_XFER, edge.use, r, 0))
+                             for r, pieces in exchanges]
             for p, k, nbytes in step.grad_sums:
                 dev = self.topology.devices[pdev[p]]
                 plan.bwd_reduce.append(Reduce(p, ms_to_ns(self.cost_model.reduce_ms(nbytes, k, dev)),
@@ -299,7 +321,7 @@ class Planner:
 
     def _exchange(self, pieces: list[tuple[int, int, int]], src_dev: tuple[int, ...], dst_dev: tuple[int, ...],
                   key: int) -> Exchange:
-        """The exchange task of `pieces` (sending part, receiving part, bytes) of one edge and pass."""
+        """The exchange task of `pieces` (sending part, receiving part, bytes) of one edge, pass and round."""
         res, ns = self.comm.exchange([(src_dev[a], dst_dev[b], nbytes) for a, b, nbytes in pieces])
         return Exchange(tuple(sorted({a for a, _, _ in pieces})), tuple(sorted({b for _, b, _ in pieces})),
                         sum(nbytes for _, _, nbytes in pieces), res, ns, key)
@@ -343,5 +365,5 @@ class Planner:
 
 
 __all__ = ["BWD", "CATEGORY_NAMES", "COMM_CATS", "COMPUTE_CATS", "EdgePlan", "Exchange", "FWD", "KeySpace",
-           "OpPlan", "ParamPlan", "Planner", "REDUCE", "Reduce", "SYNC", "SYNC_CATS", "SyncShare", "UPDATE",
-           "Update", "XFER", "group_hash"]
+           "MAX_ROUNDS", "OpPlan", "ParamPlan", "Planner", "REDUCE", "Reduce", "SYNC", "SYNC_CATS", "SyncShare",
+           "UPDATE", "Update", "XFER", "group_hash"]

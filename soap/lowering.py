@@ -900,6 +900,33 @@ class StepPlan:
         self.all_reduces = tuple(all_reduces([e for p in self.params for e in p.sync], self.done_at))
         self.loss_op = self.graph.ops[-1].name
 
+    def recompute_before(self) -> dict[int, list[tuple[int, int]]]:
+        """Per position k in `backward_order`, the (op position, part) recomputed just before that backward
+        node, in forward order (the module docstring's recomputation rule, per part: a recomputing part
+        is recomputed before its own backward, or before the recomputation of a recomputing consumer part
+        that reads it if that comes earlier in backward)."""
+        flow, ops = self.flow, self.ops
+        at_node = {node: k for k, node in enumerate(self.backward_order)}
+        point: dict[tuple[int, int], int] = {}
+        for j in range(flow.num_ops - 1, -1, -1):
+            step = ops[j]
+            if not step.recompute:
+                continue
+            for c in range(step.num_parts):
+                points = [at_node[(j, step.rounds[c])]] if flow.needs_bwd[j] else []
+                for eid in flow.out_edges[j]:
+                    k = flow.edges[eid].dst
+                    if ops[k].recompute:
+                        points += [point[(k, cc)] for p, cc, _, _ in self.edges[eid].pieces
+                                   if p == c and (k, cc) in point]
+                if points:
+                    point[(j, c)] = min(points)
+        at_fwd = {node: k for k, node in enumerate(self.forward_order)}
+        out: dict[int, list[tuple[int, int]]] = {}
+        for (j, c), k in sorted(point.items(), key=lambda item: at_fwd[item[0][0], ops[item[0][0]].rounds[item[0][1]]]):
+            out.setdefault(k, []).append((j, c))
+        return out
+
     def process_groups(self) -> list[tuple[int, ...]]:
         """Every device set a collective runs within (the exchanges', the all-reduces'), sorted: the runtime
         creates one group each."""

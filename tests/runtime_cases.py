@@ -29,8 +29,9 @@ from runtime.train import (
     train_rank,
 )
 from soap.capture import capture
-from soap.config import ParallelConfig, param_replicas, recompute_refusal, validate
+from soap.config import ConfigError, ParallelConfig, param_replicas, recompute_refusal, validate
 from soap.graph import Operator, OperatorGraph
+from soap.opdef import DimKind
 from soap.registry import dims_of, op_def
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
@@ -329,6 +330,72 @@ def mixed_cnn_strategy(graph: OperatorGraph) -> Strategy:
         validate(op, cfg, 2)
         out[op.name] = cfg
     return Strategy(out)
+
+
+# ---------------------------------------------------------------------- micro-batches (repeated devices)
+
+
+def _sample_dim(op: Operator):
+    return next((d for d in dims_of(op) if d.kind == DimKind.SAMPLE and d.splittable), None)
+
+
+def sample_split(op: Operator, devices: tuple[int, ...]) -> ParallelConfig:
+    """`op` split on its sample dim into one part per entry of `devices` (repeats: micro-batches), or whole
+    on the first device where it has no sample dim that many parts divide; sources on device 0."""
+    sample = _sample_dim(op)
+    if op_def(op.kind).everywhere or sample is None or sample.size % len(devices):
+        return ParallelConfig.single(0 if op_def(op.kind).everywhere else devices[0])
+    return ParallelConfig(degrees={sample.name: len(devices)}, devices=devices)
+
+
+def micro_dp_strategy(graph: OperatorGraph, num_devices: int, microbatches: int) -> Strategy:
+    """Data parallelism with `microbatches` micro-batches per device: every op sample-split into
+    num_devices x microbatches parts on (0, .., 0, 1, .., 1, ...), each device's block of the batch in
+    consecutive micro-batches."""
+    devices = tuple(d for d in range(num_devices) for _ in range(microbatches))
+    return Strategy({op.name: sample_split(op, devices) for op in graph})
+
+
+def pipeline_strategy(graph: OperatorGraph, num_devices: int, microbatches: int) -> Strategy:
+    """A GPipe pipeline: the ops that compute cut into `num_devices` stages of consecutive ops (equal
+    counts), stage s on device s, every op sample-split into `microbatches` micro-batches on it."""
+    live = [op for op in graph if not op_def(op.kind).everywhere]
+    stage = {op.name: k * num_devices // len(live) for k, op in enumerate(live)}
+    return Strategy({op.name: sample_split(op, (stage.get(op.name, 0),) * microbatches) for op in graph})
+
+
+def repeated_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random, *, p: float = 0.75) -> Strategy:
+    """A valid random strategy (`random_strategy`) in which each op, with probability `p`, keeps its
+    degrees, perhaps with its sample split made 2 or 4 times finer, and draws the device of every part
+    with replacement (so devices repeat, across any split: micro-batches, several parameter blocks or
+    partial sums on one device), neither recomputing nor sharding; where `soap.config.validate` refuses
+    that (running statistics), the op keeps its drawn config."""
+    base = random_strategy(graph, num_devices, rng)
+    out = {}
+    for op in graph:
+        cfg = base[op.name]
+        if not op_def(op.kind).everywhere and rng.random() < p:
+            degrees = dict(cfg.degrees)
+            sample = _sample_dim(op)
+            grow = rng.choice([1, 2, 4])
+            if sample is not None and sample.size % (degrees.get(sample.name, 1) * grow) == 0:
+                degrees[sample.name] = degrees.get(sample.name, 1) * grow
+            count = 1
+            for g in degrees.values():
+                count *= g
+            drawn = ParallelConfig(degrees=degrees, devices=tuple(rng.randrange(num_devices) for _ in range(count)))
+            try:
+                validate(op, drawn, num_devices)
+                cfg = drawn
+            except ConfigError:
+                pass
+        out[op.name] = cfg
+    return Strategy(out)
+
+
+def repeats(strategy: Strategy) -> int:
+    """How many ops of `strategy` run two or more parts on one device."""
+    return sum(len(set(cfg.devices)) < len(cfg.devices) for cfg in strategy.configs.values())
 
 
 # ---------------------------------------------------------------------- the worker
