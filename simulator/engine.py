@@ -700,14 +700,20 @@ class Simulator:
                 if rk[t] < k0:
                     k0 = rk[t]
             gone.update(unit.tids)
-        for _, _, unit in removed:
-            for a, v in unit.links:
+
+        def unlink(pairs) -> None:
+            """Cut edges `pairs` where their ends live on; the replay starts no later than a cut target."""
+            nonlocal k0
+            for a, v in pairs:
                 if alive[a]:
                     succs[a].remove(v)
                 if alive[v]:
                     preds[v].remove(a)
                     if rk[v] < k0:
                         k0 = rk[v]
+
+        for _, _, unit in removed:
+            unlink(unit.links)
         # the all-reduces the unit takes part in: edited in place (its edges out, its new ones in below)
         synced: list[_SyncEdit] = []
         cut: list[Link] = []
@@ -772,13 +778,7 @@ class Simulator:
         if new_order or j.round_links:
             kept_order = set(new_order)
             j.round_cut = [link for link in j.round_links if link not in kept_order]
-            for a, v in j.round_cut:
-                if alive[a]:
-                    succs[a].remove(v)
-                if alive[v]:
-                    preds[v].remove(a)
-                    if rk[v] < k0:
-                        k0 = rk[v]
+            unlink(j.round_cut)
             old_order = set(j.round_links)
             links += [link for link in new_order if link not in old_order]
         else:

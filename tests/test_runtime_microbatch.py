@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import runtime_cases as rc
 import torch
+from test_runtime_correctness import run_and_check
 
 from runtime.checkpoint import checkpoint_path
-from runtime.launch import launch
 from runtime.train import TrainOptions
 from soap.config import ParallelConfig, validate
 from soap.lowering import lower
@@ -32,16 +32,6 @@ from soap.strategy import Strategy
 FLOAT64 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True, dtype="float64")
 FLOAT32 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True)
 RANDOM_MODELS = ("mlp", "cnn", "rescnn", "rnnlm", "transformer", "llama")
-
-
-def run_and_check(cases: list[dict], nproc: int = 2) -> list[dict]:
-    results = launch(rc.run_cases, nproc, kwargs={"cases": cases}, timeout_s=60, wall_timeout_s=900,
-                     num_threads=1)
-    rank0 = results[0]
-    assert [r["label"] for r in rank0] == [c["label"] for c in cases]
-    bad = rc.failures(rank0, cases=cases, num_devices=nproc)
-    assert not bad, "\n".join(bad)
-    return rank0
 
 
 def with_overrides(strategy: Strategy, graph, overrides: dict[str, ParallelConfig], num_devices: int) -> Strategy:

@@ -29,6 +29,40 @@ def _state(sim: Simulator) -> tuple:
     return (sim._iteration_ns, sim.peak_memory_bytes, sim._moved, sim.num_tasks)
 
 
+def propose_and_check(sim: Simulator, ref: Simulator, current, name: str, cfg, k: int,
+                      every: int = CHECK_TIMES_EVERY):
+    """Propose `cfg` for op `name` (proposal `k`) to `sim` and check it against `ref`'s full simulation of
+    the proposed strategy (every `every`-th proposal, every task too); returns the proposed strategy."""
+    proposed = current.with_config(name, cfg)
+    t_ms = sim.propose(name, cfg)
+    full = ref.full(proposed)
+    assert sim.strategy == proposed
+    assert t_ms == full.iteration_time_ms, f"proposal {k}: {name} -> {cfg}"
+    assert _state(sim) == _state(ref), f"proposal {k}: {name} -> {cfg}"
+    if k % every == 0:
+        delta = sim.timeline()
+        assert delta.task_times() == full.task_times(), f"proposal {k}: {name} -> {cfg}"
+        assert delta.summary() == full.summary()
+    return proposed
+
+
+def accept_or_reject(sim: Simulator, ref: Simulator, current, proposed, k: int, rng: random.Random,
+                     every: int = CHECK_TIMES_EVERY, *, check_times: bool = False):
+    """Accept or reject proposal `k` at random; after a rejection (every `every`-th) check `sim` against a
+    full simulation of `current` (with `check_times`, every task too). Returns the chain's strategy."""
+    if rng.random() < 0.5:
+        sim.accept()
+        return proposed
+    sim.reject()
+    assert sim.strategy == current
+    if k % every == 1:
+        ref.full(current)
+        assert _state(sim) == _state(ref), f"after rejecting proposal {k}"
+        if check_times:
+            assert sim.timeline().task_times() == ref.timeline().task_times()
+    return current
+
+
 def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int, seed: int, cost_model=None,
               start: str = "dp", sampler: str = "support", setup: TrainSetup | None = None) -> int:
     """Run `proposals` random proposals; return how many changed the config (not no-ops)."""
@@ -49,25 +83,8 @@ def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int,
             name = rng.choice(names)
             cfg = random_config(graph[name], topology.num_devices, rng)
         changed += cfg != current[name]
-        proposed = current.with_config(name, cfg)
-        t_ms = sim.propose(name, cfg)
-        full = ref.full(proposed)
-        assert sim.strategy == proposed
-        assert t_ms == full.iteration_time_ms
-        assert _state(sim) == _state(ref), f"proposal {k}: {name} -> {cfg}"
-        if k % CHECK_TIMES_EVERY == 0:
-            delta = sim.timeline()
-            assert delta.task_times() == full.task_times(), f"proposal {k}: {name} -> {cfg}"
-            assert delta.summary() == full.summary()
-        if rng.random() < 0.5:
-            sim.accept()
-            current = proposed
-        else:
-            sim.reject()
-            assert sim.strategy == current
-            if k % CHECK_TIMES_EVERY == 1:
-                ref.full(current)
-                assert _state(sim) == _state(ref), f"after rejecting proposal {k}"
+        proposed = propose_and_check(sim, ref, current, name, cfg, k)
+        current = accept_or_reject(sim, ref, current, proposed, k, rng)
     # the final state, every task, against a fresh simulator
     fresh = Simulator(graph, topology, cost_model, setup=setup).full(current)
     assert sim.timeline().task_times() == fresh.task_times()

@@ -22,6 +22,7 @@ import random
 
 import pytest
 import runtime_cases as rc
+from test_simulator_delta import accept_or_reject, propose_and_check
 from test_simulator_support import Net, chain, data_parallel, mlp, random_config, small_cnn
 
 import simulator.taskgraph as taskgraph
@@ -321,10 +322,6 @@ def test_pipeline_memory_keeps_every_micro_batch():
 # -- delta equals full -------------------------------------------------------------------------------------
 
 
-def _state(sim: Simulator) -> tuple:
-    return (sim._iteration_ns, sim.peak_memory_bytes, sim._moved, sim.num_tasks)
-
-
 def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int, seed: int, cost_model=None,
               p_repeat: float = 0.6, setup: TrainSetup | None = None) -> tuple[int, int]:
     """Random one-op proposals, most of them configs whose devices repeat, each checked against a full
@@ -343,28 +340,10 @@ def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int,
     for k in range(proposals):
         name = rng.choice(names)
         cfg = draw_config(graph[name], n, rng, p_repeat)
-        proposed = current.with_config(name, cfg)
-        t_ms = sim.propose(name, cfg)
-        full = ref.full(proposed)
+        proposed = propose_and_check(sim, ref, current, name, cfg, k, every=5)
         repeated += any(repeats(proposed[op.name]) for op in graph)
         ordered += bool(sim._round_links)
-        assert sim.strategy == proposed
-        assert t_ms == full.iteration_time_ms, f"proposal {k}: {name} -> {cfg}"
-        assert _state(sim) == _state(ref), f"proposal {k}: {name} -> {cfg}"
-        if k % 5 == 0:
-            delta = sim.timeline()
-            assert delta.task_times() == full.task_times(), f"proposal {k}: {name} -> {cfg}"
-            assert delta.summary() == full.summary()
-        if rng.random() < 0.5:
-            sim.accept()
-            current = proposed
-        else:
-            sim.reject()
-            assert sim.strategy == current
-            if k % 5 == 1:
-                ref.full(current)
-                assert _state(sim) == _state(ref), f"after rejecting proposal {k}"
-                assert sim.timeline().task_times() == ref.timeline().task_times()
+        current = accept_or_reject(sim, ref, current, proposed, k, rng, every=5, check_times=True)
     fresh = Simulator(graph, topology, cost_model, setup=setup).full(current)
     assert sim.timeline().task_times() == fresh.task_times()
     return repeated, ordered
