@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import platform
 import sys
@@ -137,6 +138,8 @@ class Row:
     batch: int
     tflops: float  # published, per GPU
     step_s: float  # published
+    pp: int = 1  # pipeline stages
+    microbatches: int = 1  # per data-parallel replica (Megatron's batch / (DP x micro-batch size))
 
     @property
     def builder(self) -> str:
@@ -148,7 +151,13 @@ class Row:
 
     @property
     def strategy(self) -> str:
-        return f"hybrid:tp={self.tp},recompute=full"
+        if self.pp == 1:
+            return f"hybrid:tp={self.tp},recompute=full"
+        return f"hybrid:tp={self.tp},pp={self.pp},microbatches={self.microbatches},recompute=full"
+
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if self.pp > 1 else "gpipe"
 
     def formula_flops(self, batch: int | None = None) -> float:
         """The paper's FLOPs per step: 96·B·s·l·h²·(1 + s/6h + V/16lh)."""
@@ -161,6 +170,8 @@ ROWS = (
     Row("3.6B", 30, 3072, 32, 2, 64, 512, 138, 3.70),
     Row("7.5B", 36, 4096, 32, 4, 128, 512, 142, 3.70),
     Row("18.4B", 40, 6144, 48, 8, 256, 1024, 135, 9.40),
+    # TP 8 x PP 2 x DP 32, micro-batches of 4 sequences: 1536 / (32 x 4) = 12 per replica, 1F1B
+    Row("39.1B", 48, 8192, 64, 8, 512, 1536, 138, 14.45, pp=2, microbatches=12),
 )
 BY_NAME = {r.name: r for r in ROWS}
 
@@ -187,6 +198,10 @@ def gpt_7_5b(batch_size: int = 512) -> tuple:
 
 def gpt_18_4b(batch_size: int = 1024) -> tuple:
     return _gpt(batch_size, BY_NAME["18.4B"])
+
+
+def gpt_39_1b(batch_size: int = 1536) -> tuple:
+    return _gpt(batch_size, BY_NAME["39.1B"])
 
 
 def model_ref(row: Row) -> str:
@@ -260,7 +275,8 @@ def run_row(row: Row, *, setup: TrainSetup, diagnostics: bool) -> tuple[dict, Op
     flops = row.formula_flops()
     out = {
         "row": row.name, "layers": row.layers, "hidden": row.hidden, "heads": row.heads, "tp": row.tp,
-        "dp": row.gpus // row.tp, "gpus": row.gpus, "batch": row.batch, "topology": row.topology,
+        "pp": row.pp, "microbatches": row.microbatches, "schedule": setup.schedule,
+        "dp": row.gpus // (row.tp * row.pp), "gpus": row.gpus, "batch": row.batch, "topology": row.topology,
         "strategy": row.strategy, "num_ops": len(graph), "num_tasks": timeline.num_tasks,
         "params": sum(_numel(p.shape) for op in graph for p in op.params.values()),
         "published_s": row.step_s, "predicted_s": pred_s, "ratio": pred_s / row.step_s,
@@ -355,20 +371,22 @@ def run_optimize(row: Row, *, setup: TrainSetup, budget_s: float, jobs: int, see
 
 def render(rows: list[dict], opt: dict | None, meta: dict) -> str:
     lines = [
-        "# Published scale: simulated vs Megatron-LM (SC'21, Table 1, no pipelining)",
+        "# Published scale: simulated vs Megatron-LM (SC'21, Table 1)",
         "",
         f"GPT, vocabulary {VOCAB:,}, sequence {SEQ}, {PRECISION} mixed precision, {OPTIMIZER}, strategy "
-        "`hybrid:tp=T,recompute=full`, presets `a100-Nx8`, the default analytical cost model "
+        "`hybrid:tp=T,recompute=full` (the 39.1B row: `hybrid:tp=8,pp=2,microbatches=12,recompute=full` "
+        "under the 1F1B schedule), presets `a100-Nx8`, the default analytical cost model "
         "(as `soapflow simulate`; nothing tuned). TFLOP/s per GPU by the paper's formula "
         f"96·B·s·l·h²·(1 + s/6h + V/16lh). Python {meta['python']}, {meta['machine']}.",
         "",
-        "| model | TP x DP (GPUs) | batch | published s | predicted s | ratio | error | within 20% | "
+        "| model | TP x PP x DP (GPUs) | batch | published s | predicted s | ratio | error | within 20% | "
         "TFLOP/s/GPU published | predicted | critical path compute / comm / sync ms | peak GB / 80 | fits |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['row']} | {r['tp']} x {r['dp']} ({r['gpus']}) | {r['batch']} | {r['published_s']:.2f} | "
+            f"| {r['row']} | {r['tp']} x {r.get('pp', 1)} x {r['dp']} ({r['gpus']}) | {r['batch']} | "
+            f"{r['published_s']:.2f} | "
             f"{r['predicted_s']:.2f} | {r['ratio']:.2f} | {r['error']:+.0%} | {'yes' if r['within_target'] else 'NO'}"
             f" | {r['published_tflops_per_gpu']:.0f} | {r['predicted_tflops_per_gpu']:.0f} | "
             f"{r['compute_ms']:.0f} / {r['comm_ms']:.0f} / {r['sync_ms']:.0f} | {r['peak_memory_gb']:.1f} | "
@@ -483,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = TrainSetup(precision=PRECISION, optimizer=OPTIMIZER)
     rows = []
     for name in names:
-        row, _ = run_row(BY_NAME[name], setup=setup, diagnostics=not args.no_diagnostics)
+        row_setup = dataclasses.replace(setup, schedule=BY_NAME[name].schedule)
+        row, _ = run_row(BY_NAME[name], setup=row_setup, diagnostics=not args.no_diagnostics)
         print(f"  {name}: predicted {row['predicted_s']:.2f} s vs {row['published_s']:.2f} s ({row['error']:+.0%}), "
               f"peak {row['peak_memory_gb']:.1f} GB, capture {row['capture_s']:.1f} s, "
               f"simulate {row['simulate_s']:.1f} s", file=sys.stderr, flush=True)

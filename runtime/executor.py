@@ -9,23 +9,24 @@ what moves where. A rank may hold several parts of one op (its rounds, `OpStep.r
 each has its own input, outputs, autograd graph and output gradients, and they share the rank's
 parameter shards, so autograd adds their parameter gradients up.
 
-- forward, round by round in the plan's forward order (`StepPlan.forward_order`, (op, round); the graph
-  order without repeated devices): take part in each input edge's exchange of that round and assemble
-  the input of this rank's part of the round, edge by edge (`EdgeMover`: local slices of the producer
-  parts here, one exchange per edge and consumer round, partial sums added), then compute the part with
+A step (`run_step`) walks the plan's order (`StepPlan.order`: items (phase, op, round); every forward
+before any backward under GPipe and without repeated devices, interleaved under 1F1B):
+- a forward item: take part in each input edge's exchange of that round and assemble the input of this
+  rank's part of the round, edge by edge (`EdgeMover`: local slices of the producer parts here, one
+  exchange per edge and consumer round, partial sums added), then compute the part with
   `runtime.kernels.compute_part` on detached leaf copies of the inputs and on this rank's parameter
   shards. A rank without a part in the round still sends what its producer parts owe the exchange (they
   are computed: the order is topological). Sources move nothing (`OpDef.everywhere`): an op reads its
   region of an `input` from the global synthetic batch every rank holds, and of a `constant` from this
   rank's own buffer (or the value its recipe computes from the buffers, once, at setup).
-- backward, round by round in the plan's backward order (the reverse): backpropagate this rank's part
-  of the round from the gradients its consumers sent back (leaf gradients give the input gradients),
-  send every input piece's gradient back through the same round's exchange to the part it came from
-  (added there; a producer part on this rank gets it added locally), and once the op's last round is
-  done (`StepPlan.done_at`) tell `GradSync`: it launches the plan's all-reduces whose gradients just
-  became final, within exactly their device set, asynchronous.
+- a backward item: backpropagate this rank's part of the round from the gradients its consumers sent
+  back (leaf gradients give the input gradients), send every input piece's gradient back through the
+  same round's exchange to the part it came from (added there; a producer part on this rank gets it
+  added locally), and once it is the op's last backward item (`StepPlan.done_at`) tell `GradSync`: it
+  launches the plan's all-reduces whose gradients just became final, within exactly their device set,
+  asynchronous.
 
-Every rank walks the same orders and, at each round, the same edges in slot order, so the collectives of
+Every rank walks the same order and, at each item, the same edges in slot order, so the collectives of
 the step are issued in one order on every rank.
 
 `collectives` counts what this rank issued in the last step (`CollectiveLog`), in the shape of
@@ -53,7 +54,14 @@ from runtime.collectives import CollectiveLog, EdgeMover, GradSync, make_groups
 from runtime.materialize import PieceKey, take_piece
 from soap.config import param_pieces
 from soap.graph import Operator, OperatorGraph, TensorRef
-from soap.lowering import ALL_GATHER, REDUCE_SCATTER, StepPlan, SyncEntry, chunk_numel, recompute_points
+from soap.lowering import (
+    ALL_GATHER,
+    FORWARD,
+    REDUCE_SCATTER,
+    StepPlan,
+    SyncEntry,
+    chunk_numel,
+)
 from soap.opdef import Region
 from soap.registry import op_def
 
@@ -196,33 +204,35 @@ class Executor:
             mover.bind(groups)
         self.sync = GradSync(plan.all_reduces, rank=rank, groups=groups, grad_of=self._grad_of,
                              set_grad=self._set_grad, log=self.log)
-        # recomputation (`soap.lowering`'s rule, per op: a recomputing op runs one part per device): per
-        # position in the backward order, the ops recomputed before it (ascending), just before the first
-        # round of their recomputation point's backward, at the same place on every rank (a sharded
-        # part's all-gathers are collectives); what recomputing parts received in forward
+        # recomputation (`soap.lowering`'s rule, per part): per position in the order, the parts here
+        # recomputed just before that backward item (in forward order), at the same place on every rank;
+        # what recomputing parts received in forward is kept per (edge, round)
         self.recompute = [step.recompute for step in plan.ops]
-        bwd = plan.backward_order
-        first_bwd: dict[int, int] = {}
-        for k, (i, _) in enumerate(bwd):
-            first_bwd.setdefault(i, k)
-        self.recompute_before: dict[int, list[int]] = {}
-        for j, point in enumerate(recompute_points(flow, self.recompute)):
-            if point is not None:
-                assert len(self.parts[j]) <= 1, f"{graph.ops[j].name}: a recomputing op runs one part per device"
-                self.recompute_before.setdefault(first_bwd[point], []).append(j)
-        # a recomputing op's output is dropped after the forward of its consumers' last rounds
-        at_fwd = {node: k for k, node in enumerate(plan.forward_order)}
-        self.drop_after: dict[int, list[int]] = {}
-        for j, edges in enumerate(flow.out_edges):
-            if self.recompute[j] and edges and j != len(graph.ops) - 1:
-                k = max(at_fwd[(d, plan.ops[d].num_rounds - 1)] for d in {flow.edges[e].dst for e in edges})
-                self.drop_after.setdefault(k, []).append(j)
-        # An op that runs no backward lets its outputs go once every op after it is done with backward
-        # (the graph order's point without repeated devices): before backward position k.
+        order = plan.order
+        at = {item: k for k, item in enumerate(order)}
+        self.recompute_before: dict[int, list[tuple[int, int]]] = {}
+        for k, parts in plan.recompute_before().items():
+            mine = [(j, c) for j, c in parts if plan.ops[j].devices[c] == rank]
+            if mine:
+                self.recompute_before[k] = mine
+        # a recomputing part's outputs are dropped after the forward of the last consumer round reading them
+        ends: dict[tuple[int, int], int] = {}
+        for step in plan.edges:
+            e = flow.edges[step.edge]
+            if self.recompute[e.src] and e.src != len(graph.ops) - 1:
+                for p, c, _, _ in step.pieces:
+                    if plan.ops[e.src].devices[p] == rank:
+                        k = at[(FORWARD, e.dst, plan.ops[e.dst].rounds[c])]
+                        ends[(e.src, p)] = max(ends.get((e.src, p), -1), k)
+        self.drop_after: dict[int, list[tuple[int, int]]] = {}
+        for part, k in ends.items():
+            self.drop_after.setdefault(k, []).append(part)
+        # An op that runs no backward lets its outputs go once every item of the ops after it is done (the
+        # graph order's point in backward without repeated devices): before order position k.
         self.release_before: dict[int, list[int]] = {}
-        lowest = [0] * len(bwd)  # minus the highest op position at backward position k or later: ascending
-        for k in range(len(bwd) - 1, -1, -1):
-            lowest[k] = min(lowest[k + 1] if k + 1 < len(bwd) else 0, -bwd[k][0])
+        lowest = [0] * len(order)  # minus the highest op position at order position k or later: ascending
+        for k in range(len(order) - 1, -1, -1):
+            lowest[k] = min(lowest[k + 1] if k + 1 < len(order) else 0, -order[k][1])
         for j in range(len(graph.ops)):
             if not flow.needs_bwd[j] and not flow.everywhere[j]:
                 self.release_before.setdefault(bisect.bisect_left(lowest, -j), []).append(j)
@@ -403,21 +413,19 @@ class Executor:
         want = self.plan.ops[i].reads[slot][part] if part is not None else None
         return None if want is None else self.sources[op.inputs[slot].op][as_slices(want)]
 
-    def _recompute(self, i: int) -> None:
-        """Run op position `i`'s part here (a recomputing op has at most one per device, of round 0) forward
-        again, from the outputs kept here, the pieces it received in forward and the recomputed outputs of
-        recomputing producers (recomputed before it)."""
+    def _recompute(self, i: int, c: int) -> None:
+        """Run op position `i`'s part `c` here forward again, from the outputs kept here, the pieces its
+        round received in forward and the recomputed outputs of recomputing producers (recomputed before
+        it)."""
         op = self.graph.ops[i]
-        if not self.parts[i]:
-            return
-        c = self.parts[i][0]
+        r = self.plan.ops[i].rounds[c]
         inputs: list[torch.Tensor | None] = []
         for slot, eid in enumerate(self.flow.slot_edges[i]):
             if eid is None:
                 inputs.append(self._source_input(i, c, op, slot))
                 continue
-            mover = self.movers[(eid, 0)]
-            inputs.append(mover.assemble(self._outputs(eid, mover.local_parts), self.kept.get((eid, 0), {})))
+            mover = self.movers[(eid, r)]
+            inputs.append(mover.assemble(self._outputs(eid, mover.local_parts), self.kept.get((eid, r), {})))
         self._run_part(i, c, op, inputs, keep=True)
 
     def _run_part(self, i: int, c: int, op: Operator, inputs: list[torch.Tensor | None], *, keep: bool) -> None:
@@ -466,10 +474,13 @@ class Executor:
                 return torch.func.functional_call(sub, dict(params), args, kwargs, strict=False)
         return kernels.run_opaque(op, target, inputs, params)
 
-    def forward(self, batch: Sequence[torch.Tensor], *, step: int = 0, fail: bool = False) -> torch.Tensor:
-        """Run the forward pass on the full synthetic batch `batch` (one tensor per `input` position);
-        returns this rank's share of the loss (a 0-dim tensor: the sum of its loss parts, zero when it
-        holds none).
+    def run_step(self, batch: Sequence[torch.Tensor], *, step: int = 0, fail: bool = False,
+                 loss_scale: float = 1.0) -> torch.Tensor:
+        """Run one step's forward and backward on the full synthetic batch `batch` (one tensor per `input`
+        position), item by item in the plan's order (`StepPlan.order`: every forward before any backward
+        under GPipe, interleaved under 1F1B), backpropagating the loss parts times `loss_scale` and
+        synchronizing replicated parameter gradients (waits for the all-reduces before returning); returns
+        this rank's share of the loss (a 0-dim tensor: the sum of its loss parts, zero when it holds none).
 
         `fail` (a test hook) raises in the first op this rank computes, as a failing kernel would."""
         self.step = step
@@ -481,28 +492,50 @@ class Executor:
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
                 self.sources[op.name] = self._as_output(batch[int(op.attrs["position"])], op)
-        for k, (i, r) in enumerate(self.plan.forward_order):
-            op = self.graph.ops[i]
-            self.where = self._where(i, r, 0)
-            inputs = self._inputs(i, r, op)
-            c = self.round_part[i].get(r)
-            if c is not None:
-                if fail:
-                    raise RuntimeError("injected fault (test hook)")
-                self._run_part(i, c, op, inputs, keep=not self.recompute[i])
-            for j in self.drop_after.get(k, ()):
-                for p in self.parts[j]:
-                    self.values.pop((j, p), None)
-        self.where = "loss"
-        self.num_forwards += 1
         last = len(self.graph.ops) - 1
-        losses = [self.values[(last, c)][0].reshape(()) for c in self.parts[last] if (last, c) in self.values]
+        losses: list[torch.Tensor] = []
+        order = self.plan.order
+        for k, (phase, i, r) in enumerate(order):
+            for j in self.release_before.get(k, ()):
+                self._release_outputs(j)
+            if phase == FORWARD:
+                self._forward_item(k, i, r, fail)
+                c = self.round_part[i].get(r)
+                if i == last and c is not None:
+                    losses.append(self.values[(last, c)][0].reshape(()))
+            else:
+                self._backward_item(k, i, r, loss_scale)
+        for j in self.release_before.get(len(order), ()):
+            self._release_outputs(j)
+        self.num_forwards += 1
+        self.where = "gradient synchronization"
+        self.sync.finish()
+        self.collectives = self.log.snapshot()
+        self.values.clear()
+        self.saved.clear()
+        self.grads.clear()
+        self.kept.clear()
+        self.where = "step"
         if not losses:
             return torch.zeros((), dtype=self.float_dtype)
         total = losses[0]
         for part in losses[1:]:
             total = total + part
         return total
+
+    def _forward_item(self, k: int, i: int, r: int, fail: bool) -> None:
+        """The forward of round `r` of op position `i` (order position `k`): its exchanges, then this rank's
+        part of the round if it has one."""
+        op = self.graph.ops[i]
+        self.where = self._where(i, r, 0)
+        inputs = self._inputs(i, r, op)
+        c = self.round_part[i].get(r)
+        if c is not None:
+            if fail:
+                raise RuntimeError("injected fault (test hook)")
+            self._run_part(i, c, op, inputs, keep=not self.recompute[i])
+        for j, p in self.drop_after.get(k, ()):
+            self.values.pop((j, p), None)
 
     def _where(self, i: int, r: int, phase: int) -> str:
         """What the rank does at round `r` of op position `i` (phase 0: forward, 1: backward), for errors."""
@@ -529,48 +562,33 @@ class Executor:
             self.values.pop((j, c), None)
             self.saved.pop((j, c), None)
 
-    def backward(self, *, loss_scale: float = 1.0) -> None:
-        """Backpropagate the loss parts (times `loss_scale`), move input gradients back to their producers,
-        and synchronize replicated parameter gradients (waits for the all-reduces before returning)."""
-        last = len(self.graph.ops) - 1
+    def _backward_item(self, k: int, i: int, r: int, loss_scale: float) -> None:
+        """The backward of round `r` of op position `i` (order position `k`): the recomputations due before
+        it, this rank's part of the round if it has one, its input gradients sent back through the
+        round's exchanges, and the all-reduces that become ready once it is the op's last."""
+        for j, p in self.recompute_before.get(k, ()):
+            self.where = f"recomputation of op {self.graph.ops[j].name!r} ({self.graph.ops[j].kind})"
+            self._recompute(j, p)
+        op = self.graph.ops[i]
+        self.where = self._where(i, r, 1)
+        c = self.round_part[i].get(r)
+        in_grads: list[torch.Tensor | None] = [None] * len(op.inputs)
+        if c is not None:
+            # Its consumers are done with the output: let it go now, as autograd frees activations during
+            # backward (holding every activation to the end costs memory and fresh pages every step).
+            self.values.pop((i, c), None)
+            saved = self.saved.pop((i, c), None)
+            if saved is not None:
+                last = len(self.graph.ops) - 1
+                in_grads = self._backward_part(i, c, op, saved, loss_scale if i == last else None)
         flow = self.flow
-        order = self.plan.backward_order
-        done_at = self.plan.done_at
-        for k, (i, r) in enumerate(order):
-            for j in self.release_before.get(k, ()):
-                self._release_outputs(j)
-            for j in self.recompute_before.get(k, ()):
-                self.where = f"recomputation of op {self.graph.ops[j].name!r} ({self.graph.ops[j].kind})"
-                self._recompute(j)
-            op = self.graph.ops[i]
-            self.where = self._where(i, r, 1)
-            c = self.round_part[i].get(r)
-            in_grads: list[torch.Tensor | None] = [None] * len(op.inputs)
-            if c is not None:
-                # Its consumers are done with the output: let it go now, as autograd frees activations
-                # during backward (holding every activation to the end costs memory and fresh pages every
-                # step).
-                self.values.pop((i, c), None)
-                saved = self.saved.pop((i, c), None)
-                if saved is not None:
-                    in_grads = self._backward_part(i, c, op, saved, loss_scale if i == last else None)
-            for slot, eid in enumerate(flow.slot_edges[i]):
-                if eid is not None:
-                    ref = flow.edges[eid].ref
-                    self.movers[(eid, r)].backward(
-                        in_grads[slot], lambda p, sl, piece, ref=ref: self._accumulate((ref, p), sl, piece))
-            if done_at[i] == k:
-                self.sync.ready(i)
-        for j in self.release_before.get(len(order), ()):
-            self._release_outputs(j)
-        self.where = "gradient synchronization"
-        self.sync.finish()
-        self.collectives = self.log.snapshot()
-        self.values.clear()
-        self.saved.clear()
-        self.grads.clear()
-        self.kept.clear()
-        self.where = "step"
+        for slot, eid in enumerate(flow.slot_edges[i]):
+            if eid is not None:
+                ref = flow.edges[eid].ref
+                self.movers[(eid, r)].backward(
+                    in_grads[slot], lambda p, sl, piece, ref=ref: self._accumulate((ref, p), sl, piece))
+        if self.plan.done_at[i] == k:
+            self.sync.ready(i)
 
     def _backward_part(self, i: int, c: int, op: Operator,
                        saved: tuple[list[torch.Tensor | None], tuple[torch.Tensor, ...]], loss_scale: float | None

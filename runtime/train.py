@@ -285,8 +285,7 @@ def train_step(executor: Executor, optimizer: torch.optim.Optimizer | None, batc
     `scaler`'s loss scaling) on the full global `batch`; returns this rank's share of the loss. Errors
     become `ExecutionError` naming the op."""
     try:
-        local = executor.forward(batch, step=step, fail=fail)
-        executor.backward(loss_scale=scaler.scale if scaler is not None else 1.0)
+        local = executor.run_step(batch, step=step, fail=fail, loss_scale=scaler.scale if scaler is not None else 1.0)
         executor.where = "optimizer step"
         if scaler is None or scaler.unscale(executor.parameters()):
             if optimizer is not None:

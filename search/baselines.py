@@ -15,7 +15,7 @@ Must not import torch or the runtime.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from soap.config import ParallelConfig, param_replicas, parts, recompute_refusal
 from soap.graph import Operator, OperatorGraph
@@ -278,6 +278,18 @@ def _with_sample(op: Operator, cfg: ParallelConfig, groups: int, group_size: int
     return ParallelConfig(degrees=degrees, devices=tuple(devices))
 
 
+def _regrouped(op: Operator, cfg: ParallelConfig) -> Iterator[ParallelConfig]:
+    """`cfg`'s devices, where `cfg` splits the op's sample dim over them, split on another attribute dim of
+    the op instead (those the registry allows, in the op's dim order)."""
+    sample = _sample(op)
+    if sample is None or cfg.degree(sample.name) == 1:
+        return
+    for dim in _dims_of_kind(op, DimKind.ATTRIBUTE):
+        alt = split(op, dim, cfg.devices)
+        if alt is not None:
+            yield alt
+
+
 def _shifted(cfg: ParallelConfig, offset: int) -> ParallelConfig:
     return cfg if not offset else cfg.replace(devices=tuple(d + offset for d in cfg.devices))
 
@@ -310,9 +322,9 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
         raise BaselineNotApplicable(f"hybrid: shard={shard} does not divide the {groups} data-parallel "
                                     f"group(s) (tp={tp_size} over {n} devices"
                                     + (f" in {pp} stages)" if pp > 1 else ")"))
-    if microbatches > 1 and (shard > 1 or recompute != "none"):
-        raise BaselineNotApplicable("hybrid: micro-batches with shard > 1 or recompute=full are not built yet "
-                                    "(a device runs one part of a sharded or recomputing op)")
+    if microbatches > 1 and shard > 1:
+        raise BaselineNotApplicable("hybrid: micro-batches with shard > 1 are not built yet "
+                                    "(a device runs one part of a sharded op)")
     for op in graph:
         if op.kind == "input":
             sample = _sample(op)
@@ -327,6 +339,11 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
     for op, stage in zip(graph, stage_of, strict=True):
         local = _shifted(inner[op.name], stage * tp_size)  # the stage's group of the first replica
         cfg = _with_sample(op, local, groups, pp * tp_size, microbatches)
+        if cfg is None:
+            # the batch of a micro-batch does not split over the group: split another dim over it (the
+            # sequence of a LayerNorm or a dropout, as Megatron-LM's sequence parallelism)
+            cfg = next((c for c in (_with_sample(op, alt, groups, pp * tp_size, microbatches)
+                                    for alt in _regrouped(op, local)) if c is not None), None)
         if cfg is None:
             cfg = local  # no sample dim: it runs in the first replica only
         configs[op.name] = _sharded(op, cfg, shard, shared)

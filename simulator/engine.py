@@ -73,7 +73,17 @@ from simulator.taskgraph import (
 from simulator.timeline import Timeline
 from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import OperatorGraph
-from soap.lowering import GradFlow, NotReplicable, Replicas, StepPlan, find_replicas, lower, step_orders
+from soap.lowering import (
+    BACKWARD,
+    GradFlow,
+    NotReplicable,
+    Replicas,
+    StepPlan,
+    find_replicas,
+    flight_savings,
+    lower,
+    step_order,
+)
 from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, validate_strategy
 from soap.topology import DeviceTopology
@@ -127,7 +137,7 @@ class _Journal:
 
     __slots__ = ("noop", "op", "cfg", "plan", "params", "old_len", "mem", "moved", "iteration", "dead",
                  "removed", "gone", "synced", "cut", "added", "links", "new_syncs", "order", "end", "rk", "cuts",
-                 "res_tails", "rounds", "round_links", "round_cut", "unsorted")
+                 "res_tails", "rounds", "round_links", "round_cut", "unsorted", "flight")
 
     def __init__(self, *, noop: bool = False):
         self.noop = noop
@@ -201,7 +211,7 @@ class Simulator:
     def peak_memory_bytes(self) -> tuple[int, ...]:
         """Per device, what it keeps plus its largest transient (`soap.lowering`'s memory rule)."""
         self._need_state()
-        peak = [m + t for m, t in zip(self._mem, self._tmax, strict=True)]
+        peak = [m + t - self._flight.get(d, 0) for d, (m, t) in enumerate(zip(self._mem, self._tmax, strict=True))]
         return tuple(peak if self.replicas is None else self.replicas.spread(peak))
 
     @property
@@ -368,7 +378,7 @@ class Simulator:
         for sid in sorted(members):
             self._syncs[sid] = self._new_sync(sid, members[sid], links)
         self._rounds = sum(plan.step.num_rounds > 1 for plan in self._plans)
-        self._round_links = self._order_links()
+        self._round_links, self._flight = self._order_links()
         links += self._round_links
         self._unsorted = self._may_unsort(self._round_links)
         self._apply(links)
@@ -561,49 +571,52 @@ class Simulator:
             links += group_links
         return _Sync(tid, members, mine)
 
-    def _order_links(self) -> list[Link]:
+    def _order_links(self) -> tuple[list[Link], dict[int, int]]:
         """The round order's edges (`simulator.taskgraph`'s task list): on every device, the tasks of an op's
-        rounds after the first in forward and before the last in backward wait for the task before them in
-        the device's share of the step's order (`soap.lowering.step_orders`), as the runtime walks it: at
-        each (op, round), forward, the exchanges of its input edges for that round (in slot order; an
-        exchange is in the share of every device that sends or receives in it), then its part; backward,
-        its part, then those exchanges' gradients. None without repeated devices."""
+        rounds but the first it runs in each pass wait for the task before them in the device's share of
+        the step's order (`soap.lowering.step_order`), as the runtime walks it: at each forward item, the
+        exchanges of its input edges for that round (in slot order; an exchange is in the share of every
+        device that sends or receives in it), then its part; at each backward item, its part, then those
+        exchanges' gradients. Also the order's `soap.lowering.flight_savings`. None without repeated
+        devices."""
         if not self._rounds:
-            return []
+            return [], {}
         flow, units, edge_units = self.flow, self._op_units, self._edge_units
         steps = [plan.step for plan in self._plans]
         edges = [self._edge_plan(e).step for e in range(len(flow.edges))]
-        fwd, bwd = step_orders(flow, steps, edges)
+        order = step_order(flow, steps, edges)
         parts: dict[int, list[list[int]]] = {}  # op -> its parts per round
         xfers: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}  # edge -> round -> (exchange, ranks)
         out: list[Link] = []
-        for order, backward in ((fwd, False), (bwd, True)):
-            prev: dict[int, int] = {}  # device -> its last task so far in the order
-            for i, r in order:
-                step = steps[i]
-                rounds = parts.get(i)
-                if rounds is None:
-                    rounds = parts[i] = [[] for _ in range(step.num_rounds)]
-                    for c, k in enumerate(step.rounds):
-                        rounds[k].append(c)
-                tasks = units[i].bwd if backward else units[i].fwd
-                mine = [(tasks[c], (step.devices[c],)) for c in rounds[r]]
-                exchanges = []
-                for e in flow.in_edges[i]:
-                    by_round = xfers.get(e)
-                    if by_round is None:
-                        by_round = xfers[e] = {x[0]: (k, x[1]) for k, x in enumerate(edges[e].exchanges)}
-                    if r in by_round and (not backward or flow.edges[e].grad):
-                        k, ranks = by_round[r]
-                        exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks))
-                # the round each pass takes first (forward: the first; backward: the last) waits for nothing
-                waits = r != (step.num_rounds - 1 if backward else 0)
-                for t, devices in (mine + exchanges if backward else exchanges + mine):
-                    if waits:
-                        out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
-                    for d in devices:
-                        prev[d] = t
-        return out
+        prev: dict[int, int] = {}  # device -> its last task so far in the order
+        first: set[tuple[int, int]] = set()  # the (phase, op)s whose first item has been seen
+        for phase, i, r in order:
+            backward = phase == BACKWARD
+            step = steps[i]
+            rounds = parts.get(i)
+            if rounds is None:
+                rounds = parts[i] = [[] for _ in range(step.num_rounds)]
+                for c, k in enumerate(step.rounds):
+                    rounds[k].append(c)
+            tasks = units[i].bwd if backward else units[i].fwd
+            mine = [(tasks[c], (step.devices[c],)) for c in rounds[r]]
+            exchanges = []
+            for e in flow.in_edges[i]:
+                by_round = xfers.get(e)
+                if by_round is None:
+                    by_round = xfers[e] = {x[0]: (k, x[1]) for k, x in enumerate(edges[e].exchanges)}
+                if r in by_round and (not backward or flow.edges[e].grad):
+                    k, ranks = by_round[r]
+                    exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks))
+            # the first item of each op and pass waits for nothing (the plain ready order)
+            waits = (phase, i) in first
+            first.add((phase, i))
+            for t, devices in (mine + exchanges if backward else exchanges + mine):
+                if waits:
+                    out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
+                for d in devices:
+                    prev[d] = t
+        return out, flight_savings(flow, steps, edges, order)
 
     def _may_unsort(self, links: list[Link]) -> bool:
         """Whether order edges `links` may break the invariant that the simulation processes tasks in
@@ -745,7 +758,7 @@ class Simulator:
         # 2. put in the new units
         self._configs[i] = cfg
         self._plans[i] = new_plan
-        j.rounds, j.round_links, j.unsorted = self._rounds, self._round_links, self._unsorted
+        j.rounds, j.round_links, j.unsorted, j.flight = self._rounds, self._round_links, self._unsorted, self._flight
         self._rounds += (new_plan.step.num_rounds > 1) - (old_plan.step.num_rounds > 1)
         links: list[Link] = []
         added = [("op", i, self._add_op_unit(i, links))]
@@ -774,7 +787,7 @@ class Simulator:
                 self._dur[edit.sync.tid] = ns
                 self._nbytes[edit.sync.tid] = wire
         # the round order's edges: those that changed (edges of the op's new tasks are all new)
-        new_order = self._order_links()
+        new_order, self._flight = self._order_links()
         if new_order or j.round_links:
             kept_order = set(new_order)
             j.round_cut = [link for link in j.round_links if link not in kept_order]
@@ -902,7 +915,8 @@ class Simulator:
                 succs[a].append(v)
             if v not in gone:
                 preds[v].append(a)
-        self._rounds, self._round_links, self._unsorted = j.rounds, j.round_links, j.unsorted
+        self._rounds, self._round_links, self._unsorted, self._flight = (j.rounds, j.round_links, j.unsorted,
+                                                                         j.flight)
         for sid in j.new_syncs:
             del self._syncs[sid]
         for edit in j.synced:

@@ -34,9 +34,10 @@ Tasks of a step plan:
 - per parameter unit and device: an optimizer update task after the backward of all the device's parts of
   the unit's ops and the all-reduces it takes part in;
 - the round order (edges built by `simulator.engine`, since they depend on every op's config): on each
-  device, the tasks of an op's rounds after the first in forward and before the last in backward (its
-  parts, and the exchanges of its input edges for those rounds) wait for the task before them in the
-  device's share of the step's order (`soap.lowering.step_orders`: GPipe's), as the runtime walks that
+  device, the tasks of an op's rounds but the first it runs in each pass (its parts, and the exchanges
+  of its input edges for those rounds) wait for the task before them in the device's share of the
+  step's order (`soap.lowering.step_order`, forward and backward items interleaved under 1F1B), as the
+  runtime walks that
   order with blocking all-to-alls (an exchange is in the share of every device that sends or receives
   in it). Without them a device would run every round of a stage's first op (all ready at once) before
   the first round of the next, and a pipeline would never overlap its stages. The first round of each

@@ -147,8 +147,6 @@ def recompute_refusal(op: Operator) -> str | None:
 
 def repeat_refusal(op: Operator, cfg: ParallelConfig) -> str | None:
     """Why `op` cannot run several parts on one device under `cfg` (None: it can)."""
-    if cfg.recompute:
-        return "an op that recomputes runs one part per device (not built yet)"
     if cfg.shard > 1:
         return "a sharded op runs one part per device (not built yet)"
     if op_def(op.kind).buffer_regions(op, tuple((0, d.size) for d in dims_of(op))):

@@ -69,9 +69,11 @@ parts), the input pieces it receives and its partial-sum buffers, what it keeps 
 producer's output, the parameters, gradients and optimizer state of its shards (1/S of a sharded
 region) — plus the largest transient of one part: what a recomputing part recomputes, the gathered
 parameters of a sharded part and their gradient, and in backward the gradients of the part's float
-outputs and of the inputs it reads. The kept sum is an upper bound (no liveness analysis); the
-transient is the peak of one op at a time, as the runtime frees a part's transients before the next
-op's.
+outputs and of the inputs it reads. The kept sum is an upper bound (no liveness analysis) with one
+exception, the rounds a schedule never holds at once: an op with n parts on a device whose order holds
+at most f of them in flight (forward done, backward not; f < n only under 1F1B) keeps f / n of its
+parts' activations and of what its input edges keep there (`flight_savings`). The transient is the peak
+of one op at a time, as the runtime frees a part's transients before the next op's.
 
 - **Rounds.** A config's devices may repeat: part c's *round* is how many earlier parts run on its
   device (`part_rounds`), so the parts of one round run on distinct devices and a device runs its parts
@@ -80,15 +82,30 @@ op's.
   distinct devices. An edge's moving pieces make one exchange per consumer round (`EdgeStep.exchanges`),
   so round r of a consumer waits only for the producer parts it reads. Repeated devices are refused with
   `recompute` and `shard` > 1 and for ops with running statistics (`soap.config.validate`).
-- **Order.** The step's forward runs the rounds of its ops in one global order (`StepPlan.forward_order`):
-  a topological order of the rounds (an edge's pieces and the rounds of one op in turn are the
-  dependencies) that takes first, among the rounds ready, the one that ends earliest in its op (round r
-  of R ends at (r + 1) / R), then the lowest op position: GPipe's order, micro-batch after micro-batch
-  through the ops. The backward runs the reverse (`StepPlan.backward_order`: the last micro-batch's
-  first). Without repeated devices both are the graph order. Every rank walks the same orders and takes
-  part in the exchanges of each round as it comes, so the ranks issue their collectives in one
-  consistent order and a device two stages apart from another works on an earlier micro-batch while it
-  works on a later one.
+- **Order.** A step is one global order of items (phase, op position, round), forward and backward
+  (`StepPlan.order`, `step_order`), a topological order of their dependencies: a round's forward after
+  the producer rounds it reads pieces of and after the op's previous round; a round's backward after its
+  forward and after the backward of the consumer rounds that read it. Without repeated devices it is the
+  graph order forward, then its reverse (the ops that run a backward). With them, the setup's schedule
+  (`TrainSetup.schedule`) picks it:
+  - ``gpipe``: every forward, then every backward. The forward takes first, among the rounds ready, the one
+    that ends earliest in its op (round r of R ends at (r + 1) / R), then the lowest op position:
+    micro-batch after micro-batch through the ops; the backward is its reverse (the last micro-batch's
+    first). A device keeps every round's activations until the backward.
+  - ``1f1b``: a list schedule on a rough clock (an item lasts its share of its op's FLOPs and memory
+    traffic): whenever a device is idle it starts, among the items ready, backwards first (earliest round,
+    then the op nearest the loss), then forwards (earliest round, lowest op), a forward only while the
+    device holds fewer of its op's rounds in flight (forward started, backward not done) than its cap:
+    one more than the pipeline stages after it (`pipeline_caps`; a stage boundary is an edge between ops
+    on different device sets). The order is that of the starts. On a P-stage pipeline that is 1F1B: stage
+    s warms up with P - s forwards, then alternates backward and forward, and holds at most P - s
+    micro-batches in flight. Should the caps leave nothing to run, the first ready forward runs anyway.
+    The clock matters because an exchange sits in the order of both its ends: a device that reaches it
+    early waits for the other, so the order should run each device's items about when their data
+    arrives.
+  Every rank walks the same order and takes part in the exchanges of each round as it comes, so the ranks
+  issue their collectives in one consistent order and a device two stages apart from another works on an
+  earlier micro-batch while it works on a later one.
 - **Replicas.** `lower(..., replicas=Replicas(count=R, size=m))` lowers only replica 0 of a strategy
   that repeats itself R times (`find_replicas`): every op that computes splits its sample dim outermost
   into a multiple of R chunks, and the parts of replica g are those of replica 0 on devices shifted by
@@ -169,10 +186,9 @@ def find_replicas(graph: OperatorGraph, strategy: Strategy, num_devices: int) ->
             return None  # (uneven sample chunks make replicas of different sizes)
         count = gcd(count, cfg.degree(split[0].name))
         configs.append(cfg)
-    while count > 1:
-        if num_devices % count == 0 and all(_repeats(cfg, count, num_devices // count) for cfg in configs):
-            return Replicas(count=count, size=num_devices // count)
-        count = max(d for d in range(1, count) if count % d == 0)
+    for r in range(count, 1, -1):  # every divisor of the common count, the largest first
+        if count % r == 0 and num_devices % r == 0 and all(_repeats(cfg, r, num_devices // r) for cfg in configs):
+            return Replicas(count=r, size=num_devices // r)
     return None
 
 
@@ -831,54 +847,229 @@ def all_reduces(entries: Sequence[SyncEntry], done_at: Sequence[int] | None = No
     return out
 
 
-def step_orders(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]
-                ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
-    """The forward and backward orders of a step (module docstring): (op position, round) for every round
-    of every op that is not a source; backward lists the ops that run backward, in the reverse of forward."""
+FORWARD, BACKWARD = 0, 1  # the phases of a step's order items (phase, op position, round)
+Item = tuple[int, int, int]
+
+
+def step_order(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]) -> tuple[Item, ...]:
+    """The order of a step (module docstring, "Order"): (phase, op position, round) for the forward of every
+    round of every op that is not a source and the backward of those that run one, under the setup's
+    schedule."""
     live = [i for i in range(flow.num_ops) if not flow.everywhere[i]]
     if all(ops[i].num_rounds == 1 for i in live):
-        fwd = tuple((i, 0) for i in live)
-    else:
-        # the dependencies between rounds: an edge's pieces, and the rounds of one op in order
-        after: dict[tuple[int, int], set[tuple[int, int]]] = {}
-        for step in edges:
-            e = flow.edges[step.edge]
-            pr, cr = ops[e.src].rounds, ops[e.dst].rounds
-            for p, c, _, _ in step.pieces:
-                after.setdefault((e.src, pr[p]), set()).add((e.dst, cr[c]))
-        waiting: dict[tuple[int, int], int] = {}
-        for i in live:
-            for r in range(1, ops[i].num_rounds):
-                after.setdefault((i, r - 1), set()).add((i, r))
-        for succ in after.values():
-            for n in succ:
-                waiting[n] = waiting.get(n, 0) + 1
+        fwd: list[tuple[int, int]] = [(i, 0) for i in live]
+        return tuple((FORWARD, i, r) for i, r in fwd) + tuple(
+            (BACKWARD, i, r) for i, r in reversed(fwd) if flow.needs_bwd[i])
+    after = _round_deps(flow, ops, edges, live)
+    if flow.setup.schedule == "1f1b":
+        return _one_f_one_b(flow, ops, live, after)
+    waiting: dict[tuple[int, int], int] = {}
+    for succ in after.values():
+        for n in succ:
+            waiting[n] = waiting.get(n, 0) + 1
 
-        def key(node: tuple[int, int]) -> tuple[Fraction, int]:
-            return Fraction(node[1] + 1, ops[node[0]].num_rounds), node[0]
+    def key(node: tuple[int, int]) -> tuple[Fraction, int]:
+        return Fraction(node[1] + 1, ops[node[0]].num_rounds), node[0]
 
-        ready = [(key(n), n) for i in live for n in [(i, 0)] if not waiting.get(n)]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            _, node = heapq.heappop(ready)
-            order.append(node)
-            for n in after.get(node, ()):
+    ready = [(key(n), n) for i in live for n in [(i, 0)] if not waiting.get(n)]
+    heapq.heapify(ready)
+    fwd = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        fwd.append(node)
+        for n in after.get(node, ()):
+            waiting[n] -= 1
+            if not waiting[n]:
+                heapq.heappush(ready, (key(n), n))
+    assert len(fwd) == sum(ops[i].num_rounds for i in live), "the rounds of a step form a cycle"
+    return tuple((FORWARD, i, r) for i, r in fwd) + tuple(
+        (BACKWARD, i, r) for i, r in reversed(fwd) if flow.needs_bwd[i])
+
+
+def _round_deps(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep], live: Sequence[int]
+                ) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    """The forward dependencies between rounds, (op, round) -> the (op, round)s that need it: an edge's
+    pieces, and the rounds of one op in turn."""
+    after: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for step in edges:
+        e = flow.edges[step.edge]
+        pr, cr = ops[e.src].rounds, ops[e.dst].rounds
+        for p, c, _, _ in step.pieces:
+            after.setdefault((e.src, pr[p]), set()).add((e.dst, cr[c]))
+    for i in live:
+        for r in range(1, ops[i].num_rounds):
+            after.setdefault((i, r - 1), set()).add((i, r))
+    return after
+
+
+def pipeline_caps(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int]) -> dict[int, int]:
+    """Per device that runs an op in several rounds, how many of that op's rounds 1F1B lets it hold in
+    flight: one more than its op's pipeline stages after it (the most over its ops), where a stage
+    boundary is an edge between ops on different device sets (module docstring, "Order")."""
+    devset = {i: frozenset(ops[i].devices) for i in live}
+    depth: dict[int, int] = {}
+    for i in reversed(live):
+        depth[i] = max((depth[j] + (devset[j] != devset[i]) for j in (flow.edges[e].dst for e in flow.out_edges[i])
+                        if j in depth), default=0)
+    caps: dict[int, int] = {}
+    for i in live:
+        if ops[i].num_rounds > 1:
+            for d in devset[i]:
+                caps[d] = max(caps.get(d, 1), depth[i] + 1)
+    return caps
+
+
+# 1F1B's list schedule times an item by its op's FLOPs plus its memory traffic at this many FLOPs per byte
+# (about the ridge point of a roofline) plus a fixed cost per part, split evenly over the op's parts: a
+# rough clock, the same for every device kind, so the order runs a device's items about when its data
+# arrives (the exchanges of a round sit in the order of both ends).
+_RIDGE_FLOPS_PER_BYTE = 50.0
+_PART_OVERHEAD_FLOPS = 1e6
+
+
+def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int],
+                 after: Mapping[tuple[int, int], set[tuple[int, int]]]) -> tuple[Item, ...]:
+    """The 1F1B order (module docstring, "Order"): a list schedule on a rough clock (`_RIDGE_FLOPS_PER_BYTE`).
+    Whenever a device is idle it starts, among the items ready, backwards first (earliest round, then the
+    op nearest the loss), then forwards (earliest round, lowest op) while it holds fewer of the op's rounds
+    in flight than its cap (`pipeline_caps`); an item of several devices starts when all are idle. If
+    nothing runs and nothing can start, the first ready forward starts anyway, so the schedule always
+    completes. The order is the order of the starts."""
+    graph, needs_bwd = flow.graph, flow.needs_bwd
+    caps = pipeline_caps(flow, ops, live)
+    succ: dict[Item, list[Item]] = {}
+    waiting: dict[Item, int] = {}
+
+    def dep(a: Item, b: Item) -> None:
+        succ.setdefault(a, []).append(b)
+        waiting[b] = waiting.get(b, 0) + 1
+
+    for (i, r), users in after.items():
+        for j, rj in users:
+            dep((FORWARD, i, r), (FORWARD, j, rj))
+            if needs_bwd[i] and needs_bwd[j] and j != i:
+                dep((BACKWARD, j, rj), (BACKWARD, i, r))
+    for i in live:
+        if needs_bwd[i]:
+            for r in range(ops[i].num_rounds):
+                dep((FORWARD, i, r), (BACKWARD, i, r))
+                if r:
+                    dep((BACKWARD, i, r - 1), (BACKWARD, i, r))
+    where: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def devices(i: int, r: int) -> tuple[int, ...]:
+        found = where.get((i, r))
+        if found is None:
+            found = where[(i, r)] = tuple(ops[i].devices[c] for c in ops[i].round_parts(r))
+        return found
+
+    def duration(phase: int, i: int) -> float:
+        op = graph.ops[i]
+        work = (op.fwd_flops + _RIDGE_FLOPS_PER_BYTE * op.fwd_bytes if phase == FORWARD
+                else op.bwd_flops + _RIDGE_FLOPS_PER_BYTE * op.bwd_bytes)
+        return work / ops[i].num_parts + _PART_OVERHEAD_FLOPS
+
+    begun: set[tuple[int, int]] = set()  # (device, round) whose forward has started there
+
+    def prio(item: Item) -> tuple:
+        phase, i, r = item
+        if phase == BACKWARD:
+            return (1, Fraction(r + 1, ops[i].num_rounds), -i)
+        going = all((d, r) in begun for d in devices(i, r))
+        return (0 if going else 2, Fraction(r + 1, ops[i].num_rounds), i)
+
+    held: dict[tuple[int, int], int] = {}  # (op, device) -> its rounds in flight there
+    counted = {i for i in live if ops[i].num_rounds > 1 and needs_bwd[i]}
+    ready = sorted((prio(n), n) for i in live for n in [(FORWARD, i, 0)] if not waiting.get(n))
+    total = sum(ops[i].num_rounds * (1 + needs_bwd[i]) for i in live)
+    free_at: dict[int, float] = {}
+    running: list[tuple[float, int, Item]] = []  # (end, start count, item): a heap
+    order: list[Item] = []
+    now = 0.0
+
+    def start(item: Item) -> None:
+        phase, i, r = item
+        order.append(item)
+        end = now + duration(phase, i)
+        for d in devices(i, r):
+            free_at[d] = end
+            if phase == FORWARD and i in counted:
+                held[(i, d)] = held.get((i, d), 0) + 1
+                begun.add((d, r))
+        heapq.heappush(running, (end, len(order), item))
+
+    while ready or running:
+        rest = []
+        for entry in ready:
+            phase, i, r = item = entry[1]
+            ds = devices(i, r)
+            if any(free_at.get(d, 0.0) > now for d in ds) or (phase == FORWARD and i in counted and any(
+                    held.get((i, d), 0) >= caps[d] for d in ds)):
+                rest.append(entry)
+            else:
+                start(item)
+        ready = rest
+        if not running:
+            first = next(e for e in ready if e[1][0] == FORWARD)
+            ready.remove(first)
+            start(first[1])
+        now = running[0][0]
+        released = []
+        while running and running[0][0] <= now:
+            _, _, (phase, i, r) = heapq.heappop(running)
+            if phase == BACKWARD and i in counted:
+                for d in devices(i, r):
+                    held[(i, d)] -= 1
+            for n in succ.get((phase, i, r), ()):
                 waiting[n] -= 1
                 if not waiting[n]:
-                    heapq.heappush(ready, (key(n), n))
-        assert len(order) == sum(ops[i].num_rounds for i in live), "the rounds of a step form a cycle"
-        fwd = tuple(order)
-    bwd = tuple(node for node in reversed(fwd) if flow.needs_bwd[node[0]])
-    return fwd, bwd
+                    released.append((prio(n), n))
+        ready = sorted([(prio(e[1]), e[1]) for e in ready] + released)
+    assert len(order) == total, "the rounds of a step form a cycle"
+    return tuple(order)
+
+
+def flight_savings(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep], order: Sequence[Item]
+                   ) -> dict[int, int]:
+    """Per device, the kept bytes (module docstring, memory) it does not hold at once because `order`
+    finishes some rounds' backward before it runs other rounds' forward: for an op with n parts on a
+    device that holds at most f of them in flight (forward done, backward not), (n - f) / n of its parts'
+    activation bytes and of what its input edges keep there. Empty under GPipe (every round in flight)."""
+    by_round: dict[int, list[list[int]]] = {}
+    held: dict[tuple[int, int], int] = {}
+    most: dict[tuple[int, int], int] = {}
+    for phase, i, r in order:
+        step = ops[i]
+        if step.num_rounds == 1 or not step.runs_bwd:
+            continue
+        rounds = by_round.get(i)
+        if rounds is None:
+            rounds = by_round[i] = [[] for _ in range(step.num_rounds)]
+            for c, k in enumerate(step.rounds):
+                rounds[k].append(step.devices[c])
+        for d in rounds[r]:
+            n = held[(i, d)] = held.get((i, d), 0) + (1 if phase == FORWARD else -1)
+            if n > most.get((i, d), 0):
+                most[(i, d)] = n
+    out: dict[int, int] = {}
+    for (i, d), f in most.items():
+        step = ops[i]
+        n = step.devices.count(d)
+        if f >= n:
+            continue
+        kept = sum(b for c, b in enumerate(step.activation_bytes) if step.devices[c] == d)
+        kept += sum(edges[e].mem_bytes.get(d, 0) for e in flow.in_edges[i])
+        out[d] = out.get(d, 0) + kept * (n - f) // n
+    return out
 
 
 class StepPlan:
     """Everything one training step does, for every device (see the module docstring).
 
     `ops[i]`, `edges[e]`, `params[u]` are the lowerings of op position i, edge id e and parameter unit u;
-    `forward_order` and `backward_order` the step's (op position, round) order (`step_orders`), and
-    `done_at[i]` the position in `backward_order` of op i's last round (-1: it runs no backward);
+    `order` the step's (phase, op position, round) items in order (`step_order`), `forward_order` and
+    `backward_order` its (op position, round)s of each phase, and `done_at[i]` the position in `order` of
+    op i's last backward item (-1: it runs no backward);
     `all_reduces` the step's gradient all-reduces in issue order.
     """
 
@@ -892,21 +1083,25 @@ class StepPlan:
         self.ops = tuple(ops)
         self.edges = tuple(edges)
         self.params = tuple(params)
-        self.forward_order, self.backward_order = step_orders(flow, self.ops, self.edges)
+        self.order = step_order(flow, self.ops, self.edges)
+        self.forward_order = tuple((i, r) for phase, i, r in self.order if phase == FORWARD)
+        self.backward_order = tuple((i, r) for phase, i, r in self.order if phase == BACKWARD)
         done_at = [-1] * flow.num_ops
-        for k, (i, _) in enumerate(self.backward_order):
-            done_at[i] = k
+        for k, (phase, i, _) in enumerate(self.order):
+            if phase == BACKWARD:
+                done_at[i] = k
         self.done_at = tuple(done_at)
         self.all_reduces = tuple(all_reduces([e for p in self.params for e in p.sync], self.done_at))
         self.loss_op = self.graph.ops[-1].name
 
     def recompute_before(self) -> dict[int, list[tuple[int, int]]]:
-        """Per position k in `backward_order`, the (op position, part) recomputed just before that backward
-        node, in forward order (the module docstring's recomputation rule, per part: a recomputing part
-        is recomputed before its own backward, or before the recomputation of a recomputing consumer part
-        that reads it if that comes earlier in backward)."""
+        """Per position k in `order`, the (op position, part) recomputed just before that backward item, in
+        forward order (the module docstring's recomputation rule, per part: a recomputing part is
+        recomputed before its own backward, or before the recomputation of a recomputing consumer part
+        that reads it if that comes earlier; every part of a sharded op at the earliest of its parts'
+        points, so that its shard groups gather together)."""
         flow, ops = self.flow, self.ops
-        at_node = {node: k for k, node in enumerate(self.backward_order)}
+        at_node = {(i, r): k for k, (phase, i, r) in enumerate(self.order) if phase == BACKWARD}
         point: dict[tuple[int, int], int] = {}
         for j in range(flow.num_ops - 1, -1, -1):
             step = ops[j]
@@ -921,6 +1116,11 @@ class StepPlan:
                                    if p == c and (k, cc) in point]
                 if points:
                     point[(j, c)] = min(points)
+            if step.shard_groups and any((j, c) in point for c in range(step.num_parts)):
+                # a sharded part gathers its parameters to recompute (a collective of its shard group):
+                # every part of the op recomputes at the op's earliest point
+                first = min(point[(j, c)] for c in range(step.num_parts) if (j, c) in point)
+                point.update({(j, c): first for c in range(step.num_parts)})
         at_fwd = {node: k for k, node in enumerate(self.forward_order)}
         out: dict[int, list[tuple[int, int]]] = {}
         for (j, c), k in sorted(point.items(), key=lambda item: at_fwd[item[0][0], ops[item[0][0]].rounds[item[0][1]]]):
@@ -996,6 +1196,8 @@ class StepPlan:
         for step in self.params:
             for d, nbytes in step.memory_bytes.items():
                 mem[d] += nbytes
+        for d, nbytes in flight_savings(self.flow, self.ops, self.edges, self.order).items():
+            mem[d] -= nbytes
         return [m + p for m, p in zip(mem, peak, strict=True)]
 
 
@@ -1017,7 +1219,8 @@ def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devic
     return StepPlan(flow, strategy, num_devices, ops, edges, params)
 
 
-__all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "Edge", "EdgeStep", "FLOAT_DTYPES", "GradFlow",
-           "NotReplicable", "OpStep", "ParamStep", "REDUCE_SCATTER", "Replicas", "StepPlan", "SyncEntry",
-           "all_reduces", "chunk_numel", "find_replicas", "lower", "lower_edge", "lower_op", "lower_params",
-           "part_rounds", "recompute_points", "run_graph", "step_orders"]
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "BACKWARD", "Edge", "EdgeStep", "FLOAT_DTYPES",
+           "FORWARD", "GradFlow", "Item", "NotReplicable", "OpStep", "ParamStep", "REDUCE_SCATTER", "Replicas",
+           "StepPlan", "SyncEntry", "all_reduces", "chunk_numel", "find_replicas", "flight_savings", "lower",
+           "lower_edge", "lower_op", "lower_params", "part_rounds", "pipeline_caps", "recompute_points", "run_graph",
+           "step_order"]

@@ -2,8 +2,8 @@
 
 The lowering (`soap.lowering`), the simulator and the runtime all read the same `TrainSetup`; none of
 them keeps a default of its own for these options. The command line builds it (`--optimizer`, `--lr`,
-`--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`), and a strategy file records the setup it was
-found for.
+`--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`, `--schedule`), and a strategy file records the
+setup it was found for.
 
 - `optimizer`: ``sgd`` (torch.optim.SGD with `momentum`; one state tensor per parameter when momentum is
   non-zero, none otherwise) or ``adamw`` (torch.optim.AdamW: two state tensors per parameter, the first
@@ -17,6 +17,12 @@ found for.
   loss dynamically (the runtime's `LossScaler`).
 - `bucket_mb`: gradient all-reduce bucket size in MiB, counted over full-size parameters in backward
   order (the lowering's bucket rule, `soap.lowering.GradFlow`): DDP's 25 MiB by default.
+- `schedule`: how the rounds of ops whose devices repeat (micro-batches) interleave forward and backward
+  (the lowering's order rule, `soap.lowering.step_orders`): ``gpipe`` runs every forward before any
+  backward (all micro-batches' activations in flight at once); ``1f1b`` starts a micro-batch's backward
+  as soon as it can and lets a device run a new micro-batch's forward only while fewer than its number of
+  pipeline stages to the loss are in flight (PipeDream-Flush / Megatron-LM's non-interleaved schedule).
+  Without repeated devices both are the same step.
 
 Pure Python: must not import torch, the simulator, the search or the runtime.
 """
@@ -31,6 +37,7 @@ from typing import Any
 
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("gpipe", "1f1b")
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # What one optimizer step streams, in passes over the parameter bytes (reads plus writes of parameter,
 # gradient and state), per optimizer: SGD reads parameter and gradient and writes the parameter (3), with
@@ -50,6 +57,7 @@ class TrainSetup:
     weight_decay: float = 0.0
     precision: str = "fp32"
     bucket_mb: float = 25.0
+    schedule: str = "gpipe"
 
     def __post_init__(self) -> None:
         for name in _NUMBERS:
@@ -60,6 +68,8 @@ class TrainSetup:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; known: {', '.join(PRECISIONS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -102,4 +112,4 @@ class TrainSetup:
         return cls(**dict(doc))
 
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "TrainSetup"]
+__all__ = ["OPTIMIZERS", "PRECISIONS", "SCHEDULES", "TrainSetup"]

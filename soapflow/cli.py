@@ -3,7 +3,7 @@
 Every command takes `--json` (one JSON object on stdout instead of tables) and exits non-zero with a
 one-line `soapflow: error: ...` on bad input, never a traceback. Warnings print as one line each on stderr.
 Every command that simulates, searches, runs, validates or calibrates takes the training setup flags
-(`--optimizer`, `--lr`, `--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`, defaults those of
+(`--optimizer`, `--lr`, `--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`, `--schedule`, defaults those of
 `soap.setup.TrainSetup`), built once into one `TrainSetup` (`train_setup`) and passed down.
 """
 
@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from soap.setup import OPTIMIZERS, PRECISIONS, TrainSetup
+from soap.setup import OPTIMIZERS, PRECISIONS, SCHEDULES, TrainSetup
 
 EXIT_USAGE = 2
 
@@ -458,6 +458,7 @@ _SETUP_HELP = {
     "weight_decay": "weight decay",
     "precision": f"compute precision: {', '.join(PRECISIONS)}",
     "bucket_mb": "gradient all-reduce bucket size in MiB",
+    "schedule": f"pipeline schedule of micro-batches: {' or '.join(SCHEDULES)}",
 }
 
 

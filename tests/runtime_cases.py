@@ -368,8 +368,8 @@ def repeated_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random
     """A valid random strategy (`random_strategy`) in which each op, with probability `p`, keeps its
     degrees, perhaps with its sample split made 2 or 4 times finer, and draws the device of every part
     with replacement (so devices repeat, across any split: micro-batches, several parameter blocks or
-    partial sums on one device), neither recomputing nor sharding; where `soap.config.validate` refuses
-    that (running statistics), the op keeps its drawn config."""
+    partial sums on one device), recomputing with probability 1/4, never sharding; where
+    `soap.config.validate` refuses that (running statistics), the op keeps its drawn config."""
     base = random_strategy(graph, num_devices, rng)
     out = {}
     for op in graph:
@@ -383,12 +383,15 @@ def repeated_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random
             count = 1
             for g in degrees.values():
                 count *= g
-            drawn = ParallelConfig(degrees=degrees, devices=tuple(rng.randrange(num_devices) for _ in range(count)))
-            try:
-                validate(op, drawn, num_devices)
-                cfg = drawn
-            except ConfigError:
-                pass
+            drawn = ParallelConfig(degrees=degrees, devices=tuple(rng.randrange(num_devices) for _ in range(count)),
+                                   recompute=rng.random() < 0.25)
+            for candidate in (drawn, drawn.replace(recompute=False)):
+                try:
+                    validate(op, candidate, num_devices)
+                except ConfigError:
+                    continue
+                cfg = candidate
+                break
         out[op.name] = cfg
     return Strategy(out)
 

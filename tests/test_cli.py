@@ -122,6 +122,7 @@ def test_every_stage_command_takes_the_setup_flags(argv):
     (["--lr", "-1"], "lr must be positive, got -1.0"),
     (["--optimizer", "adam"], "unknown optimizer 'adam'"),
     (["--precision", "fp8"], "unknown precision 'fp8'"),
+    (["--schedule", "interleaved"], "unknown schedule 'interleaved'; known: gpipe, 1f1b"),
     (["--momentum", "1.5"], "momentum must be in [0, 1), got 1.5"),
     (["--bucket-mb", "0"], "bucket_mb must be positive"),
 ])

@@ -11,7 +11,7 @@ from torch import nn
 from runtime.train import TrainOptions, Workload, integer_highs, synthetic_batch, train_rank
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
-from soap.lowering import EdgeStep, StepPlan, lower
+from soap.lowering import BACKWARD, FORWARD, EdgeStep, StepPlan, flight_savings, lower
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
@@ -346,7 +346,7 @@ def test_a_two_stage_pipeline_exchanges_per_micro_batch_in_gpipe_order():
     # GPipe: micro-batch after micro-batch through the ops, the reverse in backward
     assert plan.forward_order == tuple((i, r) for r in range(4) for i in (fc0, relu0, fc1, loss))
     assert plan.backward_order == tuple(reversed(plan.forward_order))
-    assert plan.done_at[fc0] == len(plan.backward_order) - 1
+    assert plan.done_at[fc0] == len(plan.order) - 1
     # every crossing is an all-to-all per micro-batch and pass; no parameter is held twice: no all-reduce
     batch_bytes = 8 * 32 * 4
     assert plan.collectives() == [{"all_to_all": {"count": 8, "bytes": batch_bytes}}] * 2
@@ -397,7 +397,8 @@ def test_rounds_of_different_counts_wait_for_what_they_read():
     assert plan.ops[fc0].num_rounds == 4
 
 
-def test_random_repeated_devices_give_topological_orders():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_random_repeated_devices_give_topological_orders(schedule):
     import random
 
     g = mlp_graph()
@@ -408,7 +409,21 @@ def test_random_repeated_devices_give_topological_orders():
             parts = rng.choice((1, 2, 4, 8))
             degrees = {"sample": parts} if parts > 1 else {}
             configs[op.name] = cfg(tuple(rng.randrange(3) for _ in range(parts)), **degrees)
-        plan = lowered(g, Strategy(configs), 3)
+        plan = lowered(g, Strategy(configs), 3, TrainSetup(schedule=schedule))
+        items = _position_in(plan.order)
+        assert len(items) == len(plan.order)
+        # a backward after its forward and after its consumers' backward, each op's rounds in turn
+        for (phase, i, r), k in items.items():
+            if phase == BACKWARD:
+                assert items[(FORWARD, i, r)] < k
+        for step in plan.edges:
+            e = plan.flow.edges[step.edge]
+            if plan.flow.needs_bwd[e.dst]:
+                for p, c, _, _ in step.pieces:
+                    assert items[(BACKWARD, e.dst, plan.ops[e.dst].rounds[c])] < items[
+                        (BACKWARD, e.src, plan.ops[e.src].rounds[p])]
+        assert plan.done_at == tuple(max((k for (ph, j, _), k in items.items() if ph == BACKWARD and j == i),
+                                         default=-1) for i in range(len(g.ops)))
         at = _position_in(plan.forward_order)
         assert len(at) == sum(plan.ops[i].num_rounds for i in range(len(g.ops)) if not plan.flow.everywhere[i])
         for step in plan.edges:
@@ -427,18 +442,15 @@ def test_random_repeated_devices_give_topological_orders():
                     at[(i, r)] for r in range(plan.ops[i].num_rounds))
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"recompute": True}, "recomputes"),
-    ({"shard": 2}, "sharded"),
-])
-def test_repeated_devices_are_refused_where_not_built(fields, message):
+def test_repeated_devices_are_refused_where_not_built():
     from soap.config import ConfigError, validate
 
     g = mlp_graph()
-    bad = ParallelConfig(degrees={"sample": 4}, devices=(0, 0, 1, 1), **fields)
-    with pytest.raises(ConfigError, match=f"repeat, but .*{message}"):
+    bad = ParallelConfig(degrees={"sample": 4}, devices=(0, 0, 1, 1), shard=2)
+    with pytest.raises(ConfigError, match="repeat, but .*sharded"):
         validate(g["fc0"], bad, 2)
-    validate(g["fc0"], bad.replace(recompute=False, shard=1), 2)
+    validate(g["fc0"], bad.replace(shard=1), 2)
+    validate(g["fc0"], bad.replace(shard=1, recompute=True), 2)  # micro-batches recompute
 
 
 def test_recomputation_per_part_is_the_op_rule_without_micro_batches_and_precedes_its_readers():
@@ -455,10 +467,10 @@ def test_recomputation_per_part_is_the_op_rule_without_micro_batches_and_precede
     expect = {}
     for j, point in enumerate(at):
         if point is not None:
-            k = plan.backward_order.index((point, 0))
+            k = plan.order.index((BACKWARD, point, 0))
             expect.setdefault(k, []).extend((j, c) for c in range(plan.ops[j].num_parts))
     assert plan.recompute_before() == expect and expect
-    # micro-batched (the lowering alone: validation does not take recompute with repeats yet)
+    # micro-batched
     micro = hybrid(g, topo, tp_size=1, pp=2, microbatches=2)
     micro = Strategy({name: cfg.replace(recompute=plain[name].recompute) for name, cfg in micro.configs.items()})
     plan = lowered(g, micro, 2)
@@ -471,7 +483,7 @@ def test_recomputation_per_part_is_the_op_rule_without_micro_batches_and_precede
     for (j, c), k in done.items():
         step = plan.ops[j]
         if plan.flow.needs_bwd[j]:  # before its own backward
-            assert k <= plan.backward_order.index((j, step.rounds[c]))
+            assert k <= plan.order.index((BACKWARD, j, step.rounds[c]))
         for eid in plan.flow.in_edges[j]:  # after (or with) the recomputing producer parts it reads
             e = plan.flow.edges[eid]
             for p, cc, _, _ in plan.edges[eid].pieces:
@@ -479,3 +491,63 @@ def test_recomputation_per_part_is_the_op_rule_without_micro_batches_and_precede
                     assert done[(e.src, p)] < k or (done[(e.src, p)] == k and at_fwd[
                         (e.src, plan.ops[e.src].rounds[p])] < at_fwd[(j, step.rounds[c])])
     assert len(done) == sum(s.num_parts for s in plan.ops if s.recompute and plan.flow.needs_bwd[s.op]) > 0
+
+
+def four_stage_pipeline(schedule: str, micro: int = 8) -> StepPlan:
+    """A chain of 8 linears (with ReLUs) in 4 stages of 2 on devices 0..3, `micro` micro-batches each."""
+    sizes = (16,) * 9
+    g = mlp_graph(batch=32, sizes=sizes)
+    configs = {}
+    for op in g:
+        layer = int(op.name[-1]) if op.kind in ("linear", "elementwise") else 7
+        d = 0 if op.kind == "input" else layer // 2
+        configs[op.name] = cfg((d,) * micro, sample=micro)
+    return lowered(g, Strategy(configs), 4, TrainSetup(schedule=schedule))
+
+
+def in_flight(plan: StepPlan, device: int) -> int:
+    """The most micro-batches `device` holds at once in the plan's order (forward started, backward not done
+    for some op of it)."""
+    started, done, most = set(), {}, 0
+    ops = [i for i, step in enumerate(plan.ops) if device in step.devices and plan.flow.needs_bwd[i]]
+    for phase, i, r in plan.order:
+        if i not in ops:
+            continue
+        if phase == FORWARD:
+            started.add(r)
+        else:
+            done[r] = done.get(r, 0) + 1
+        most = max(most, len([m for m in started if done.get(m, 0) < len(ops)]))
+    return most
+
+
+def test_one_f_one_b_holds_as_many_micro_batches_as_stages_after_it():
+    """1F1B on 4 stages of 8 micro-batches: stage s holds at most 4 - s micro-batches (GPipe all 8), starts
+    the first micro-batch's backward before its (4 - s + 1)-th forward, and keeps less memory for it."""
+    gpipe, one = four_stage_pipeline("gpipe"), four_stage_pipeline("1f1b")
+    assert [in_flight(gpipe, d) for d in range(4)] == [8] * 4
+    assert [in_flight(one, d) for d in range(4)] == [4, 3, 2, 1]
+    assert not flight_savings(gpipe.flow, gpipe.ops, gpipe.edges, gpipe.order)
+    saved = flight_savings(one.flow, one.ops, one.edges, one.order)
+    assert sorted(saved) == [0, 1, 2, 3] and saved[0] < saved[1] < saved[2] < saved[3]
+    mem_g, mem_1 = gpipe.memory_bytes(), one.memory_bytes()
+    assert all(mem_1[d] == mem_g[d] - saved[d] for d in range(4))
+    for d in range(4):
+        mine = [(phase, r) for phase, i, r in one.order if one.ops[i].devices[0] == d and one.ops[i].runs_bwd]
+        assert mine.index((BACKWARD, 0)) < mine.index((FORWARD, 4 - d))
+    # the same items, other order; the all-reduces issue in the order their gradients complete
+    assert sorted(gpipe.order) == sorted(one.order)
+    assert [a.after for a in one.all_reduces] == sorted((a.after for a in one.all_reduces),
+                                                         key=lambda i: one.done_at[i])
+
+
+def test_replicas_are_found_at_any_divisor_of_the_common_sample_degree():
+    """Two replicas of 3 micro-batches each (sample degree 6) on 4 devices: 6 and 3 do not divide the
+    devices, 2 does."""
+    from soap.lowering import Replicas, find_replicas
+
+    g = mlp_graph(batch=12)
+    configs = {op.name: cfg((0, 0, 0, 2, 2, 2), sample=6) for op in g}
+    assert find_replicas(g, Strategy(configs), 4) == Replicas(count=2, size=2)
+    configs["fc1"] = cfg((0, 0, 0, 3, 3, 3), sample=6)  # not a shift of replica 0
+    assert find_replicas(g, Strategy(configs), 4) is None

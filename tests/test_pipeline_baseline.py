@@ -80,3 +80,24 @@ def test_a_pipeline_plan_runs_each_stage_micro_batch_after_micro_batch():
 def test_micro_batches_that_do_not_divide_the_batch_are_refused(transformer):
     with pytest.raises(ValueError, match="does not divide over the 1 data-parallel groups x 32 micro-batches"):
         parse_baseline("hybrid:tp=1,pp=2,microbatches=32")(transformer, load_topology("cpu-2"))
+
+
+def test_ops_whose_micro_batch_does_not_split_over_the_group_split_their_sequence(transformer):
+    """16 sequences in 2 groups of 4 micro-batches leave 2 per micro-batch, fewer than tp=4: the ops that
+    tensor parallelism splits by sample within the group (LayerNorms, dropouts, residual adds) split their
+    sequence over the group instead, so every op that computes still runs one part per device per
+    micro-batch (none left whole, which would stop the pipeline), and the strategy is still two replicas."""
+    from soap.lowering import Replicas, find_replicas
+
+    topo = load_topology("cpu-8")
+    s = parse_baseline("hybrid:tp=4,microbatches=4")(transformer, topo)
+    validate_strategy(transformer, s, 8)
+    plan = lower(transformer, s, TrainSetup(), 8)
+    for op, step in zip(transformer, plan.ops, strict=True):
+        if op.kind in ("input", "constant"):
+            continue
+        assert step.num_rounds == 4, op.name
+    norm = s["blocks.0.ln_1"]
+    sample = dims_of(transformer["blocks.0.ln_1"])[0].name
+    assert norm.degree(sample) == 8 and len(norm.degrees) == 2 and norm.num_parts == 32
+    assert find_replicas(transformer, s, 8) == Replicas(count=2, size=4)

@@ -221,7 +221,7 @@ def test_hybrid_that_does_not_divide(transformer):
     (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=2,pp=2"], "tp=2 does not divide the 1 devices of a stage"),
     (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=1,pp=3"], "pp=3 does not divide the 2 devices"),
     (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=1,pp=2,microbatches=5"], "micro-batches"),
-    (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=1,pp=2,microbatches=2,recompute=full"], "not built yet"),
+    (["simulate", "mlp", "-t", "cpu-4", "-s", "hybrid:tp=1,pp=2,microbatches=2,shard=2"], "not built yet"),
     (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=two"], "tp must be a positive integer"),
 ])
 def test_cli_bad_baselines_are_one_line_errors(capsys, argv, message):

@@ -14,6 +14,7 @@ single-process cases run in this process, and `-m slow` runs random sweeps on 2 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -25,12 +26,13 @@ from test_runtime_correctness import run_and_check
 from runtime.checkpoint import checkpoint_path
 from runtime.train import TrainOptions
 from soap.config import ParallelConfig, validate
-from soap.lowering import lower
+from soap.lowering import BACKWARD, FORWARD, lower
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
 FLOAT64 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True, dtype="float64")
 FLOAT32 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True)
+ONE_F_ONE_B = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, schedule="1f1b"), verify=True, dtype="float64")
 RANDOM_MODELS = ("mlp", "cnn", "rescnn", "rnnlm", "transformer", "llama")
 
 
@@ -70,7 +72,7 @@ def mixed_transformer(graph) -> Strategy:
 def repeated_cases(models: tuple[str, ...], count: int, nproc: int, seed: int) -> list[dict]:
     """`count` random strategies with repeated devices (`rc.repeated_strategy`) over `models`, in float64
     and float32 alternately (float32 for the Llama, whose hand-written RMS norm computes in float32 in the
-    reference)."""
+    reference), every other pair under the 1F1B schedule."""
     rng = random.Random(seed)
     cases = []
     for i in range(count):
@@ -79,6 +81,8 @@ def repeated_cases(models: tuple[str, ...], count: int, nproc: int, seed: int) -
         strategy = rc.repeated_strategy(graph, nproc, rng)
         assert rc.repeats(strategy) > 0
         options = FLOAT64 if i % 2 == 0 and model != "llama" else FLOAT32
+        if i // 2 % 2:  # every other pair under 1F1B
+            options = dataclasses.replace(options, setup=dataclasses.replace(options.setup, schedule="1f1b"))
         cases.append(rc.train_case(f"{model}/repeated{i}", model, strategy, graph, options=options))
     return cases
 
@@ -97,6 +101,11 @@ def test_the_plans_of_the_cases_repeat_devices():
     # one exchange per micro-batch between the stages, in GPipe's order
     assert [len(e.exchanges) for e in pipe.edges] == [0, 4, 0]
     assert pipe.forward_order[:3] == ((2, 0), (3, 0), (4, 0))
+    # under 1F1B the first stage starts the first micro-batch's backward before its third forward
+    one = lower(mlp, rc.pipeline_strategy(mlp, 2, 4), TrainSetup(schedule="1f1b"), 2)
+    first = [s.devices[0] == 0 and s.num_rounds > 1 for s in one.ops]
+    stage0 = [(phase, r) for phase, i, r in one.order if first[i]]
+    assert stage0.index((BACKWARD, 0)) < stage0.index((FORWARD, 2))
 
 
 def checkpoint_cases(directory: Path) -> list[dict]:
@@ -117,7 +126,8 @@ def checkpoint_cases(directory: Path) -> list[dict]:
 
 
 def test_micro_batches_match_single_process(tmp_path):
-    """One launch of 2 processes: a 2-stage pipeline of 4 micro-batches, data parallelism in 2
+    """One launch of 2 processes: a 2-stage pipeline of 4 micro-batches (GPipe and 1F1B, with and without
+    recomputation), data parallelism in 2
     micro-batches per device (MLP, Transformer), ops with different round counts (with parameter blocks
     and partial sums on one device), a pipeline baseline, AdamW, bf16, checkpoints written and resumed
     across micro-batched layouts, and random strategies with repeated devices."""
@@ -131,6 +141,9 @@ def test_micro_batches_match_single_process(tmp_path):
         case("mixed-rounds", "mlp", mixed_mlp(mlp)),
         case("mixed-rounds", "transformer", mixed_transformer(transformer)),
         case("pipeline-2mb", "transformer", rc.pipeline_strategy(transformer, 2, 2)),
+        case("pipeline-4mb-1f1b", "mlp", rc.pipeline_strategy(mlp, 2, 4), ONE_F_ONE_B),
+        case("pipeline-4mb-1f1b", "transformer", rc.pipeline_strategy(transformer, 2, 4), ONE_F_ONE_B),
+        case("mixed-rounds-1f1b", "transformer", mixed_transformer(transformer), ONE_F_ONE_B),
         case("dp-2mb-adamw", "mlp", rc.micro_dp_strategy(mlp, 2, 2), TrainOptions(
             steps=3, setup=TrainSetup(lr=0.01, optimizer="adamw", weight_decay=0.01), verify=True,
             dtype="float64")),
@@ -138,9 +151,12 @@ def test_micro_batches_match_single_process(tmp_path):
         case("dp-2mb-bf16", "transformer", rc.micro_dp_strategy(transformer, 2, 2), TrainOptions(
             steps=1, setup=TrainSetup(lr=0.05, precision="bf16"), verify=True)),
     ]
-    pipeline = rc.baseline_case("transformer", "hybrid:tp=1,pp=2,microbatches=2", 2, options=FLOAT64)
-    if pipeline is not None:
-        cases.append(pipeline)
+    for spec, options in (("hybrid:tp=1,pp=2,microbatches=2", FLOAT64),
+                          ("hybrid:tp=1,pp=2,microbatches=2,recompute=full", FLOAT64),
+                          ("hybrid:tp=1,pp=2,microbatches=4,recompute=full", ONE_F_ONE_B)):
+        pipeline = rc.baseline_case("transformer", spec, 2, options=options)
+        assert pipeline is not None, spec
+        cases.append({**pipeline, "label": f"transformer/{spec}/{options.setup.schedule}"})
     cases += checkpoint_cases(tmp_path)
     cases += repeated_cases(RANDOM_MODELS, 12, 2, seed=1)
     results = {r["label"]: r for r in run_and_check(cases)}

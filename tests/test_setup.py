@@ -21,6 +21,7 @@ from soap.setup import TrainSetup
     ({"weight_decay": float("nan")}, "weight_decay must be a finite number, got nan"),
     ({"precision": "fp8"}, "unknown precision 'fp8'; known: fp32, bf16, fp16"),
     ({"precision": "bfloat16"}, "unknown precision 'bfloat16'"),
+    ({"schedule": "1F1B"}, "unknown schedule '1F1B'; known: gpipe, 1f1b"),
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
     ({"momentum": -0.1}, "momentum must be in"),
     ({"weight_decay": -0.01}, "weight_decay must be non-negative, got -0.01"),

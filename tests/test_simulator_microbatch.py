@@ -319,6 +319,45 @@ def test_pipeline_memory_keeps_every_micro_batch():
         assert kept == whole
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_one_f_one_b_keeps_fewer_micro_batches_at_about_gpipes_time(stages):
+    """1F1B holds at most P - s micro-batches on stage s: the simulated peak is the plan's
+    (`StepPlan.memory_bytes`, with `soap.lowering.flight_savings`), below GPipe's on every device with
+    more micro-batches than that, while the step stays close to GPipe's (the same bubble; the blocking
+    exchanges of the interleaved order cost a little) and well below the same placement without
+    micro-batches."""
+    graph, topo = linears(), load_topology(f"cpu-{stages}")
+    whole = simulate(graph, pipeline(graph, 1, stages), topo).iteration_time_ms
+    for micro in (4, 8):
+        strategy = pipeline(graph, micro, stages)
+        gpipe = simulate(graph, strategy, topo)
+        setup = TrainSetup(schedule="1f1b")
+        one = simulate(graph, strategy, topo, setup=setup)
+        assert list(one.peak_memory_bytes) == lower(graph, strategy, setup, stages).memory_bytes()
+        for d, (a, b) in enumerate(zip(one.peak_memory_bytes, gpipe.peak_memory_bytes, strict=True)):
+            assert a < b if micro > stages - d else a == b, (micro, d)
+        assert one.iteration_time_ms <= 1.1 * gpipe.iteration_time_ms
+        assert one.iteration_time_ms < 0.8 * whole
+
+
+def test_each_device_runs_its_items_in_the_one_f_one_b_order():
+    """Under 1F1B each device's forward and backward tasks follow `StepPlan.order` filtered to the device:
+    the interleaving of the plan is the simulated one."""
+    graph, topo = linears(batch=64, width=64), load_topology("cpu-2")
+    setup = TrainSetup(schedule="1f1b")
+    sim = Simulator(graph, topo, setup=setup)
+    timeline = sim.full(pipeline(graph, 4))
+    plan = sim.step_plan()
+    for d in range(2):
+        ran = [(r.category, r.name.split(" ")[0] + ":" + r.name.split("[")[1].rstrip("]"))
+               for r in sorted(timeline.tasks(), key=lambda r: r.start_ms)
+               if r.category in ("forward", "backward") and r.devices == (d,)]
+        want = [(("forward", "backward")[phase], f"{graph.ops[i].name}:{c}") for phase, i, r in plan.order
+                for c in plan.ops[i].round_parts(r) if plan.ops[i].devices[c] == d]
+        assert ran == want, d
+        assert [c for c, _ in ran].index("backward") < len(ran) // 2  # interleaved, not GPipe's
+
+
 # -- delta equals full -------------------------------------------------------------------------------------
 
 
@@ -389,6 +428,14 @@ def test_delta_equals_full_with_zero_duration_tasks_before_a_round_order_edge():
 def pipeline_of_mlp(graph: OperatorGraph) -> Strategy:
     stage = {"x": 0, "fc0": 0, "relu0": 0, "fc1": 1, "y": 1, "loss": 1}
     return two_stages(graph, 4, lambda op: stage[op.name])
+
+
+@pytest.mark.parametrize(("graph_name", "topology", "proposals"), [("chain", "p100-2x2", 120), ("mlp", "cpu-4", 120)])
+def test_delta_equals_full_with_repeated_devices_under_one_f_one_b(graph_name, topology, proposals):
+    """The 1F1B order and its memory (`flight_savings`) change with every op's config: still exact."""
+    repeated, ordered = run_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals,
+                                  seed=proposals + 7, setup=TrainSetup(schedule="1f1b"))
+    assert repeated >= proposals * 3 // 4 and ordered >= proposals // 4
 
 
 def test_delta_equals_full_with_repeated_devices_and_tied_small_buckets():
