@@ -1,6 +1,7 @@
 """The proposal space: every valid `ParallelConfig` of every op, enumerated lazily and sampled uniformly.
 
-Owns `ConfigSpace`. A config of an op is a pair (degrees, devices):
+Owns `ConfigSpace`, and `Microbatches` with the functions that cut a config into micro-batches and see one
+as such (`microbatched`, `split_microbatches`). A config of an op is a pair (degrees, devices):
 
 - *degrees*: a degree per splittable iteration dim of the op (`soap.registry.dims_of`), each dividing its
   dim, their product dividing the device count, and the combination allowed by the op kind's
@@ -25,6 +26,20 @@ from the op's (degrees, devices, recompute, shard) combinations with an explicit
 degrees weighted by how many combinations they have, then one of them. The memo dicts are per instance
 and only cache pure functions of (graph, topology), so they never change a result.
 
+*Micro-batches* (`soap.lowering`'s rule "Rounds"): the space also holds each config above cut into M
+micro-batches, M in `MICROBATCH_COUNTS` (at most the simulator's `MAX_ROUNDS` parts of an op on one
+device): the degree of the op's first sample dim multiplied by M, each device's part cut into M
+consecutive micro-batches that the device runs as its rounds 0..M-1 (`microbatched`). A config whose
+sample split holds groups of `inner` consecutive parts on distinct devices and repeats each group M
+times (micro-batch m of the batch spread over the devices, as ``hybrid:tp=T,microbatches=M`` lays out
+a tensor-parallel op) is in the space too (`split_microbatches` finds M, `inner` and the config without
+micro-batches, the *base*). Only counts that divide the sample dim and that `soap.config.validate`
+accepts are in the space: none where `soap.config.repeat_refusal` refuses repeated devices (running
+statistics, sharded parameters). Micro-batched configs are not drawn uniformly with the others (nor
+enumerated by `configs`): given the current strategy, `MICROBATCH_SHARE` of `propose_for`'s proposals
+change the op's micro-batch count (to 1, removing them, or to another count of the space), and its
+recompute and shard redraw keeps them.
+
 Ops whose output exists on every device for free (`OpDef.everywhere`: the batch, constants) and ops with a
 single config (on one device: ops that cannot recompute) are not proposal targets. Must not import torch,
 the runtime or soapflow.
@@ -35,15 +50,27 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
-from soap.config import ParallelConfig, param_replicas, recompute_refusal
+import numpy as np
+
+from simulator.taskgraph import MAX_ROUNDS
+from soap.config import ConfigError, ParallelConfig, param_replicas, recompute_refusal, validate
 from soap.graph import Operator, OperatorGraph
+from soap.opdef import DimKind
 from soap.registry import dims_of, op_def
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
 Degrees = tuple[tuple[str, int], ...]  # (dim name, degree > 1), in the op's dim order
+
+# The micro-batch counts of the space (module docstring): M rounds per device, within what the simulator's
+# task keys have room for.
+MICROBATCH_COUNTS = tuple(m for m in (2, 4, 8) if m <= MAX_ROUNDS)
+# The share of `propose_for`'s proposals (given the current strategy) that change an op's micro-batch count.
+MICROBATCH_SHARE = 0.125
 
 
 def _divisors(n: int) -> list[int]:
@@ -121,10 +148,15 @@ class ConfigSpace:
                                              shard=shard)
 
     def contains(self, op_name: str, cfg: ParallelConfig) -> bool:
-        """Whether `cfg` is one of the op's configs in this space."""
-        dims = [d.name for d in dims_of(self.graph[op_name])]
+        """Whether `cfg` is one of the op's configs in this space (micro-batched ones included)."""
+        op = self.graph[op_name]
+        dims = [d.name for d in dims_of(op)]
         if any(name not in dims for name in cfg.degrees):
             return False
+        if len(set(cfg.devices)) < cfg.num_parts:
+            split = split_microbatches(op, cfg)
+            return (split is not None and split.count in MICROBATCH_COUNTS and self.contains(op_name, split.base)
+                    and _accepts(op, cfg, self.num_devices))
         degrees = tuple(sorted(cfg.degrees.items(), key=lambda kv: dims.index(kv[0])))
         return (degrees in self.degree_options(op_name) and cfg.devices in self.device_sets(cfg.num_parts)
                 and cfg.recompute in self.recompute_options(op_name)
@@ -151,18 +183,58 @@ class ConfigSpace:
         return op_name, self.propose_for(op_name, rng, current)
 
     def propose_for(self, op_name: str, rng: random.Random, current: Strategy | None = None) -> ParallelConfig:
-        """A uniformly drawn config of the op; given the `current` strategy, half the proposals for an op
-        with recompute or shard choices keep its layout and redraw only those (uniformly), so that a chain
-        can trade time for memory one op at a time. Both kinds of move are symmetric, and so is their fixed
-        mixture (the Metropolis rule stays exact)."""
-        if current is not None and rng.random() < 0.5:
+        """A uniformly drawn config of the op; given the `current` strategy, `MICROBATCH_SHARE` of the
+        proposals change the op's micro-batch count (uniformly among `microbatch_options`), and half of the
+        others, for an op with recompute or shard choices, keep its layout (micro-batches included) and
+        redraw only those (uniformly among `memory_options`), so that a chain can trade time for memory one
+        op at a time. Where the op has no such choice the proposal is a uniform draw. The recompute and
+        shard redraw and the micro-batch move are symmetric, and so is the uniform draw, but not their
+        mixture: a micro-batched config is left by a uniform draw too and entered only by the micro-batch
+        move, so the chain is Metropolis-Hastings in its acceptance rule without being an exact sampler (as
+        with `search.moves`'s structural moves; the search wants the best strategy it meets)."""
+        if current is not None:
             cfg = current[op_name]
-            dims = [d.name for d in dims_of(self.graph[op_name])]
-            degrees = tuple(sorted(cfg.degrees.items(), key=lambda kv: dims.index(kv[0])))
-            recomputes, shards = self.recompute_options(op_name), self.shard_options(op_name, degrees)
-            if len(recomputes) * len(shards) > 1:
-                return cfg.replace(recompute=rng.choice(recomputes), shard=rng.choice(shards))
+            r = rng.random()
+            if r < MICROBATCH_SHARE:
+                options = self.microbatch_options(op_name, cfg)
+                if options:
+                    return options[rng.randrange(len(options))]
+            elif r < MICROBATCH_SHARE + (1 - MICROBATCH_SHARE) / 2:
+                options = self.memory_options(op_name, cfg)
+                if len(options) > 1:
+                    return options[rng.randrange(len(options))]
         return self.sample(op_name, rng)
+
+    def memory_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
+        """`cfg` with each of the op's (recompute, shard) choices under its degrees (those of its base,
+        where it has micro-batches, keeping them: only the choices `soap.config.validate` accepts with
+        them); empty where its devices repeat other than as micro-batches (`split_microbatches`)."""
+        op = self.graph[op_name]
+        split = split_microbatches(op, cfg)
+        if split is None:
+            return ()
+        dims = [d.name for d in dims_of(op)]
+        degrees = tuple(sorted(split.base.degrees.items(), key=lambda kv: dims.index(kv[0])))
+        options = [cfg.replace(recompute=recompute, shard=shard) for recompute in self.recompute_options(op_name)
+                   for shard in self.shard_options(op_name, degrees)]
+        return tuple(o for o in options if split.count == 1 or _accepts(op, o, self.num_devices))
+
+    def microbatch_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
+        """The configs a micro-batch move gives the op from `cfg`: its base without micro-batches (where
+        `cfg` has them), then the base in each other count of `MICROBATCH_COUNTS` that `soap.config.validate`
+        accepts, laid out as `cfg` is (its `inner`; 1 where it has no micro-batches). Empty where `cfg` is
+        not a config of the space, or a micro-batched config of one."""
+        op = self.graph[op_name]
+        split = split_microbatches(op, cfg)
+        if split is None or not self.contains(op_name, split.base):
+            return ()
+        options = [] if split.count == 1 else [split.base]
+        for count in MICROBATCH_COUNTS:
+            if count != split.count:
+                candidate = microbatched(op, split.base, count, split.inner)
+                if _accepts(op, candidate, self.num_devices):
+                    options.append(candidate)
+        return tuple(options)
 
     def random_strategy(self, rng: random.Random, base: Strategy, ops: Sequence[str] | None = None) -> Strategy:
         """`base` with every proposal target (or every op of `ops`, in that order) given a uniformly drawn
@@ -184,6 +256,84 @@ class ConfigSpace:
                 found.append(total)
             self._cumulative[op_name] = found
         return found
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Microbatches:
+    """A config seen as `count` micro-batches of `base`, a config whose devices do not repeat (module
+    docstring): `base`'s sample split (degree s) cut into groups of `inner` consecutive parts (`inner`
+    divides s), each group repeated `count` times in a row, so that the sample degree is s x `count` and
+    each device runs `count` rounds. With `inner` 1 each device's part is cut into `count` consecutive
+    micro-batches; with `inner` s, micro-batch m is the m-th slice of the batch spread over all of `base`'s
+    devices. `count` 1: `base` itself."""
+
+    base: ParallelConfig
+    count: int
+    inner: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.inner < 1:
+            raise ValueError(f"count and inner must be >= 1, got count {self.count}, inner {self.inner}")
+        if len(set(self.base.devices)) != self.base.num_parts:
+            raise ValueError(f"a base config runs one part per device, got devices {list(self.base.devices)}")
+
+
+def sample_dim(op: Operator) -> str | None:
+    """The dim micro-batches cut: the op's first sample dim (None: it has none)."""
+    return next((d.name for d in dims_of(op) if d.kind == DimKind.SAMPLE), None)
+
+
+def microbatched(op: Operator, base: ParallelConfig, count: int, inner: int = 1) -> ParallelConfig:
+    """`base` in `count` micro-batches laid out by `inner` (`Microbatches`), devices in part order, with
+    `base`'s `recompute` and `shard`; not validated (the sample dim may not divide, the op or the config may
+    refuse repeated devices)."""
+    sample = sample_dim(op)
+    assert sample is not None, f"op {op.name!r} has no sample dim to cut into micro-batches"
+    names = [d.name for d in dims_of(op)]
+    a = names.index(sample)
+    shape = [base.degree(name) for name in names]
+    s = shape[a]
+    assert s % inner == 0, f"inner {inner} does not divide the sample degree {s}"
+    grid = np.array(base.devices).reshape(shape[:a] + [s // inner, 1, inner] + shape[a + 1:])
+    devices = np.repeat(grid, count, axis=a + 1).ravel()
+    return ParallelConfig(degrees={**base.degrees, sample: s * count}, devices=tuple(int(d) for d in devices),
+                          recompute=base.recompute, shard=base.shard)
+
+
+def split_microbatches(op: Operator, cfg: ParallelConfig) -> Microbatches | None:
+    """`cfg` as micro-batches of a config without repeated devices (`Microbatches`, the smallest `inner`
+    that fits; count 1 where no device repeats), None where its devices repeat otherwise (unevenly, or
+    not along the sample dim in groups as `microbatched` lays them out)."""
+    if len(set(cfg.devices)) == cfg.num_parts:
+        return Microbatches(base=cfg, count=1)
+    sample = sample_dim(op)
+    names = [d.name for d in dims_of(op)]
+    if sample is None or any(name not in names for name in cfg.degrees):
+        return None
+    uses = Counter(cfg.devices)
+    count = cfg.num_parts // len(uses)
+    a = names.index(sample)
+    shape = [cfg.degree(name) for name in names]
+    if set(uses.values()) != {count} or shape[a] % count:
+        return None
+    s = shape[a] // count
+    grid = np.array(cfg.devices)
+    for inner in _divisors(s):
+        groups = grid.reshape(shape[:a] + [s // inner, count, inner] + shape[a + 1:])
+        first = groups.take([0], axis=a + 1)
+        if (groups == first).all():
+            base = ParallelConfig(degrees={**cfg.degrees, sample: s}, devices=tuple(int(d) for d in first.ravel()),
+                                  recompute=cfg.recompute, shard=cfg.shard)
+            return Microbatches(base=base, count=count, inner=inner)
+    return None
+
+
+def _accepts(op: Operator, cfg: ParallelConfig, num_devices: int) -> bool:
+    try:
+        validate(op, cfg, num_devices)
+    except ConfigError:
+        return False
+    return True
 
 
 def _enumerate_degrees(op: Operator, num_devices: int) -> Iterator[Degrees]:

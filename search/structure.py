@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from soap.config import ConfigError, ParallelConfig, param_replicas, validate
+from soap.config import ConfigError, ParallelConfig, param_replicas, repeat_refusal, validate
 from soap.graph import Operator, OperatorGraph
 from soap.registry import dims_of, op_def
 
@@ -49,14 +49,17 @@ def carried(graph: OperatorGraph, name: str, own: ParallelConfig, other: Paralle
              num_devices: int) -> ParallelConfig | None:
     """`other`'s layout (degrees and devices) carried over to op `name`, which keeps its own `recompute`,
     and its `shard` where still valid: the degrees of the dims the op also has (by name), on `other`'s
-    devices; None where that is not a valid config of the op."""
+    devices; None where that is not a valid config of the op. A layout whose devices repeat (micro-batches)
+    carries over without the shard where the shard refuses them (`soap.config.repeat_refusal`)."""
     op = graph[name]
     dims = {d.name for d in dims_of(op)}
     degrees = {d: g for d, g in other.degrees.items() if d in dims}
     try:
         cfg = ParallelConfig(degrees=degrees, devices=other.devices, recompute=own.recompute)
         if own.shard > 1 and param_replicas(op, cfg) % own.shard == 0:
-            cfg = cfg.replace(shard=own.shard)
+            sharded = cfg.replace(shard=own.shard)
+            if len(set(cfg.devices)) == cfg.num_parts or repeat_refusal(op, sharded) is None:
+                cfg = sharded
         validate(op, cfg, num_devices)
     except (ConfigError, ValueError):
         return None

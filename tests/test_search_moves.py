@@ -7,17 +7,21 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 import runtime_cases as rc
 from test_search_fixtures import GRAPHS
+from test_simulator_delta import accept_or_reject, propose_and_check
 
-from search.baselines import dp, tp
+from search.baselines import dp, parse_baseline, tp
 from search.evaluate import Move, SimulatorEvaluators
 from search.mcmc import _Chain
 from search.moves import COPY_SHARE, MODULE_SHARE, PROPAGATION_SHARE, TIED_SHARE, Moves
-from search.space import ConfigSpace
-from search.structure import copies_of, modules_of, neighbours
+from search.space import MICROBATCH_COUNTS, ConfigSpace, microbatched, split_microbatches
+from search.structure import carried, copies_of, modules_of, neighbours
+from simulator import AnalyticalCostModel, Simulator
 from simulator.engine import simulate
-from soap.config import ParallelConfig
+from soap.config import ParallelConfig, repeat_refusal, validate
+from soap.setup import TrainSetup
 from soap.topology import load_topology
 
 
@@ -186,3 +190,101 @@ def test_a_rejected_move_over_many_ops_leaves_the_evaluator_on_its_strategy():
     expected = simulate(graph, changed.with_config(first, cfg), topo).iteration_time_ms
     assert evaluator.propose(first, cfg).time_ms == expected
     evaluator.reject()
+
+
+def _micro_move(graph, before, changes) -> tuple[str, int, int] | None:
+    """(op, count before, count after) where `changes` is one op's micro-batch move (its base kept)."""
+    if len(changes) != 1:
+        return None
+    [(name, cfg)] = changes.items()
+    old, new = split_microbatches(graph[name], before[name]), split_microbatches(graph[name], cfg)
+    return (name, old.count, new.count) if old and new and old.base == new.base else None
+
+
+def _pipelined(strategy, names) -> bool:
+    """Whether both stages of a two-device pipeline run micro-batches: ops whose devices repeat on device 0
+    alone and on device 1 alone."""
+    repeating = {frozenset(strategy[n].devices) for n in names if len(set(strategy[n].devices)) < strategy[n].num_parts}
+    return {frozenset({0}), frozenset({1})} <= repeating
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("spec", ["hybrid:tp=1,pp=2", "hybrid:tp=1,pp=2,microbatches=4"])
+def test_moves_from_a_pipeline_propose_micro_batches_that_delta_simulation_times_as_full(spec: str, schedule: str):
+    """The zoo's MLP in two pipeline stages on two devices: the moves give ops micro-batches, change their
+    count and take them away, and delta simulation times every proposal exactly as a full simulation does
+    (proposals accepted or rejected at random), pipelines with micro-batches on both stages included."""
+    graph, topo = rc.graph_of("mlp"), load_topology("cpu-2")
+    setup = TrainSetup(schedule=schedule)
+    start = parse_baseline(spec)(graph, topo)
+    space = ConfigSpace(graph, topo)
+    moves = Moves(graph, space)
+    sim, ref = (Simulator(graph, topo, AnalyticalCostModel(), setup=setup) for _ in range(2))
+    sim.full(start)
+    rng = random.Random(4)
+    current, micro_moves, pipelined = start, Counter(), 0
+    for k in range(300):
+        changes = moves.propose(rng, current)
+        if not changes:
+            continue
+        [(name, cfg)] = changes.items()  # no copies in this MLP: every move changes one op
+        move = _micro_move(graph, current, changes)
+        if move is not None:
+            micro_moves[move[1:]] += 1
+        proposed = propose_and_check(sim, ref, current, name, cfg, k, every=5)
+        pipelined += _pipelined(proposed, space.ops)
+        current = accept_or_reject(sim, ref, current, proposed, k, rng, every=5, check_times=True)
+    assert {new for _, new in micro_moves} == {1, *MICROBATCH_COUNTS}
+    assert any(old == 1 for old, _ in micro_moves) and any(old > 1 and new == 1 for old, new in micro_moves)
+    assert pipelined > 0 or "microbatches" not in spec
+    fresh = Simulator(graph, topo, AnalyticalCostModel(), setup=setup).full(current)
+    assert sim.timeline().task_times() == fresh.task_times()
+
+
+@pytest.mark.parametrize("spec", ["hybrid:tp=1,pp=2", "hybrid:tp=1,pp=2,microbatches=4"])
+def test_a_chain_from_a_pipeline_makes_micro_batch_moves_in_step_with_its_evaluator(spec: str):
+    """A chain that starts from a two-stage pipeline (with the baselines as references) makes micro-batch
+    moves among its proposals (giving micro-batches from the plain pipeline, changing or removing them from
+    the micro-batched one), and its cost is the full simulation of what it holds."""
+    graph, topo = rc.graph_of("mlp"), load_topology("cpu-2")
+    start = parse_baseline(spec)(graph, topo)
+    space = ConfigSpace(graph, topo)
+    moves = Moves(graph, space, [dp(graph, topo), tp(graph, topo)])
+    assert all(space.contains(n, start[n]) for n in space.ops)
+    made = []
+    propose = moves.propose
+
+    def recording(rng, current):
+        changes = propose(rng, current)
+        made.append(_micro_move(graph, current, changes))
+        return changes
+
+    moves.propose = recording
+    # a hot chain (a proposal 1% slower is accepted with probability e^-0.01), which wanders
+    chain = _Chain("pipeline", start, SimulatorEvaluators()(graph, topo), moves, random.Random(2), beta_per_ms=0.0,
+                   beta_scale=1, max_proposals=None)
+    held = 0
+    for _ in range(300):
+        chain.step()
+        held += any(len(set(chain.current[n].devices)) < chain.current[n].num_parts for n in space.ops)
+    micro = [m for m in made if m is not None]
+    assert any(old == 1 < new for _, old, new in micro) if spec.endswith("pp=2") else \
+        any(old == 4 != new for _, old, new in micro)
+    assert chain.num_accepted > 0 and held > 0
+    full = simulate(graph, chain.current, topo)
+    assert full.iteration_time_ms == chain.cost.time_ms and max(full.peak_memory_bytes) == chain.cost.peak_memory_bytes
+
+
+def test_propagation_carries_micro_batches_and_drops_a_shard_they_refuse():
+    """A neighbour's micro-batched layout carries over to a sharded op without the shard where repeated
+    devices refuse it, and with it where they do not; a layout without repeats keeps the shard."""
+    graph, topo = GRAPHS["mlp"](), load_topology("cpu-2")
+    own = ParallelConfig(degrees={"sample": 2}, devices=(0, 1), shard=2)
+    validate(graph["fc0"], own, topo.num_devices)
+    plain = ParallelConfig(degrees={"sample": 2}, devices=(1, 0))
+    assert carried(graph, "fc0", own, plain, topo.num_devices) == plain.replace(shard=2)
+    micro = microbatched(graph["relu0"], ParallelConfig(degrees={"sample": 2}, devices=(0, 1)), 4)
+    cfg = carried(graph, "fc0", own, micro, topo.num_devices)
+    refused = repeat_refusal(graph["fc0"], micro.replace(shard=2)) is not None
+    assert cfg == micro.replace(shard=1 if refused else 2)
+    assert ConfigSpace(graph, topo).contains("fc0", cfg)

@@ -8,11 +8,14 @@ import random
 from collections import Counter
 
 import pytest
+import runtime_cases as rc
 from test_search_fixtures import GRAPHS, GraphBuilder
 
-from search.baselines import BASELINES, BaselineNotApplicable
-from search.space import ConfigSpace
-from soap.config import ParallelConfig, validate
+from search.baselines import BASELINES, BaselineNotApplicable, parse_baseline
+from search.space import MICROBATCH_COUNTS, MICROBATCH_SHARE, ConfigSpace, microbatched, sample_dim, split_microbatches
+from simulator.taskgraph import MAX_ROUNDS
+from soap.config import ConfigError, ParallelConfig, parts, repeat_refusal, validate
+from soap.lowering import part_rounds
 from soap.registry import dims_of, op_def
 from soap.topology import load_topology
 
@@ -181,3 +184,181 @@ def test_random_strategy_redraws_only_the_ops_asked_for():
     # the draws are the ones a full redraw makes for the same ops in the same order
     rng = random.Random(5)
     assert [strategy[name] for name in some] == [space.sample(name, rng) for name in some]
+
+
+# -- micro-batches -----------------------------------------------------------------------------------------
+
+
+def _microbatch_draws(graph, topo, current, draws: int, seed: int):
+    """(op, config) for `draws` proposals of `propose_for` from `current`, over every proposal target."""
+    space = ConfigSpace(graph, topo)
+    rng = random.Random(seed)
+    return space, [(name, space.propose_for(name, rng, current)) for name in space.ops for _ in range(draws)]
+
+
+def _check_microbatches(op, cfg: ParallelConfig, num_devices: int) -> int:
+    """Check that `cfg` is its base with each device's part cut into consecutive micro-batches, run in
+    order as the device's rounds (or, laid out as a hybrid baseline does, every micro-batch over all the
+    base's devices); return the count."""
+    validate(op, cfg, num_devices)
+    assert repeat_refusal(op, cfg) is None
+    split = split_microbatches(op, cfg)
+    assert split is not None and split.count in MICROBATCH_COUNTS and split.count <= MAX_ROUNDS
+    count, base = split.count, split.base
+    assert len(set(base.devices)) == base.num_parts and cfg.num_parts == count * base.num_parts
+    sample = sample_dim(op)
+    assert cfg.degree(sample) == count * base.degree(sample)
+    rounds = part_rounds(cfg.devices)
+    assert max(rounds) + 1 == count
+    assert Counter(zip(cfg.devices, rounds, strict=True)) == Counter({(d, r): 1 for d in base.devices
+                                                                       for r in range(count)})
+    if split.inner == 1:
+        axis = [d.name for d in dims_of(op)].index(sample)
+        for box, device in parts(op, base):
+            mine = sorted((r, b) for (b, d), r in zip(parts(op, cfg), rounds, strict=True) if d == device)
+            # the device's parts, in round order, are its base part cut along the sample dim in order
+            cuts = [b[axis] for _, b in mine]
+            assert cuts[0][0] == box[axis][0] and cuts[-1][1] == box[axis][1]
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
+            assert all(b[:axis] + b[axis + 1:] == box[:axis] + box[axis + 1:] for _, b in mine)
+    return count
+
+
+@pytest.mark.parametrize("topology", ["cpu-2", "p100-2x2"])
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+def test_microbatch_proposals_are_valid_with_their_rounds_and_can_be_removed(graph_name: str, topology: str):
+    graph, topo = GRAPHS[graph_name](), load_topology(topology)
+    current = BASELINES["dp"](graph, topo)
+    space, draws = _microbatch_draws(graph, topo, current, 400, seed=11)
+    counts = Counter()
+    for name, cfg in draws:
+        op = graph[name]
+        validate(op, cfg, topo.num_devices)
+        assert space.contains(name, cfg)
+        if len(set(cfg.devices)) == cfg.num_parts:
+            continue
+        counts[_check_microbatches(op, cfg, topo.num_devices)] += 1
+        # from the micro-batched config the move takes them away again (back to dp's config) or changes
+        # their count, and from each of those it comes back
+        options = space.microbatch_options(name, cfg)
+        assert options[0] == current[name]
+        assert sorted(split_microbatches(op, o).count for o in options[1:]) == \
+            sorted(set(counts_of(op, current[name], topo.num_devices)) - {split_microbatches(op, cfg).count})
+        for other in options[1:]:
+            assert split_microbatches(op, other).base == current[name]
+            _check_microbatches(op, other, topo.num_devices)
+            assert cfg in space.microbatch_options(name, other)
+    assert set(counts) == set(MICROBATCH_COUNTS)
+    # the move is drawn MICROBATCH_SHARE of the time for ops that take micro-batches (binomial, 5 sd)
+    takers = [name for name in space.ops if space.microbatch_options(name, current[name])]
+    n, p = 400 * len(takers), MICROBATCH_SHARE
+    assert abs(sum(counts.values()) - n * p) < 5 * math.sqrt(n * p * (1 - p))
+
+
+def counts_of(op, base: ParallelConfig, num_devices: int) -> list[int]:
+    """The micro-batch counts of the space that `validate` accepts for `base`, found by trying each."""
+    out = []
+    for m in MICROBATCH_COUNTS:
+        try:
+            validate(op, microbatched(op, base, m), num_devices)
+        except ConfigError:
+            continue
+        out.append(m)
+    return out
+
+
+def test_ops_that_refuse_repeated_devices_never_get_micro_batches():
+    """Whatever `soap.config.repeat_refusal` refuses (batchnorm's running statistics, recomputing or sharded
+    configs, as far as it refuses them) the move never offers, although the sample dim would divide, and
+    no proposal repeats those ops' devices; the others keep their recompute and shard choices."""
+    graph, topo = rc.graph_of("bncnn"), load_topology("cpu-2")
+    space = ConfigSpace(graph, topo)
+    current = BASELINES["dp"](graph, topo)
+    for i, name in enumerate(space.ops):  # every other op recomputes where it can, else shards where it can
+        degrees = tuple(current[name].degrees.items())
+        if i % 2 and True in space.recompute_options(name):
+            current = current.with_config(name, current[name].replace(recompute=True))
+        elif space.shard_options(name, degrees)[-1] > 1 and graph[name].kind != "batchnorm":
+            current = current.with_config(name, current[name].replace(shard=space.shard_options(name, degrees)[-1]))
+    assert any(current[n].recompute for n in space.ops) and any(current[n].shard > 1 for n in space.ops)
+    refusing = {name for name in space.ops
+                if repeat_refusal(graph[name], microbatched(graph[name], current[name], 2)) is not None}
+    assert {name for name in space.ops if graph[name].kind == "batchnorm"} <= refusing != set(space.ops)
+    for name in space.ops:
+        op, options = graph[name], space.microbatch_options(name, current[name])
+        if name in refusing:
+            assert options == ()
+            # only the refusal stands in the way: the sample dim divides
+            assert op.outputs[0].shape[0] % microbatched(op, current[name], 2).degree(sample_dim(op)) == 0
+        else:
+            assert options and all((o.recompute, o.shard) == (current[name].recompute, current[name].shard)
+                                   for o in options)
+    space, draws = _microbatch_draws(graph, topo, current, 400, seed=5)
+    repeated = set()
+    for name, cfg in draws:
+        validate(graph[name], cfg, topo.num_devices)
+        assert space.contains(name, cfg)
+        if len(set(cfg.devices)) < cfg.num_parts:
+            repeated.add(name)
+            _check_microbatches(graph[name], cfg, topo.num_devices)
+    assert repeated and not repeated & refusing
+
+
+@pytest.mark.parametrize("spec", ["hybrid:tp=1,pp=2,microbatches=4", "hybrid:tp=1,microbatches=2",
+                                  "hybrid:tp=2,microbatches=2", "hybrid:tp=2,pp=2,microbatches=8"])
+@pytest.mark.parametrize("graph_name", sorted(GRAPHS))
+def test_baselines_with_micro_batches_lie_in_the_space_and_are_proposed_again(graph_name: str, spec: str):
+    """A chain may start from a pipeline with micro-batches: its configs are in the space, the move takes
+    each op's micro-batches away or changes their count, and comes back to them from there."""
+    graph, topo = GRAPHS[graph_name](), load_topology("p100-2x2")
+    try:
+        strategy = parse_baseline(spec)(graph, topo)
+    except BaselineNotApplicable:
+        pytest.skip(f"{spec} does not apply to {graph_name}")
+    space = ConfigSpace(graph, topo)
+    micro = [name for name in space.ops if len(set(strategy[name].devices)) < strategy[name].num_parts]
+    assert micro
+    for name in space.ops:
+        cfg, op = strategy[name], graph[name]
+        assert space.contains(name, cfg), (name, cfg)
+        if name not in micro:
+            continue
+        _check_microbatches(op, cfg, topo.num_devices)
+        options = space.microbatch_options(name, cfg)
+        base = options[0]
+        assert len(set(base.devices)) == base.num_parts and space.contains(name, base)
+        assert all(split_microbatches(op, o).base == base for o in options[1:])
+        for other in options[1:]:  # (from the base, the move cuts each device's part: `inner` 1)
+            assert space.contains(name, other) and cfg in space.microbatch_options(name, other)
+        # the recompute and shard redraw keeps the micro-batches: only the choices valid with them
+        redraws = space.memory_options(name, cfg)
+        assert cfg in redraws and {o.key()[:2] for o in redraws} == {cfg.key()[:2]}
+        shards = space.shard_options(name, tuple(base.degrees.items()))
+        assert {(o.recompute, o.shard) for o in redraws} == {
+            (r, s) for r in space.recompute_options(name) for s in shards
+            if repeat_refusal(op, cfg.replace(recompute=r, shard=s)) is None}
+    # proposals from it are valid configs of the space
+    _, draws = _microbatch_draws(graph, topo, strategy, 200, seed=3)
+    for name, cfg in draws:
+        validate(graph[name], cfg, topo.num_devices)
+        assert space.contains(name, cfg)
+
+
+def test_the_space_holds_only_micro_batches_of_its_configs():
+    """Repeated devices that are no micro-batches of a config of the space are not in it: a count outside
+    `MICROBATCH_COUNTS`, devices used unevenly, repeats along another dim than the sample dim, micro-batches
+    of a placement the space does not have."""
+    graph, topo = GRAPHS["mlp"](), load_topology("p100-2x2")
+    space = ConfigSpace(graph, topo)
+    op = graph["fc0"]
+    base = ParallelConfig(degrees={"sample": 2}, devices=(0, 1))
+    assert space.contains("fc0", microbatched(op, base, 4))
+    outside = [
+        microbatched(op, base, 16),  # 16 rounds: a count the space does not have
+        ParallelConfig(degrees={"sample": 4}, devices=(0, 0, 0, 1)),  # unevenly
+        ParallelConfig(degrees={"out_features": 4}, devices=(0, 0, 1, 1)),  # along a parameter dim
+        microbatched(op, ParallelConfig(degrees={"sample": 2}, devices=(0, 3)), 2),  # (0, 3): no such set
+    ]
+    for cfg in outside:
+        validate(op, cfg, topo.num_devices)  # valid configs, only not in the space
+        assert not space.contains("fc0", cfg), cfg
