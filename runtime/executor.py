@@ -19,12 +19,15 @@ before any backward under GPipe and without repeated devices, interleaved under 
   are computed: the order is topological). Sources move nothing (`OpDef.everywhere`): an op reads its
   region of an `input` from the global synthetic batch every rank holds, and of a `constant` from this
   rank's own buffer (or the value its recipe computes from the buffers, once, at setup).
+  A chunk along a carried dim (an LSTM split in time, `soap.lowering`'s rule "Carries") starts from
+  the final state of the chunk before it, which ran earlier on this rank: a leaf copy of it.
 - a backward item: backpropagate this rank's part of the round from the gradients its consumers sent
   back (leaf gradients give the input gradients), send every input piece's gradient back through the
   same round's exchange to the part it came from (added there; a producer part on this rank gets it
-  added locally), and once it is the op's last backward item (`StepPlan.done_at`) tell `GradSync`: it
-  launches the plan's all-reduces whose gradients just became final, within exactly their device set,
-  asynchronous.
+  added locally), hand the gradient of a chunk's initial state to the chunk before it (added to the
+  gradient of its final state when its own backward runs, later in the order), and once it is the op's
+  last backward item (`StepPlan.done_at`) tell `GradSync`: it launches the plan's all-reduces whose
+  gradients just became final, within exactly their device set, asynchronous.
 
 Every rank walks the same order and, at each item, the same edges in slot order, so the collectives of
 the step are issued in one order on every rank.
@@ -242,6 +245,10 @@ class Executor:
         self.values: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         # per (output, producer part here): the gradient consumers sent back so far
         self.grads: dict[tuple[TensorRef, int], torch.Tensor] = {}
+        # per (op position, part) here of a chunk along a carried dim: (its initial state as leaves, or
+        # None, and its final state), and the gradient of its final state from the chunk after it
+        self.carry: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...]]] = {}
+        self.carry_grads: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
         self.collectives: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ setup helpers
@@ -443,16 +450,25 @@ class Executor:
             context = torch.autograd.graph.saved_tensors_hooks(*self._param_hooks(i))
         else:
             context = contextlib.nullcontext()
+        # a chunk along a carried dim starts from the final state of the chunk before it, on this rank
+        # (`soap.lowering`'s rule "Carries"): a leaf copy, whose gradient backward hands back to that chunk
+        prev = self.plan.ops[i].carry_from[c]
+        state = None if prev is None else tuple(x.detach().requires_grad_(keep) for x in self.carry[(i, prev)][1])
         with context:
-            outs = self._compute(op, self.op_params[(i, c)], self.plan.ops[i].boxes[c], leaves)
+            outs, final = self._compute(op, self.op_params[(i, c)], self.plan.ops[i].boxes[c], leaves, state)
+        if final:
+            self.carry[(i, c)] = (state, final)
         if keep:
             self.saved[(i, c)] = (leaves, outs)
         self.values[(i, c)] = tuple(o.detach() for o in outs)
         if i in self.gathers:
             self._release(i)
 
-    def _compute(self, op: Operator, params: Mapping[str, torch.Tensor], box, inputs: list[torch.Tensor | None]
-                 ) -> tuple[torch.Tensor, ...]:
+    def _compute(self, op: Operator, params: Mapping[str, torch.Tensor], box, inputs: list[torch.Tensor | None],
+                 state: tuple[torch.Tensor, ...] | None = None
+                 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The part's outputs and its final state along a carried dim (empty for kinds without one),
+        starting from `state` (`runtime.kernels.compute_chunk`)."""
         if self.compute_dtype != self.float_dtype:
             if op.name == self.plan.loss_op:  # the loss computes in the master dtype
                 inputs = [x.to(self.float_dtype) if x is not None and x.is_floating_point() else x for x in inputs]
@@ -461,9 +477,9 @@ class Executor:
                 # does: the kernel takes compute-dtype input with float32 weight and statistics
                 params = {k: v.to(self.compute_dtype) for k, v in params.items()}
         if op.kind != "opaque":
-            return kernels.compute_part(op, box, inputs, params, training=True,
-                                        buffers=self.op_buffers[op.name], step=self.step,
-                                        check=self.num_forwards == 0)
+            return kernels.compute_chunk(op, box, inputs, params, state=state, training=True,
+                                         buffers=self.op_buffers[op.name], step=self.step,
+                                         check=self.num_forwards == 0)
         target = None
         if op.attrs.get("target", "module") == "module":
             assert self.module is not None, "opaque ops need the model"
@@ -472,7 +488,7 @@ class Executor:
             # gradients reach the shards the optimizer updates.
             def target(*args, **kwargs):
                 return torch.func.functional_call(sub, dict(params), args, kwargs, strict=False)
-        return kernels.run_opaque(op, target, inputs, params)
+        return kernels.run_opaque(op, target, inputs, params), ()
 
     def run_step(self, batch: Sequence[torch.Tensor], *, step: int = 0, fail: bool = False,
                  loss_scale: float = 1.0) -> torch.Tensor:
@@ -488,6 +504,8 @@ class Executor:
         self.values.clear()
         self.grads.clear()
         self.log.reset()
+        self.carry.clear()
+        self.carry_grads.clear()
         for op in self.graph:
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
@@ -515,6 +533,8 @@ class Executor:
         self.saved.clear()
         self.grads.clear()
         self.kept.clear()
+        self.carry.clear()
+        self.carry_grads.clear()
         self.where = "step"
         if not losses:
             return torch.zeros((), dtype=self.float_dtype)
@@ -601,13 +621,18 @@ class Executor:
         else:
             pairs = [(o, self.grads.pop((ref, c))) for o, ref in zip(outs, self.out_refs[op.name], strict=True)
                      if (ref, c) in self.grads]
-        pairs = [(o, g) for o, g in pairs if o.requires_grad]
+        state, final = self.carry.pop((i, c), (None, ()))
+        pairs += zip(final, self.carry_grads.pop((i, c), ()), strict=False)  # from the chunk after it
+        pairs = [(o, g) for o, g in pairs if o.requires_grad and g is not None]
         sharded = i in self.gathers
         if sharded:
             self._gather_into(i, op)
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         in_grads = [x.grad if x is not None and x.requires_grad else None for x in leaves]
+        prev = self.plan.ops[i].carry_from[c]
+        if prev is not None:
+            self.carry_grads[(i, prev)] = tuple(x.grad for x in state)
         if sharded:
             # the gathered weights are done with: free them before the reduce-scatter's buffers
             grads = {name: w.grad for name, w in self.op_params[(i, c)].items()}

@@ -2,8 +2,9 @@
 
 Owns `KERNELS`, the part kernels by the name each registry kind gives in `OpDef.kernel` (every kind but
 `input`, `constant` and `opaque`, whose `OpDef.run_specially` says how the runtime runs them), with
-`compute_part` to call them, `run_opaque` (the whole-op call of an `opaque` op) and `constant_value` (a
-`constant` op's value: a buffer, or what its recipe computes). A part receives
+`compute_part` to call them (`compute_chunk` for a chunk along a carried dim, which starts from the
+state of the chunk before it and returns its own), `run_opaque` (the whole-op call of an `opaque` op)
+and `constant_value` (a `constant` op's value: a buffer, or what its recipe computes). A part receives
 exactly the tensors of the regions its registry entry names (`input_regions`, `param_regions`,
 `buffer_regions`) and returns its outputs shaped as `output_region`; halos, padding, masks and partial
 sums are derived from the same entry, so the simulator's regions and the runtime's computation cannot
@@ -38,6 +39,9 @@ class _Context:
     training: bool
     buffers: Mapping[str, Tensor] = field(default_factory=dict)
     step: int = 0
+    # the initial state of a chunk along a carried dim (`soap.opdef.DimSpec.carried`): the final state of
+    # the chunk before it; None: zeros
+    state: tuple[Tensor, ...] | None = None
 
 
 Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor], _Context],
@@ -57,18 +61,32 @@ def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params
     dropout mask from one training step to the next. `check` asserts the output shapes against the
     registry (the runtime checks the first step only: the shapes do not change between steps).
     """
+    return compute_chunk(op, box, inputs, params, training=training, buffers=buffers, step=step, check=check)[0]
+
+
+def compute_chunk(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
+                  state: Sequence[Tensor] | None = None, training: bool = True,
+                  buffers: Mapping[str, Tensor] | None = None, step: int = 0, check: bool = True
+                  ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """`compute_part` of a chunk along the op's carried dim (`soap.opdef.DimSpec.carried`): it starts from
+    `state`, the final state of the chunk before it (None: zeros), and returns (its outputs, its final
+    state). The kernel of a kind with a carried dim returns its outputs followed by its final state; the
+    other kernels' final state is empty. Autograd connects both: the gradient of `state` is what the
+    chunk before adds to the gradient of its final state."""
     entry = op_def(op.kind)
     kernel = KERNELS.get(entry.kernel)
     if kernel is None:
         raise ValueError(f"op {op.name!r}: kind {op.kind!r} has no partitioned kernel ({entry.run_specially})")
-    ctx = _Context(training=training, buffers=dict(buffers or {}), step=step)
-    outputs = kernel(op, box, inputs, params, ctx)
+    ctx = _Context(training=training, buffers=dict(buffers or {}), step=step,
+                   state=None if state is None else tuple(state))
+    everything = kernel(op, box, inputs, params, ctx)
+    outputs, final = everything[:len(op.outputs)], everything[len(op.outputs):]
     if not check:
-        return outputs
+        return outputs, final
     for i, out in enumerate(outputs):
         expected = _shape(entry.output_region(op, box, i))
         assert tuple(out.shape) == expected, (op.name, i, tuple(out.shape), expected)
-    return outputs
+    return outputs, final
 
 
 def run_opaque(op: Operator, module: torch.nn.Module | None, inputs: Sequence[Tensor],
@@ -290,9 +308,15 @@ def _lstm(op, box, inputs, params, ctx):
         flat += [params[f"weight_ih_l{k}"], params[f"weight_hh_l{k}"]]
         if has_bias:
             flat += [params[f"bias_ih_l{k}"], params[f"bias_hh_l{k}"]]
-    h0 = x.new_zeros(layers, x.shape[0], hidden)
-    out, h_n, c_n = torch.lstm(x, (h0, h0), flat, has_bias, layers, 0.0, ctx.training, False, True)
-    return (out, h_n, c_n)
+    if ctx.state is None:
+        h0 = c0 = x.new_zeros(layers, x.shape[0], hidden)
+    else:
+        h0, c0 = ctx.state
+    out, h_n, c_n = torch.lstm(x, (h0, c0), flat, has_bias, layers, 0.0, ctx.training, False, True)
+    if box[1][1] != op.outputs[0].shape[1]:
+        # not the last chunk: h_n and c_n are the next chunk's state, none of the op's outputs
+        return (out, h_n[:0], c_n[:0], h_n, c_n)
+    return (out, h_n, c_n, h_n, c_n)
 
 
 def _attention(op, box, inputs, params, ctx):

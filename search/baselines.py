@@ -1,6 +1,9 @@
 """The baseline strategies: dp, mp, tp, expert and fsdp, each a plain function returning a `Strategy`, and
 the parametric Megatron-LM layout `hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]`
-(`parse_baseline` reads any baseline name).
+(`parse_baseline` reads any baseline name). `mp` and `expert` run recurrent ops (LSTMs) in time chunks,
+8 by default (`mp:chunks=K`, `expert:chunks=K`, fewer where K does not divide the time steps; K = 1
+keeps them whole): layers on different devices
+then overlap on different chunks, FlexFlow's wavefront.
 
 They are presets of the general method (per-op `ParallelConfig`s), not special cases: the simulator,
 the search and the runtime treat them like any other strategy. Every baseline gives every op of any graph
@@ -15,6 +18,7 @@ Must not import torch or the runtime.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from soap.config import ParallelConfig, param_replicas, parts, recompute_refusal
@@ -103,11 +107,21 @@ def _blocks(weights: Sequence[float], num_blocks: int) -> list[int]:
     return out
 
 
-def mp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
-    """Pure model parallelism: ops whole, placed layer-wise in contiguous compute-balanced blocks."""
+def mp(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -> Strategy:
+    """Pure model parallelism: ops whole, placed layer-wise in contiguous compute-balanced blocks; a
+    recurrent op in `chunks` time chunks on its device (`chunked`), and the ops after it on the same
+    device that keep its (sample, time) layout chunk by chunk too, so that consecutive blocks overlap
+    on different chunks (a wavefront; no effect on models without recurrent ops)."""
     weights = [op.fwd_flops + op.bwd_flops + (1.0 if op.params else 0.0) for op in graph]
     blocks = _blocks(weights, topology.num_devices)
-    return Strategy({op.name: ParallelConfig.single(b) for op, b in zip(graph, blocks, strict=True)})
+    configs: dict[str, ParallelConfig] = {}
+    for op, b in zip(graph, blocks, strict=True):
+        cfg = chunked(op, ParallelConfig.single(b), chunks)
+        if cfg.num_parts == 1 and not op.params:
+            follow = _follow_chunks(op, graph, configs)
+            cfg = follow if follow is not None and set(follow.devices) == {b} else cfg
+        configs[op.name] = cfg
+    return Strategy(configs)
 
 
 def _contains(outer: Region, inner: Region | None) -> bool:
@@ -178,30 +192,124 @@ def _tensor_parallel(graph: OperatorGraph, devices: tuple[int, ...]) -> Strategy
     return Strategy(configs)
 
 
-def expert(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
+def expert(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -> Strategy:
     """The "one weird trick" expert strategy (Krizhevsky 2014), extended to RNNs as in GNMT.
 
     Convolutions, pools and everything else data parallel; fully connected layers (linear) and embeddings
-    model parallel (parameter split over all devices); LSTM layers each placed whole on one device of a
-    node (layer i on local device i mod devices-per-node), data parallel across nodes.
+    model parallel (parameter split over all devices; in a recurrent model over the devices of a node,
+    data parallel across nodes, as GNMT splits its softmax over a node's GPUs); LSTM layers each placed
+    whole on one device of a node (layer i on local device i mod devices-per-node), data parallel across
+    nodes, each in `chunks`
+    time chunks (`chunked`; where the time steps divide), and the ops between them that keep their
+    (sample, time) layout split as they are, chunk by chunk on the same device, so that layer i + 1
+    runs chunk k while layer i runs chunk k + 1 (FlexFlow's wavefront over unrolled RNNs).
     """
     devices = tuple(range(topology.num_devices))
     nodes = sorted({d.node for d in topology.devices})
     per_node = [tuple(d.id for d in topology.devices if d.node == n) for n in nodes]
+    # a recurrent model is data parallel across nodes, its fully connected layers model parallel within a
+    # node (GNMT's softmax split over a node's GPUs), where the nodes are equal blocks of devices
+    size = len(per_node[0])
+    recurrent = any(_carried(op) is not None for op in graph) and all(
+        p == tuple(range(k * size, (k + 1) * size)) for k, p in enumerate(per_node))
     configs: dict[str, ParallelConfig] = {}
     num_lstm = 0
     for op in graph:
         cfg = None
         if op.kind in ("linear", "embedding"):
-            cfg = next((c for c in (split(op, d, devices) for d in _dims_of_kind(op, DimKind.PARAMETER))
+            within = per_node[0] if recurrent else devices
+            cfg = next((c for c in (split(op, d, within) for d in _dims_of_kind(op, DimKind.PARAMETER))
                         if c is not None), None)
+            if cfg is not None and recurrent:
+                cfg = _with_sample(op, cfg, len(per_node), size)
         elif op.kind == "lstm":
             local = num_lstm % min(len(p) for p in per_node)
             num_lstm += 1
             across = tuple(p[local] for p in per_node)
             cfg = first_fit(op, [(_sample(op), across), (None, across)])
+            cfg = chunked(op, cfg, chunks)
+        elif not op.params:
+            cfg = _follow_chunks(op, graph, configs)
         configs[op.name] = cfg if cfg is not None else _data_parallel(op, devices)
+    _lead_in(graph, configs)
     return Strategy(configs)
+
+
+def _lead_in(graph: OperatorGraph, configs: dict[str, ParallelConfig]) -> None:
+    """Give the op feeding a chunked op (a dropout before the first LSTM), where it has no parameters and
+    no other reader, the chunked op's devices, split on its sample dim like the chunks: its input then
+    moves in one exchange before the wavefront starts, and the chunks read it where they run. (Split
+    elsewhere, every chunk's exchange would involve devices that run later layers' chunks, which take
+    part in it only once they reach it in the step's order: the layers would run one after another.)"""
+    for op in graph:
+        cfg = configs[op.name]
+        if not op.inputs or len(set(cfg.devices)) == len(cfg.devices) or _carried(op) is None:
+            continue
+        producer = graph[op.inputs[0].op]
+        pcfg = configs[producer.name]
+        if (producer.params or op_def(producer.kind).everywhere or len(graph.consumers(producer.name)) > 1
+                or len(set(pcfg.devices)) < len(pcfg.devices)):
+            continue
+        across = tuple(dict.fromkeys(cfg.devices))
+        lead = split(producer, _sample(producer), across) if cfg.degree("sample") == len(across) else None
+        if lead is not None:
+            configs[producer.name] = lead
+
+
+def _carried(op: Operator) -> DimSpec | None:
+    return next((d for d in dims_of(op) if d.carried), None)
+
+
+def chunked(op: Operator, cfg: ParallelConfig, chunks: int) -> ParallelConfig:
+    """`cfg` with each of its parts cut into `chunks` chunks along the op's carried dim
+    (`soap.opdef.DimSpec.carried`), run one after another on the part's device (the largest number up to
+    `chunks` that divides the part's time steps); `cfg` itself where the op has no carried dim."""
+    carried = _carried(op)
+    if carried is None:
+        return cfg
+    steps = carried.size // cfg.degree(carried.name)
+    chunks = max(g for g in range(1, min(chunks, steps) + 1) if steps % g == 0)
+    return cfg if chunks == 1 else _cut(op, cfg, carried, chunks)
+
+
+def _cut(op: Operator, cfg: ParallelConfig, dim: DimSpec, times: int) -> ParallelConfig:
+    """`cfg` with dim `dim` split `times` times finer, the new parts of each old part on its device (the
+    part order of `soap.config.parts`)."""
+    names = [d.name for d in dims_of(op)]
+    k = names.index(dim.name)
+    inner = [cfg.degree(name) for name in names]
+    outer = list(inner)
+    outer[k] *= times
+    device_of = dict(zip(itertools.product(*(range(g) for g in inner)), cfg.devices, strict=True))
+    devices = [device_of[idx[:k] + (idx[k] // times,) + idx[k + 1:]]
+               for idx in itertools.product(*(range(g) for g in outer))]
+    return ParallelConfig(degrees={n: g for n, g in zip(names, outer, strict=True) if g > 1}, devices=tuple(devices))
+
+
+def _follow_chunks(op: Operator, graph: OperatorGraph, configs: Mapping[str, ParallelConfig]) -> ParallelConfig | None:
+    """For an op reading a chunked op (directly or through ops that followed one): the producer's layout
+    on the op's dims with output axes 0 and 1 (sample and time), where every part then reads only what
+    the producer's part on its device holds; None otherwise."""
+    if not op.inputs or op.kind == "loss":
+        return None
+    producer = graph[op.inputs[0].op]
+    pcfg = configs.get(producer.name)
+    if pcfg is None or len(set(pcfg.devices)) == len(pcfg.devices):
+        return None
+    pdims = {d.out_axis: d for d in dims_of(producer) if d.out_axis is not None}
+    dims = {d.out_axis: d for d in dims_of(op) if d.out_axis is not None}
+    if not {0, 1} <= set(pdims) or not {0, 1} <= set(dims) or set(pcfg.degrees) - {pdims[0].name, pdims[1].name}:
+        return None
+    degrees = {dims[a].name: pcfg.degree(pdims[a].name) for a in (0, 1) if pcfg.degree(pdims[a].name) > 1}
+    if not _allowed(op, degrees) or math.prod(degrees.values()) != len(pcfg.devices):
+        return None
+    cfg = ParallelConfig(degrees=degrees, devices=pcfg.devices)
+    pentry, entry = op_def(producer.kind), op_def(op.kind)
+    held = {c: pentry.output_region(producer, box, op.inputs[0].index)
+            for c, (box, _) in enumerate(parts(producer, pcfg))}
+    if all(_contains(held[c], entry.input_regions(op, box)[0]) for c, (box, _) in enumerate(parts(op, cfg))):
+        return cfg
+    return None
 
 
 def _sharded(op: Operator, cfg: ParallelConfig, shard: int, shared: Mapping[str, tuple[str, ...]]) -> ParallelConfig:
@@ -361,11 +469,18 @@ class BaselineSpecError(ValueError):
 
 
 def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strategy] | None:
-    """The baseline function `ref` names (a key of `BASELINES`, or ``hybrid:tp=T[,pp=P][,microbatches=M]
-    [,shard=S][,recompute=none|full]``), None when `ref` names no baseline; `BaselineSpecError` for a
-    malformed ``hybrid:`` spec."""
+    """The baseline function `ref` names (a key of `BASELINES`, ``mp:chunks=K``, ``expert:chunks=K``, or
+    ``hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]``), None when `ref` names no
+    baseline; `BaselineSpecError` for a malformed spec."""
     if ref in BASELINES:
         return BASELINES[ref]
+    name, colon, spec = ref.partition(":")
+    if colon and name in ("mp", "expert"):
+        value = spec.removeprefix("chunks=").strip()
+        if not spec.startswith("chunks=") or not value.isdigit() or int(value) < 1:
+            raise BaselineSpecError(f"malformed baseline {ref!r}: expected {name}:chunks=K with K >= 1")
+        make = BASELINES[name]
+        return lambda graph, topology: make(graph, topology, chunks=int(value))
     if not ref.startswith("hybrid:"):
         return None
     usage = "hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]"

@@ -88,9 +88,11 @@ class Moves:
             reference = self.references[rng.randrange(len(self.references))]
             chosen = modules if rng.random() < 0.5 else [modules[rng.randrange(len(modules))]]
             changes = {m: reference[m] for names in chosen for m in names}
-        else:  # drawn from the op's own configs: no need to check that the space holds it
+        else:
+            # drawn from the op's own configs, or the current layout with other recompute and shard
+            # choices, which the space holds unless the layout lies outside it (a baseline's time chunks)
             name, cfg = self.space.propose(rng, current)
-            return {name: cfg} if cfg != current[name] else {}
+            return {name: cfg} if cfg != current[name] and self.space.contains(name, cfg) else {}
         return {m: cfg for m, cfg in changes.items() if cfg != current[m] and self.space.contains(m, cfg)}
 
 

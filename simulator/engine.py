@@ -495,6 +495,8 @@ class Simulator:
         fwd = self._new_tasks(plan.fwd_ns, plan.fwd_keys, res[:len(plan.fwd_ns)], FWD) if plan.fwd_ns else []
         bwd = self._new_tasks(plan.bwd_ns, plan.bwd_keys, res[:len(plan.bwd_ns)], BWD) if plan.bwd_ns else []
         mine = list(zip(fwd, bwd, strict=False))
+        for p, c in plan.carries:  # a chunk after the chunk whose state it starts from; backward back
+            mine += [(fwd[p], fwd[c])] + ([(bwd[c], bwd[p])] if bwd else [])
         links += mine
         return _Unit(fwd + bwd, mine, fwd, bwd)
 

@@ -13,8 +13,10 @@ Tasks of a step plan:
 - per part of an op: a forward task and (when the op runs backward) a backward task on its device; ops
   of kind ``input`` and ``constant`` have none (zero compute: the batch is loaded where its parts are,
   buffers are everywhere). Parts of one op on one device (its rounds, `OpStep.rounds`: micro-batches)
-  are separate tasks that queue on the device like any others. A recomputing part's backward task
-  includes its forward again. A sharded part's forward task includes the all-gather of its parameters
+  are separate tasks that queue on the device like any others. A chunk along a carried dim
+  (`OpStep.carry_from`: an LSTM split in time) waits for the forward of the chunk it starts from, whose
+  backward waits for its own (`OpPlan.carries`; one device, so nothing moves). A recomputing part's
+  backward task includes its forward again. A sharded part's forward task includes the all-gather of its parameters
   and its backward task the second all-gather and the reduce-scatter of their gradient, collectives over
   its shard group (`simulator.comm`), since the runtime issues them synchronously around the part's
   compute (no prefetch); they do not occupy the links as separate tasks, so their contention with
@@ -162,9 +164,11 @@ class SyncShare(NamedTuple):
 class OpPlan:
     """The timed tasks of one op under one config: `step` (the lowering), per part the forward and
     backward durations and keys (empty lists when the op has no such tasks), `mem` (device -> bytes
-    kept for backward) and `transient` (device -> the largest bytes a part holds only while it runs)."""
+    kept for backward), `transient` (device -> the largest bytes a part holds only while it runs) and
+    `carries` ((part, part that starts from its state) per chunk after the first along a carried dim:
+    dependencies on one device, forward from the first to the second, backward back)."""
 
-    __slots__ = ("step", "devices", "fwd_ns", "bwd_ns", "fwd_keys", "bwd_keys", "mem", "transient")
+    __slots__ = ("step", "devices", "fwd_ns", "bwd_ns", "fwd_keys", "bwd_keys", "mem", "transient", "carries")
 
     def __init__(self, step: OpStep):
         self.step = step
@@ -175,6 +179,7 @@ class OpPlan:
         self.bwd_keys: list[int] = []
         self.mem: dict[int, int] = {}
         self.transient: dict[int, int] = {}
+        self.carries: list[tuple[int, int]] = []
 
 
 class EdgePlan:
@@ -264,6 +269,7 @@ class Planner:
                 plan.transient[d] = max(plan.transient.get(d, 0), extra)
         fpos, bpos = keys.fwd_pos(i), keys.bwd_pos(i)
         grads = flow.grad_inputs[i]
+        chunked = any(p is not None for p in step.carry_from)
         for c, (b, d) in enumerate(zip(step.boxes, step.devices, strict=True)):
             fwd_ms, bwd_ms = self.cost_model.compute_ms(op, b, self.topology.devices[d], grads)
             fwd_ns, bwd_ns = ms_to_ns(fwd_ms), ms_to_ns(bwd_ms)
@@ -280,7 +286,10 @@ class Planner:
             plan.fwd_keys.append(keys.make(fpos, SUB_COMPUTE, 0, c, 0))
             if step.runs_bwd:
                 plan.bwd_ns.append(bwd_ns)
-                plan.bwd_keys.append(keys.make(bpos, SUB_COMPUTE, 0, c, 0))
+                # chunks: the backward of a chunk runs before the one it starts from, so their keys count
+                # down the parts in the field before the part (keys increase along every dependency)
+                plan.bwd_keys.append(keys.make(bpos, SUB_COMPUTE, step.num_parts - 1 - c if chunked else 0, c, 0))
+        plan.carries = [(p, c) for c, p in enumerate(step.carry_from) if p is not None]
         return plan
 
     # -- edges -----------------------------------------------------------------------------------------

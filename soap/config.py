@@ -5,7 +5,9 @@ Parts are numbered row-major over the op's iteration dims in registry order (the
 fastest); part `i` runs on `devices[i]`. A device may appear more than once: its parts run one after
 another and add their weight gradients locally (a sample split with repeated devices is micro-batching;
 `soap.lowering` states the rules). Not with `recompute` or `shard` > 1, nor for ops with running
-statistics (each part would update them).
+statistics (each part would update them). A split of a carried dim (`soap.opdef.DimSpec.carried`: the
+time axis of an LSTM) makes chunks, each starting from the state of the chunk before it: the chunks of
+one range of the other dims run on one device (`carry_refusal`), so the state stays where it is.
 
 - `recompute`: the op keeps nothing for backward; its forward runs again on each of its devices before
   its backward (and before the recomputation of a consumer that reads it). What it reads from other
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from soap.graph import Operator
-from soap.opdef import Box, Region, split_range
+from soap.opdef import Box, Region, carry_sources, split_range
 from soap.registry import dims_of, op_def
 
 
@@ -117,6 +119,9 @@ def validate(op: Operator, cfg: ParallelConfig, num_devices: int | None = None) 
         reason = repeat_refusal(op, cfg)
         if reason:
             raise ConfigError(f"op {op.name!r}: devices {list(cfg.devices)} repeat, but {reason}")
+    reason = carry_refusal(op, cfg)
+    if reason:
+        raise ConfigError(f"op {op.name!r}: {reason}")
     if cfg.recompute:
         reason = recompute_refusal(op)
         if reason:
@@ -151,6 +156,15 @@ def repeat_refusal(op: Operator, cfg: ParallelConfig) -> str | None:
         return "a sharded op runs one part per device (not built yet)"
     if op_def(op.kind).buffer_regions(op, tuple((0, d.size) for d in dims_of(op))):
         return "it updates running statistics, which each part on a device would update again"
+    return None
+
+
+def carry_refusal(op: Operator, cfg: ParallelConfig) -> str | None:
+    """Why `cfg`'s chunks along the op's carried dim cannot run where it puts them (None: they can)."""
+    for c, prev in enumerate(carry_sources(dims_of(op), cfg.degrees)):
+        if prev is not None and cfg.devices[prev] != cfg.devices[c]:
+            return (f"chunks of a recurrent op must run on one device per sample range for now (part {c} on "
+                    f"device {cfg.devices[c]} starts from the state of part {prev} on device {cfg.devices[prev]})")
     return None
 
 

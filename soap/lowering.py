@@ -81,7 +81,8 @@ of one op at a time, as the runtime frees a part's transients before the next op
   the device's parameter shards: their gradients add up locally, and the all-reduce groups are over
   distinct devices. An edge's moving pieces make one exchange per consumer round (`EdgeStep.exchanges`),
   so round r of a consumer waits only for the producer parts it reads. Repeated devices are refused with
-  `recompute` and `shard` > 1 and for ops with running statistics (`soap.config.validate`).
+  `shard` > 1 and for ops with running statistics (`soap.config.validate`); a recomputing part runs
+  again just before its own round's backward (the recomputation rule, per part).
 - **Order.** A step is one global order of items (phase, op position, round), forward and backward
   (`StepPlan.order`, `step_order`), a topological order of their dependencies: a round's forward after
   the producer rounds it reads pieces of and after the op's previous round; a round's backward after its
@@ -106,6 +107,15 @@ of one op at a time, as the runtime frees a part's transients before the next op
   Every rank walks the same order and takes part in the exchanges of each round as it comes, so the ranks
   issue their collectives in one consistent order and a device two stages apart from another works on an
   earlier micro-batch while it works on a later one.
+- **Carries.** A split of an op's carried dim (`soap.opdef.DimSpec.carried`: the time axis of an LSTM)
+  makes chunks: part c starts from the final state of part `OpStep.carry_from[c]`, the chunk before it
+  (None for a first chunk). Both run on one device (`soap.config.validate`), so the state moves nothing;
+  chunk k runs after chunk k-1 in the step's order (`carry_order`; they are rounds of one op on one
+  device, so the rounds' own order has it already) and its backward before chunk k-1's (under 1F1B too),
+  whose final state then receives the gradient of chunk k's initial state. A chunk keeps its initial
+  state for backward (`OpDef.carry_bytes`, counted in its activation bytes). Layers of a stacked
+  recurrence placed on different devices, each in chunks, make FlexFlow's wavefront: the step's order
+  runs layer 2's chunk k while layer 1 runs chunk k+1.
 - **Replicas.** `lower(..., replicas=Replicas(count=R, size=m))` lowers only replica 0 of a strategy
   that repeats itself R times (`find_replicas`): every op that computes splits its sample dim outermost
   into a multiple of R chunks, and the parts of replica g are those of replica 0 on devices shifted by
@@ -131,7 +141,7 @@ import numpy as np
 
 from soap.config import ParallelConfig, param_keys, param_pieces, parts
 from soap.graph import DTYPE_BYTES, OperatorGraph, TensorRef
-from soap.opdef import DimKind, Region, intersect, region_numel
+from soap.opdef import DimKind, Region, carry_sources, intersect, region_numel
 from soap.registry import dims_of, op_def
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
@@ -394,10 +404,11 @@ class OpStep:
     chunk as its device (module docstring), else None; `gather_bytes[c]` and `scatter_bytes[c]`: the
     buffer bytes of part c's all-gather (each pass) and reduce-scatter (0 when none);
     `transient_bytes[c]`: what part c holds only while it runs (recomputed outputs, gathered parameters
-    and their gradient).
+    and their gradient); `carry_from[c]`: the part whose final state part c starts from (module
+    docstring, "Carries"; None: it starts from zeros).
     """
 
-    __slots__ = ("op", "devices", "boxes", "rounds", "num_rounds", "out_regions", "in_regions", "reads",
+    __slots__ = ("op", "devices", "boxes", "rounds", "num_rounds", "carry_from", "out_regions", "in_regions", "reads",
                  "reduced", "runs_bwd", "activation_bytes", "recompute", "shard", "shard_groups", "cross_groups",
                  "gather_bytes", "scatter_bytes", "transient_bytes", "_in_overlap", "_out_overlap")
 
@@ -459,6 +470,7 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig, replicas: Replicas | N
     step.devices = cfg.devices if keep is None else cfg.devices[:keep]
     step.rounds = part_rounds(step.devices)
     step.num_rounds = max(step.rounds) + 1
+    step.carry_from = carry_sources(entry.dims(op), cfg.degrees)[:len(boxes)]
     n = len(boxes)
     step.out_regions = [_regions([entry.output_region(op, b, o) for b in boxes], n, spec.ndim)
                         for o, spec in enumerate(op.outputs)]
@@ -490,6 +502,8 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig, replicas: Replicas | N
             out_bytes = [region_numel(entry.output_region(op, b, o)) * DTYPE_BYTES[spec.dtype]
                          for o, spec in enumerate(op.outputs)]
             kept = (0 if view else sum(out_bytes)) + entry.saved_bytes(op, b)
+            if step.carry_from[c] is not None:
+                kept += entry.carry_bytes(op, b)  # its initial state, the chunk before's final one
             if cfg.recompute:
                 transient[c] = kept
             else:
@@ -851,6 +865,17 @@ FORWARD, BACKWARD = 0, 1  # the phases of a step's order items (phase, op positi
 Item = tuple[int, int, int]
 
 
+def carry_order(ops: Sequence[OpStep], live: Sequence[int], after: dict[tuple[int, int], set[tuple[int, int]]]
+                ) -> None:
+    """Add to `after` (round -> the rounds that wait for it) that each chunk of an op runs after the chunk
+    whose state it starts from (module docstring, "Carries")."""
+    for i in live:
+        step = ops[i]
+        for c, prev in enumerate(step.carry_from):
+            if prev is not None:
+                after.setdefault((i, step.rounds[prev]), set()).add((i, step.rounds[c]))
+
+
 def step_order(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]) -> tuple[Item, ...]:
     """The order of a step (module docstring, "Order"): (phase, op position, round) for the forward of every
     round of every op that is not a source and the backward of those that run one, under the setup's
@@ -899,6 +924,7 @@ def _round_deps(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]
     for i in live:
         for r in range(1, ops[i].num_rounds):
             after.setdefault((i, r - 1), set()).add((i, r))
+    carry_order(ops, live, after)
     return after
 
 
@@ -951,10 +977,15 @@ def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int],
                 dep((BACKWARD, j, rj), (BACKWARD, i, r))
     for i in live:
         if needs_bwd[i]:
-            for r in range(ops[i].num_rounds):
+            step = ops[i]
+            carried = any(prev is not None for prev in step.carry_from)
+            for r in range(step.num_rounds):
                 dep((FORWARD, i, r), (BACKWARD, i, r))
-                if r:
+                if r and not carried:
                     dep((BACKWARD, i, r - 1), (BACKWARD, i, r))
+            for c, prev in enumerate(step.carry_from):  # a chunk's backward before the one it started from
+                if prev is not None:
+                    dep((BACKWARD, i, step.rounds[c]), (BACKWARD, i, step.rounds[prev]))
     where: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def devices(i: int, r: int) -> tuple[int, ...]:
@@ -1221,6 +1252,6 @@ def lower(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, num_devic
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "BACKWARD", "Edge", "EdgeStep", "FLOAT_DTYPES",
            "FORWARD", "GradFlow", "Item", "NotReplicable", "OpStep", "ParamStep", "REDUCE_SCATTER", "Replicas",
-           "StepPlan", "SyncEntry", "all_reduces", "chunk_numel", "find_replicas", "flight_savings", "lower",
-           "lower_edge", "lower_op", "lower_params", "part_rounds", "pipeline_caps", "recompute_points", "run_graph",
-           "step_order"]
+           "StepPlan", "SyncEntry", "all_reduces", "carry_order", "chunk_numel", "find_replicas", "flight_savings",
+           "lower", "lower_edge", "lower_op", "lower_params", "part_rounds", "pipeline_caps", "recompute_points",
+           "run_graph", "step_order"]

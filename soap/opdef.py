@@ -8,6 +8,8 @@ defined (docs/op_kinds.md, "How to add an op kind"). An entry names the op's *it
 - `output_region(op, box, i)`: the part of output `i` the box produces (a `Region`: one range per tensor
   axis). When the box covers only part of a dim whose `out_axis` is None, the part holds partial sums of
   that region, which consumers must add up;
+  it may be empty (a chunk of an LSTM but the last holds none of the final state `h_n`), and
+  consumers then read that output from the parts that hold it;
 - `input_regions(op, box)`: the part of each input it reads, halos included, clipped to the tensor;
 - `param_regions(op, box)`: the part of each parameter it reads.
 
@@ -18,7 +20,8 @@ maps to the kind (`captured_from`) and the runtime kernel that computes a part (
 this module must not import torch, the simulator, the search or the runtime, which is why the kernel is
 named here and held in `runtime.kernels.KERNELS`.
 
-The helpers below the classes (`input_shape`, `pair`, `window_range`, `clip_range`, `part_boxes`) are
+The helpers below the classes (`input_shape`, `pair`, `window_range`, `clip_range`, `part_boxes`,
+`carry_sources`) are
 shared by the registry entries, capture and the runtime kernels, so that all of them read attributes and
 derive halos and part boxes the same way.
 """
@@ -51,7 +54,18 @@ class DimSpec:
 
     `out_axis` is the axis of output 0 this dim indexes, or None when splitting it leaves partial sums
     (a reduction dim, or the sample dim of a loss). `splittable` is False where the op kind cannot be
-    split along the dim at all (the normalized axis of a softmax, the time axis of an LSTM).
+    split along the dim into parts that run at once (the normalized axis of a softmax, the hidden
+    features of an LSTM).
+
+    `carried` marks the axis a recurrence runs along (the time axis of an LSTM): the op may be split
+    along it into *chunks*, not into parts that run at once. Chunk k (the part covering [t0, t1) of the
+    dim, and given ranges of the other dims) starts from the final state of chunk k-1 (the part covering
+    the same ranges of the other dims and the range before [t0, t1)), which the kind's kernel returns
+    after its outputs (`OpDef.carry_bytes` says how large it is); its gradient flows back from chunk k to
+    chunk k-1. The chunks of one range of the other dims run on one device (`soap.config.validate`),
+    one after another (its rounds, `soap.lowering`), so the state never moves. A carried dim is not
+    `splittable`: a search that places parts on distinct devices leaves it alone, and `OpDef.check`
+    allows any degree on it.
     """
 
     name: str
@@ -59,6 +73,7 @@ class DimSpec:
     size: int
     out_axis: int | None
     splittable: bool = True
+    carried: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 0:
@@ -157,7 +172,7 @@ class OpDef:
         """
         dims = {d.name: d for d in self.dims(op)}
         for name, degree in degrees.items():
-            if degree > 1 and not dims[name].splittable:
+            if degree > 1 and not (dims[name].splittable or dims[name].carried):
                 return f"{self.kind} cannot be split along {name!r}"
         return None
 
@@ -190,6 +205,11 @@ class OpDef:
     def saved_bytes(self, op: Operator, box: Box) -> int:
         """Bytes a part's kernel keeps for backward besides the op's inputs, outputs and parameters (a max
         pool's indices, a cross entropy's log-probabilities), in the dtypes of `op` as run."""
+        return 0
+
+    def carry_bytes(self, op: Operator, box: Box) -> int:
+        """Bytes of the state a part hands to the next chunk along the kind's carried dim (`DimSpec.carried`),
+        in the dtypes of `op` as run; 0 for kinds without one."""
         return 0
 
     def reduced(self, op: Operator, box: Box) -> bool:
@@ -238,6 +258,22 @@ def clip_range(rng: Range, size: int) -> Range:
     """`rng` clipped to [0, size); an empty result keeps lo <= hi."""
     lo = min(max(rng[0], 0), size)
     return (lo, max(min(rng[1], size), lo))
+
+
+def carry_sources(dims: tuple[DimSpec, ...], degrees: Mapping[str, int]) -> tuple[int | None, ...]:
+    """Per part (row-major part order, as `part_boxes`), the part whose final state it starts from: the
+    chunk before it along the carried dim (`DimSpec.carried`), None for the first chunk, or for every part
+    when no carried dim is split."""
+    counts = [degrees.get(d.name, 1) for d in dims]
+    stride = math.prod(counts)
+    out: list[int | None] = [None] * stride
+    for d, g in zip(dims, counts, strict=True):
+        stride //= g
+        if d.carried and g > 1:
+            for c in range(len(out)):
+                if (c // stride) % g:
+                    out[c] = c - stride
+    return tuple(out)
 
 
 def part_boxes(dims: tuple[DimSpec, ...], degrees: Mapping[str, int]) -> list[Box]:

@@ -440,8 +440,12 @@ class LSTM(OpDef):
     """out[N, T, H], h_n[L, N, H], c_n[L, N, H] = LSTM(x[N, T, I]) (batch first, zero initial state).
 
     params: `weight_ih_l{k}`, `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}`; attrs: `hidden_size`,
-    `num_layers`. dims: `sample` (splittable; axis 0 of out, axis 1 of h_n and c_n); `seq` and `hidden`
-    not splittable (the recurrence runs along seq, every gate reads all of hidden).
+    `num_layers`. dims: `sample` (splittable; axis 0 of out, axis 1 of h_n and c_n); `seq` carried
+    (`DimSpec.carried`: split into time chunks, chunk k starting from the final (h, c) of every layer of
+    chunk k-1, on the same device); `hidden` not splittable (every gate reads all of hidden). A chunk
+    reads x[:, t0:t1] and writes out[:, t0:t1]; only the last chunk holds h_n and c_n (the others hold
+    empty regions of them), so their consumers read them from the last chunks. The carried state is
+    (h, c) of every layer: 2 L N H elements of the part's samples.
     """
 
     kind = "lstm"
@@ -457,16 +461,23 @@ class LSTM(OpDef):
         layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
         return (7 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
 
+    def carry_bytes(self, op: Operator, box: Box) -> int:
+        (n0, n1) = box[0]
+        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+        return 2 * layers * (n1 - n0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, t, h = op.outputs[0].shape
         return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
-                DimSpec(name="seq", kind=DimKind.ATTRIBUTE, size=t, out_axis=1, splittable=False),
+                DimSpec(name="seq", kind=DimKind.ATTRIBUTE, size=t, out_axis=1, splittable=False, carried=True),
                 DimSpec(name="hidden", kind=DimKind.PARAMETER, size=h, out_axis=2, splittable=False))
 
     def output_region(self, op: Operator, box: Box, index: int = 0) -> Region:
         if index == 0:
             return tuple(box)
         layers = op.outputs[index].shape[0]
+        if box[1][1] != op.outputs[0].shape[1]:
+            return ((0, 0), box[0], box[2])  # not the last chunk: no final state
         return ((0, layers), box[0], box[2])
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:

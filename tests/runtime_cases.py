@@ -204,6 +204,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "rescnn": functools.partial(cnn_build, 4, residual=True),
     "bncnn": functools.partial(cnn_build, 4, residual=True, batchnorm=True),
     "rnnlm": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4),
+    "nmt": functools.partial(zoo_build, "nmt", 4, hidden=16, embed=8, vocab=32, steps=4, layers=2),
     "transformer": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
                                      context=None, vocab=32),
     "transformer_explicit": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
@@ -393,6 +394,76 @@ def repeated_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random
                 cfg = candidate
                 break
         out[op.name] = cfg
+    return Strategy(out)
+
+
+def _divisors(n: int) -> list[int]:
+    return [g for g in range(1, n + 1) if n % g == 0]
+
+
+def chunked(op: Operator, sample_devices: tuple[int, ...], chunks: int) -> ParallelConfig:
+    """`op` (with a carried dim) split on its sample dim over `sample_devices` (one per sample range) and
+    into `chunks` chunks along its carried dim, the chunks of each sample range on its device."""
+    carried = next(d for d in dims_of(op) if d.carried)
+    degrees = {"sample": len(sample_devices), carried.name: chunks}
+    return ParallelConfig(degrees=degrees, devices=tuple(d for d in sample_devices for _ in range(chunks)))
+
+
+def follow_chunks(op: Operator, producer: ParallelConfig, axis_dims: tuple[str, str]) -> ParallelConfig | None:
+    """`op` split like a chunked LSTM `producer`: its dims `axis_dims` (sample, time) with the producer's
+    `sample` and `seq` degrees on the same devices, or None where they do not divide."""
+    dims = {d.name: d for d in dims_of(op)}
+    if any(name not in dims for name in axis_dims):
+        return None
+    cfg = ParallelConfig(degrees={axis_dims[0]: producer.degree("sample"), axis_dims[1]: producer.degree("seq")},
+                         devices=producer.devices)
+    try:
+        validate(op, cfg)
+    except ConfigError:
+        return None
+    return cfg
+
+
+def wavefront_strategy(graph: OperatorGraph, num_devices: int, chunks: int, *, samples: int = 1) -> Strategy:
+    """FlexFlow's wavefront: recurrent op k (in graph order) on device k mod `num_devices` (sample range s
+    of `samples` on the next devices), each in `chunks` time chunks; the ops after each one that keep its
+    (sample, time) layout (dropouts) follow it, chunk by chunk; everything else whole on device 0."""
+    out: dict[str, ParallelConfig] = {}
+    last: ParallelConfig | None = None
+    k = 0
+    for op in graph:
+        cfg = None
+        if any(d.carried for d in dims_of(op)):
+            cfg = chunked(op, tuple((k + s) % num_devices for s in range(samples)), chunks)
+            k += 1
+        elif last is not None and op.kind == "dropout":
+            cfg = follow_chunks(op, last, ("sample", "d1"))
+        out[op.name] = cfg or ParallelConfig.single(0)
+        if cfg is not None:
+            last = cfg
+        validate(op, out[op.name], num_devices)
+    return Strategy(out)
+
+
+def chunked_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random) -> Strategy:
+    """A random strategy with repeated devices (`repeated_strategy`) in which every op with a carried dim
+    is split into 2 or more chunks along it (and on its sample dim at random), each sample range's chunks
+    on one random device, recomputing with probability 0.3, and each dropout after it follows it half the
+    time."""
+    base = repeated_strategy(graph, num_devices, rng)
+    out = dict(base.configs)
+    last = None
+    for op in graph:
+        carried = next((d for d in dims_of(op) if d.carried), None)
+        if carried is not None:
+            samples = rng.choice([g for g in _divisors(op.outputs[0].shape[0]) if g <= num_devices])
+            chunks = rng.choice([g for g in _divisors(carried.size) if g > 1])
+            last = out[op.name] = chunked(op, tuple(rng.randrange(num_devices) for _ in range(samples)), chunks)
+            if rng.random() < 0.3:
+                last = out[op.name] = last.replace(recompute=True)
+            validate(op, last, num_devices)
+        elif last is not None and op.kind == "dropout" and rng.random() < 0.5:
+            out[op.name] = follow_chunks(op, last, ("sample", "d1")) or out[op.name]
     return Strategy(out)
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from runtime.train import TrainOptions, Workload, integer_highs, synthetic_batch, train_rank
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
-from soap.lowering import BACKWARD, FORWARD, EdgeStep, StepPlan, flight_savings, lower
+from soap.lowering import BACKWARD, FORWARD, EdgeStep, StepPlan, carry_order, flight_savings, lower
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
@@ -551,3 +551,45 @@ def test_replicas_are_found_at_any_divisor_of_the_common_sample_degree():
     assert find_replicas(g, Strategy(configs), 4) == Replicas(count=2, size=2)
     configs["fc1"] = cfg((0, 0, 0, 3, 3, 3), sample=6)  # not a shift of replica 0
     assert find_replicas(g, Strategy(configs), 4) is None
+# ---------------------------------------------------------------- chunks of a recurrent op (rule "Carries")
+
+
+def lstm_graph() -> OperatorGraph:
+    """The test RNN LM (embedding, two LSTM layers of hidden 16 over 4 steps, batch 4, decoder, loss)."""
+    import runtime_cases as rc
+    return rc.graph_of("rnnlm")
+
+
+def test_chunks_start_from_the_chunk_before_and_keep_its_state():
+    """A chunk after the first starts from the one before it and keeps that state for backward
+    (`OpDef.carry_bytes`: 2 x layers x samples x hidden floats); the unsplit op carries nothing."""
+    graph = lstm_graph()
+    whole = Strategy({op.name: ParallelConfig.single(0) for op in graph})
+    chunks = whole.with_config("lstms.0", ParallelConfig(degrees={"sample": 2, "seq": 2}, devices=(0, 0, 1, 1)))
+    plain, chunked = lower(graph, whole, TrainSetup(), 2), lower(graph, chunks, TrainSetup(), 2)
+    i = plain.flow.index["lstms.0"]
+    assert plain.ops[i].carry_from == (None,)
+    step = chunked.ops[i]
+    assert step.carry_from == (None, 0, None, 2) and step.rounds == (0, 1, 0, 1)
+    state = 2 * 1 * 2 * 16 * 4
+    whole_act = plain.ops[i].activation_bytes[0]
+    assert sum(step.activation_bytes) == whole_act + 2 * state
+    # the second chunk keeps its initial state, and holds h_n and c_n (as large) where the first holds none
+    assert step.activation_bytes[1] - step.activation_bytes[0] == 2 * state
+
+
+def test_the_order_runs_a_chunk_after_the_one_it_starts_from():
+    """Every chunk comes after the chunk it starts from in forward and before it in backward, also when
+    the rounds' own order would not say so (`carry_order` alone)."""
+    graph = lstm_graph()
+    strategy = Strategy({op.name: ParallelConfig.single(0) for op in graph}).with_config(
+        "lstms.0", ParallelConfig(degrees={"seq": 4}, devices=(0,) * 4)).with_config(
+        "lstms.1", ParallelConfig(degrees={"seq": 2}, devices=(1, 1)))
+    plan = lower(graph, strategy, TrainSetup(), 2)
+    a, b = plan.flow.index["lstms.0"], plan.flow.index["lstms.1"]
+    fwd = plan.forward_order
+    assert [n for n in fwd if n[0] in (a, b)] == [(a, 0), (a, 1), (a, 2), (a, 3), (b, 0), (b, 1)]
+    after: dict = {}
+    carry_order(plan.ops, [a, b], after)
+    assert after == {(a, 0): {(a, 1)}, (a, 1): {(a, 2)}, (a, 2): {(a, 3)}, (b, 0): {(b, 1)}}
+    assert [n for n in plan.backward_order if n[0] in (a, b)] == [n for n in reversed(fwd) if n[0] in (a, b)]

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import compute_part, dropout_keep, run_opaque
+from runtime.kernels import compute_chunk, compute_part, dropout_keep, run_opaque
 from soap.config import ConfigError, ParallelConfig, parts, validate
-from soap.graph import Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
-from soap.opdef import Box, Region, full_box
+from soap.graph import DTYPE_BYTES, Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
+from soap.opdef import Box, Region, carry_sources, full_box
 from soap.registry import REGISTRY, dims_of, op_def, reshape_region
 
 DTYPE = torch.float64
@@ -332,7 +332,10 @@ def _degree_sets(op: Operator) -> list[dict[str, int]]:
 
 def _parts(op: Operator, degrees: dict[str, int]) -> list[Box]:
     n = math.prod(degrees.values())
+    carried = math.prod(degrees.get(d.name, 1) for d in dims_of(op) if d.carried)
+    # the chunks along a carried dim run on one device
     cfg = ParallelConfig(degrees=degrees, devices=tuple(range(n)))
+    cfg = cfg.replace(devices=tuple(d // carried for d in cfg.devices))
     validate(op, cfg, num_devices=n)
     return [box for box, _ in parts(op, cfg)]
 
@@ -499,7 +502,7 @@ def test_dropout_mask_is_the_same_for_every_split_and_changes_per_step():
 def _unsplittable(op: Operator) -> list[tuple[str, int]]:
     out = []
     for d in dims_of(op):
-        if not d.splittable and d.size > 1:
+        if not d.splittable and not d.carried and d.size > 1:
             out.append((d.name, next(g for g in range(2, d.size + 1) if d.size % g == 0)))
     return out
 
@@ -530,6 +533,73 @@ def test_unsplittable_dims_of_documented_kinds():
     ops = {_op_id(op): op for op in ALL_OPS}
     for op_id, names in expected.items():
         assert {d.name for d in dims_of(ops[op_id]) if not d.splittable} == names, op_id
+
+
+# ---------------------------------------------------------------- (3b) carried dims: chunks in time
+
+
+def _lstm_op() -> Operator:
+    return next(op for op in ALL_OPS if _op_id(op) == "lstm")
+
+
+def test_lstm_chunks_have_time_regions_and_only_the_last_holds_the_final_state():
+    """Chunk k of an LSTM split 2 x 5 (sample x seq) reads and writes time [k, k + 1); h_n and c_n are
+    held by the last chunk of each sample range only; chunk k starts from chunk k - 1 of its range."""
+    op = _lstm_op()
+    entry = op_def(op.kind)
+    assert [d.name for d in dims_of(op) if d.carried] == ["seq"]
+    boxes = _parts(op, {"sample": 2, "seq": 5})
+    assert carry_sources(dims_of(op), {"sample": 2, "seq": 5}) == (None, 0, 1, 2, 3, None, 5, 6, 7, 8)
+    assert carry_sources(dims_of(op), {"sample": 2}) == (None, None)
+    for c, box in enumerate(boxes):
+        s, k = divmod(c, 5)
+        assert entry.output_region(op, box, 0) == ((2 * s, 2 * s + 2), (k, k + 1), (0, 6))
+        assert entry.input_regions(op, box) == (((2 * s, 2 * s + 2), (k, k + 1), (0, 3)),)
+        final = ((0, 2), (2 * s, 2 * s + 2), (0, 6)) if k == 4 else ((0, 0), (2 * s, 2 * s + 2), (0, 6))
+        assert entry.output_region(op, box, 1) == entry.output_region(op, box, 2) == final
+        assert entry.carry_bytes(op, box) == 2 * 2 * 2 * 6 * DTYPE_BYTES[op.outputs[0].dtype]
+
+
+def test_chunks_of_a_sample_range_must_share_a_device():
+    op = _lstm_op()
+    validate(op, ParallelConfig(degrees={"seq": 5}, devices=(1,) * 5), num_devices=2)
+    validate(op, ParallelConfig(degrees={"sample": 2, "seq": 5}, devices=(1,) * 5 + (0,) * 5), num_devices=2)
+    with pytest.raises(ConfigError, match="chunks of a recurrent op must run on one device per sample range"):
+        validate(op, ParallelConfig(degrees={"seq": 5}, devices=(0, 0, 1, 1, 1)), num_devices=2)
+    with pytest.raises(ConfigError, match="part 1 on device 1 starts from the state of part 0 on device 0"):
+        validate(op, ParallelConfig(degrees={"sample": 2, "seq": 5}, devices=(0, 1) * 5), num_devices=2)
+
+
+@pytest.mark.parametrize("degrees", [{"seq": 5}, {"sample": 2, "seq": 5}, {"sample": 4, "seq": 5}])
+def test_lstm_chunks_carrying_their_state_stitch_to_reference(degrees):
+    """Each chunk starts from the final state of the one before it (`compute_chunk`): the outputs, h_n,
+    c_n and every gradient equal the whole LSTM's; starting a chunk from zeros instead does not."""
+    case = _lstm_case()
+    op = case.op()
+    entry = op_def(op.kind)
+    inputs = [_leaf(x) for x in case.inputs]
+    params = {k: _leaf(v) for k, v in case.params.items()}
+    full = _stitch(case, op, [full_box(dims_of(op))], inputs, params, {})
+    want_grads = _grads(full, [*inputs, *params.values()])
+
+    def stitched(carry: bool) -> list[torch.Tensor]:
+        outs = [torch.zeros(spec.shape, dtype=DTYPE) for spec in op.outputs]
+        finals: dict[int, tuple[torch.Tensor, ...]] = {}
+        boxes = _parts(op, degrees)
+        for c, (box, prev) in enumerate(zip(boxes, carry_sources(dims_of(op), degrees), strict=True)):
+            (region,) = entry.input_regions(op, box)
+            state = finals[prev] if carry and prev is not None else None
+            results, finals[c] = compute_chunk(op, box, [inputs[0][_index(region)]], params, state=state)
+            for i, y in enumerate(results):
+                outs[i] = outs[i].index_put(_region_indices(entry.output_region(op, box, i)), y, accumulate=True)
+        return outs
+
+    outs = stitched(True)
+    for i, (got, want) in enumerate(zip(outs, full, strict=True)):
+        _assert_close(got, want, f"{degrees}: output {i}")
+    for j, (got, want) in enumerate(zip(_grads(outs, [*inputs, *params.values()]), want_grads, strict=True)):
+        _assert_close(got, want, f"{degrees}: gradient {j}")
+    assert not torch.allclose(stitched(False)[0], full[0])
 
 
 @pytest.mark.parametrize(("op_id", "degrees", "message"), [

@@ -90,7 +90,25 @@ def repeated_config(op: Operator, num_devices: int, rng: random.Random) -> Paral
     return _valid(op, ParallelConfig(degrees=degrees, devices=tuple(devices)), num_devices)
 
 
+def chunked_config(op: Operator, num_devices: int, rng: random.Random) -> ParallelConfig | None:
+    """A random split of `op`'s carried dim into chunks (None without one): its sample dim split over
+    random devices (repeats allowed), each sample range's chunks on its device."""
+    carried = next((d for d in dims_of(op) if d.carried), None)
+    if carried is None:
+        return None
+    size = op.outputs[0].shape[0]
+    samples = rng.choice([g for g in range(1, min(size, 2 * num_devices) + 1) if size % g == 0])
+    chunks = rng.choice([g for g in range(2, carried.size + 1) if carried.size % g == 0])
+    devices = tuple(d for d in (rng.randrange(num_devices) for _ in range(samples)) for _ in range(chunks))
+    return _valid(op, ParallelConfig(degrees={"sample": samples, carried.name: chunks}, devices=devices),
+                  num_devices)
+
+
 def draw_config(op: Operator, num_devices: int, rng: random.Random, p_repeat: float) -> ParallelConfig:
+    if any(d.carried for d in dims_of(op)) and rng.random() < 0.5:
+        cfg = chunked_config(op, num_devices, rng)
+        if cfg is not None:
+            return cfg
     if rng.random() < p_repeat:
         cfg = repeated_config(op, num_devices, rng)
         if cfg is not None:
@@ -458,6 +476,31 @@ ZOO_CASES = [("mlp", "p100-2x2", 150), ("transformer", "cpu-2", 100), ("transfor
              ("rnnlm", "cpu-2", 150), ("rnnlm", "p100-4x4", 60)]
 
 
+def test_delta_equals_full_with_lstm_chunks():
+    """The LSTMs of the RNN LM in chunks half the time they are drawn (a chunk after the one it starts
+    from, its backward before), also under equal durations (ties broken by the chunks' keys)."""
+    graph = rc.capture_workload(functools.partial(rc.zoo_build, "rnnlm", 8, hidden=16, embed=8, vocab=32, steps=4))
+    lstms = [op.name for op in graph if op.kind == "lstm"]
+    seen = 0
+    for topology, cost, seed in (("cpu-2", None, 3), ("p100-2x2", FixedCostModel(
+            fwd_each_ms=0.01, bwd_each_ms=0.02, update_each_ms=0.005, reduce_each_ms=0.001), 4)):
+        rng = random.Random(seed)
+        sim = Simulator(graph, load_topology(topology), cost)
+        ref = Simulator(graph, load_topology(topology), cost)
+        n = load_topology(topology).num_devices
+        current = data_parallel(graph, tuple(range(n)))
+        sim.full(current)
+        for k in range(120):
+            name = rng.choice(lstms) if k % 2 else rng.choice([op.name for op in graph])
+            cfg = draw_config(graph[name], n, rng, 0.6)
+            proposed = propose_and_check(sim, ref, current, name, cfg, k, every=3)
+            seen += any(p is not None for p in sim.planner.op_plan(graph.ops.index(graph[name]), cfg).step.carry_from)
+            current = accept_or_reject(sim, ref, current, proposed, k, rng, every=3, check_times=True)
+        fresh = Simulator(graph, load_topology(topology), cost).full(current)
+        assert sim.timeline().task_times() == fresh.task_times()
+    assert seen >= 40
+
+
 @pytest.mark.parametrize(("model", "topology", "proposals"), ZOO_CASES)
 def test_delta_equals_full_with_repeated_devices_on_zoo_models(zoo_graphs, model, topology, proposals):
     repeated, ordered = run_chain(zoo_graphs[model], load_topology(topology), proposals=proposals,
@@ -534,3 +577,28 @@ def test_data_parallel_micro_batches_are_simulated_by_one_replica():
     plain = simulate(graph, strategy, topo, symmetry=False)
     assert (timeline.iteration_time_ms, timeline.peak_memory_bytes, timeline.bytes_moved) == (
         plain.iteration_time_ms, plain.peak_memory_bytes, plain.bytes_moved)
+
+
+def test_lstm_chunks_run_as_a_wavefront():
+    """Two LSTM layers on two devices in 4 chunks each (equal durations): each chunk's forward starts once
+    the chunk it starts from has ended, its backward ends before that chunk's begins, and layer 2 runs
+    chunk k while layer 1 runs chunk k + 1; at the paper's sizes the step is shorter than with whole
+    layers."""
+    graph = rc.graph_of("rnnlm")
+    topology = load_topology("cpu-2")
+    cost = FixedCostModel(fwd_each_ms=1.0, bwd_each_ms=2.0, update_each_ms=0.01)
+    wave = simulate(graph, rc.wavefront_strategy(graph, 2, 4), topology, cost)
+    by_name = {r.name: (r.start_ms, r.end_ms) for r in wave.tasks()}
+    for layer in ("lstms.0", "lstms.1"):
+        for k in range(1, 4):
+            assert by_name[f"{layer} fwd[{k}]"][0] >= by_name[f"{layer} fwd[{k - 1}]"][1]
+            assert by_name[f"{layer} bwd[{3 - k}]"][0] >= by_name[f"{layer} bwd[{3 - k + 1}]"][1]
+    for k in range(3):
+        second, first = by_name[f"lstms.1 fwd[{k}]"], by_name[f"lstms.0 fwd[{k + 1}]"]
+        assert second[0] < first[1] and first[0] < second[1]  # they overlap
+    # at the paper's sizes (analytical costs on two P100s) the wavefront beats whole layers
+    big = rc.capture_workload(functools.partial(rc.zoo_build, "rnnlm", 64, hidden=1024, embed=1024, vocab=1024,
+                                                steps=16))
+    p100 = load_topology("p100-1x2")
+    assert (simulate(big, rc.wavefront_strategy(big, 2, 4), p100).iteration_time_ms
+            < 0.8 * simulate(big, rc.wavefront_strategy(big, 2, 1), p100).iteration_time_ms)

@@ -1,0 +1,126 @@
+"""The runtime under recurrent ops split in time (chunks: `soap.lowering`'s rule "Carries"), against
+single-process training and against the step plan.
+
+Chunk k of an LSTM starts from the final (h, c) of chunk k-1, on the same rank, and the gradient of its
+initial state flows back into chunk k-1's backward. Layers on different ranks, each in chunks, make
+FlexFlow's wavefront. Every case trains a few SGD steps and compares losses and final parameters with the
+unpartitioned model trained in one process (float64 masters, a few float32 cases whose collective bytes
+are compared too), and the collectives each rank issued with the plan's. One launch of 2 processes runs
+the default cases; `-m slow` runs a random sweep on 4 processes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import runtime_cases as rc
+import torch
+from test_runtime_correctness import run_and_check
+
+from runtime.train import TrainOptions
+from soap.config import ParallelConfig
+from soap.lowering import lower
+from soap.setup import TrainSetup
+from soap.strategy import Strategy
+
+FLOAT64 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True, dtype="float64")
+FLOAT32 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True)
+ONE_F_ONE_B = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, schedule="1f1b"), verify=True, dtype="float64")
+
+
+def case(label: str, strategy: Strategy, options: TrainOptions = FLOAT64) -> dict:
+    return rc.train_case(f"rnnlm/{label}", "rnnlm", strategy, rc.graph_of("rnnlm"), options=options)
+
+
+def chunked_cases(count: int, nproc: int, seed: int) -> list[dict]:
+    """`count` random strategies whose LSTMs run in chunks (`rc.chunked_strategy`), float64 and float32
+    alternately, one in three under 1F1B."""
+    rng = random.Random(seed)
+    graph = rc.graph_of("rnnlm")
+    return [case(f"chunked{i}", rc.chunked_strategy(graph, nproc, rng),
+                 ONE_F_ONE_B if i % 3 == 2 else FLOAT64 if i % 2 == 0 else FLOAT32)
+            for i in range(count)]
+
+
+def test_the_chunked_baselines_chunk_and_run_layers_apart():
+    """`expert` and `mp` run the LSTMs of the test models (4 steps) in 4 chunks (8 asked, 4 divide),
+    `expert:chunks=2` in 2; each sample range's chunks on one device, layers on different devices."""
+    from search.baselines import parse_baseline
+    from soap.topology import load_topology
+
+    for model in ("rnnlm", "nmt"):
+        graph = rc.graph_of(model)
+        for name, chunks in (("expert", 4), ("expert:chunks=2", 2), ("mp", 4)):
+            strategy = parse_baseline(name)(graph, load_topology("cpu-2"))
+            lstms = [strategy[op.name] for op in graph if op.kind == "lstm"]
+            assert all(cfg.degree("seq") == chunks for cfg in lstms), (model, name)
+            assert len({cfg.devices for cfg in lstms}) == 2, (model, name)
+
+
+def test_the_wavefront_plan_alternates_layers():
+    """Layer 1's chunks on device 0, layer 2's on device 1: the step's order runs layer 2's chunk k right
+    after layer 1's, so device 0 runs chunk k + 1 while device 1 runs chunk k; each chunk after the first
+    starts from the chunk before it, and the dropout between them moves one chunk per exchange."""
+    graph = rc.graph_of("rnnlm")
+    plan = lower(graph, rc.wavefront_strategy(graph, 2, 4), TrainSetup(), 2)
+    index = plan.flow.index
+    l1, l2 = index["lstms.0"], index["lstms.1"]
+    assert plan.ops[l1].carry_from == (None, 0, 1, 2) and plan.ops[l2].devices == (1, 1, 1, 1)
+    lstm_order = [node for node in plan.forward_order if node[0] in (l1, l2)]
+    assert lstm_order == [(l1, 0), (l2, 0), (l1, 1), (l2, 1), (l1, 2), (l2, 2), (l1, 3), (l2, 3)]
+    assert [node for node in plan.backward_order if node[0] in (l1, l2)] == lstm_order[::-1]
+    into_l2 = [e for e in plan.edges if plan.flow.edges[e.edge].dst == l2][0]
+    assert [r for r, _, _ in into_l2.exchanges] == [0, 1, 2, 3]
+
+
+def test_chunks_match_single_process():
+    """One launch of 2 processes: the wavefront of the two LSTM layers in 4 and 2 chunks (also under 1F1B and
+    recomputing the LSTMs), with 2 sample
+    ranges on different ranks, in float32, the chunks of both layers on one rank, the chunked expert and
+    mp baselines of the RNN LM and the NMT, and random chunked strategies."""
+    graph = rc.graph_of("rnnlm")
+    both_on_one = Strategy({**rc.wavefront_strategy(graph, 2, 2).configs,
+                            "lstms.1": rc.chunked(graph["lstms.1"], (0,), 2)})
+    cases = [
+        case("wavefront-4", rc.wavefront_strategy(graph, 2, 4)),
+        case("wavefront-4-1f1b", rc.wavefront_strategy(graph, 2, 4), ONE_F_ONE_B),
+        case("wavefront-4-recompute", Strategy({name: c.replace(recompute=True) if name.startswith("lstms") else c
+                                                for name, c in rc.wavefront_strategy(graph, 2, 4).items()})),
+        case("wavefront-2-f32", rc.wavefront_strategy(graph, 2, 2), FLOAT32),
+        case("wavefront-4x2samples", rc.wavefront_strategy(graph, 2, 4, samples=2)),
+        case("one-rank-2", both_on_one),
+        case("mixed", Strategy({**rc.micro_dp_strategy(graph, 2, 2).configs,
+                                "lstms.0": ParallelConfig(degrees={"sample": 2, "seq": 2}, devices=(1, 1, 0, 0))})),
+    ]
+    cases += [rc.baseline_case(model, name, 2, options=FLOAT64)
+              for model in ("rnnlm", "nmt") for name in ("expert", "expert:chunks=2", "mp")]
+    cases += chunked_cases(8, 2, seed=1)
+    run_and_check(cases)
+
+
+def test_chunks_on_one_process_match():
+    """One process (no collectives): both layers in 4 chunks on device 0."""
+    graph = rc.graph_of("rnnlm")
+    folded = Strategy({name: cfg.replace(devices=(0,) * len(cfg.devices))
+                       for name, cfg in rc.wavefront_strategy(graph, 2, 4).items()})
+    cases = [case("one-process-4", folded)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = rc.run_cases(0, 1, cases=cases)
+    finally:
+        torch.set_num_threads(threads)
+    bad = rc.failures(results, cases=cases, num_devices=1)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_random_chunks_four_processes():
+    cases = chunked_cases(12, 4, seed=3)
+    graph = rc.graph_of("rnnlm")
+    cases += [case("wavefront-4x4", rc.wavefront_strategy(graph, 4, 4)),
+              case("wavefront-2x2samples", rc.wavefront_strategy(graph, 4, 2, samples=2))]
+    cases += [rc.baseline_case(model, name, 4, options=FLOAT64)
+              for model in ("rnnlm", "nmt") for name in ("expert", "mp")]
+    run_and_check(cases, nproc=4)
