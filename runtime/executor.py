@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import kernels
-from runtime.collectives import CollectiveLog, EdgeMover, GradSync, make_groups
+from runtime.collectives import CollectiveLog, EdgeMover, GradSync, Outbox, make_groups
 from runtime.materialize import PieceKey, take_piece
 from soap.config import param_pieces
 from soap.graph import Operator, OperatorGraph, TensorRef
@@ -185,12 +185,13 @@ class Executor:
         flow = self.flow
         # per (edge id, consumer round), the mover of that round's pieces
         self.movers: dict[tuple[int, int], EdgeMover] = {}
+        self.outbox = Outbox()  # the exchanges this rank only sends in, in flight until the step ends
         for step in plan.edges:
             e = flow.edges[step.edge]
             dtype = self.torch_dtype(graph.tensor(e.ref).dtype)
             for r in range(plan.ops[e.dst].num_rounds):
                 self.movers[(e.id, r)] = EdgeMover(step, e, plan.ops[e.src], plan.ops[e.dst], rank=rank, dtype=dtype,
-                                                   log=self.log, round=r)
+                                                   log=self.log, round=r, outbox=self.outbox)
         self.out_refs = {op.name: tuple(TensorRef(op=op.name, index=i) for i in range(len(op.outputs)))
                          for op in graph}
         # the shape of each part here of every output a gradient flows back to, by (output, part)
@@ -526,6 +527,8 @@ class Executor:
         for j in self.release_before.get(len(order), ()):
             self._release_outputs(j)
         self.num_forwards += 1
+        self.where = "the step's sends"
+        self.outbox.drain()
         self.where = "gradient synchronization"
         self.sync.finish()
         self.collectives = self.log.snapshot()

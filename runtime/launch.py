@@ -2,8 +2,9 @@
 
 Owns `launch` (run a function on N local ranks, return each rank's result), `init_distributed` (the
 process group, always with a timeout), `torchrun_env` (detect a torchrun/elastic environment),
-`keep_freed_memory` (the allocator setting every rank runs with) and `LaunchError`. Imports torch and
-the standard library only (no simulator, no search, no soapflow).
+`keep_freed_memory` and `threads_per_rank` (the allocator setting and the intra-op threads every rank
+runs with) and `LaunchError`. Imports torch and the standard library only (no simulator, no search, no
+soapflow).
 
 Failure handling: a worker that raises writes its rank, the error (the executor's message names the op
 it was executing) and the traceback to a file of the launcher's and exits non-zero, printing nothing; the
@@ -95,6 +96,23 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES = 32 << 20, 1 << 30
 
 
+def threads_per_rank(nproc: int) -> int:
+    """Intra-op threads for each of `nproc` ranks on this machine: its cores (those this process may run
+    on) shared out evenly, at least one each.
+
+    torch's default gives every process all the cores, so N local ranks run N times as many compute
+    threads as there are cores whenever they compute at once: each kernel then waits for the scheduler,
+    and a strategy that keeps every rank busy (a pipeline) loses most to one that keeps one rank busy at
+    a time, which gets the idle ranks' cores. Sharing the cores out gives every strategy the same
+    threads per rank (torchrun sets one per process for the same reason).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nproc)
+
+
 def keep_freed_memory() -> bool:
     """Keep freed memory mapped in this process (glibc only; returns whether the setting took).
 
@@ -171,12 +189,15 @@ def launch(fn: Callable[..., Any], nproc: int, *, kwargs: dict[str, Any] | None 
 
     `fn` and `kwargs` must pickle (a module-level function; `functools.partial` of one). `timeout_s`
     bounds every collective and receive; `wall_timeout_s` (None: no bound) the whole run. When a worker
-    fails the others are killed and `LaunchError` names the failing rank. With `progress`, `fn` also gets
+    fails the others are killed and `LaunchError` names the failing rank. Each rank computes with
+    `num_threads` intra-op threads (None: `threads_per_rank(nproc)`). With `progress`, `fn` also gets
     the keyword argument `report`: what a rank passes to it (a picklable value) reaches `progress` here, in
     the calling process, as it arrives.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be positive, got {nproc}")
+    if num_threads is None:
+        num_threads = threads_per_rank(nproc)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # The fork server imports these once; every worker forked from it starts with them loaded.

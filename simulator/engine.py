@@ -577,10 +577,13 @@ class Simulator:
         """The round order's edges (`simulator.taskgraph`'s task list): on every device, the tasks of an op's
         rounds but the first it runs in each pass wait for the task before them in the device's share of
         the step's order (`soap.lowering.step_order`), as the runtime walks it: at each forward item, the
-        exchanges of its input edges for that round (in slot order; an exchange is in the share of every
-        device that sends or receives in it), then its part; at each backward item, its part, then those
-        exchanges' gradients. Also the order's `soap.lowering.flight_savings`. None without repeated
-        devices."""
+        exchanges of its input edges for that round (in slot order), then its part; at each backward item,
+        its part, then those exchanges' gradients. An exchange waits for the task before it on every
+        device that sends or receives in it (a rank issues it when its walk gets there), but only a
+        receiver's next task waits for the exchange: a rank that only sends goes on
+        (`runtime.collectives.Outbox`), unless the exchange occupies the sending device itself (a cost
+        model that charges the copies to the devices, as on CPUs). Also the order's
+        `soap.lowering.flight_savings`. None without repeated devices."""
         if not self._rounds:
             return [], {}
         flow, units, edge_units = self.flow, self._op_units, self._edge_units
@@ -601,7 +604,7 @@ class Simulator:
                 for c, k in enumerate(step.rounds):
                     rounds[k].append(c)
             tasks = units[i].bwd if backward else units[i].fwd
-            mine = [(tasks[c], (step.devices[c],)) for c in rounds[r]]
+            mine = [(tasks[c], (step.devices[c],), (step.devices[c],)) for c in rounds[r]]
             exchanges = []
             for e in flow.in_edges[i]:
                 by_round = xfers.get(e)
@@ -609,15 +612,22 @@ class Simulator:
                     by_round = xfers[e] = {x[0]: (k, x[1]) for k, x in enumerate(edges[e].exchanges)}
                 if r in by_round and (not backward or flow.edges[e].grad):
                     k, ranks = by_round[r]
-                    exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks))
+                    ends = steps[flow.edges[e].src].devices if backward else steps[i].devices
+                    side = 0 if backward else 1
+                    pieces = edges[e].pieces
+                    receivers = {ends[pieces[m][side]] for m in edges[e].exchanges[k][2]}
+                    exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks,
+                                      receivers))
             # the first item of each op and pass waits for nothing (the plain ready order)
             waits = (phase, i) in first
             first.add((phase, i))
-            for t, devices in (mine + exchanges if backward else exchanges + mine):
+            res = self._res
+            for t, devices, receivers in (mine + exchanges if backward else exchanges + mine):
                 if waits:
                     out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
                 for d in devices:
-                    prev[d] = t
+                    if d in receivers or d in res[t]:
+                        prev[d] = t
         return out, flight_savings(flow, steps, edges, order)
 
     def _may_unsort(self, links: list[Link]) -> bool:
