@@ -1,15 +1,23 @@
 """Published scale: soapflow's SIMULATED step time of GPT models against Megatron-LM's published figures.
 
 The reference is Narayanan et al., *Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM* (SC'21), Table 1, the rows without pipelining (pipeline-parallel size 1): GPT with vocabulary
-51,200 and sequence 2048, fp16 mixed precision, AdamW (Adam with weight decay), full activation
-recomputation, on DGX A100 80 GB nodes of 8 GPUs:
+Megatron-LM* (SC'21), Table 1, the rows without pipelining (pipeline-parallel size 1) and the first row
+with it: GPT with vocabulary 51,200 and sequence 2048, fp16 mixed precision, AdamW (Adam with weight
+decay), full activation recomputation, on DGX A100 80 GB nodes of 8 GPUs:
 
-    params  layers  hidden  heads  TP  GPUs  batch  TFLOP/s per GPU  step time
-    1.7B        24    2304     24   1    32    512              137     3.53 s
-    3.6B        30    3072     32   2    64    512              138     3.70 s
-    7.5B        36    4096     32   4   128    512              142     3.70 s
-    18.4B       40    6144     48   8   256   1024              135     9.40 s
+    params  layers  hidden  heads  TP  PP  GPUs  batch  TFLOP/s per GPU  step time
+    1.7B        24    2304     24   1   1    32    512              137     3.53 s
+    3.6B        30    3072     32   2   1    64    512              138     3.70 s
+    7.5B        36    4096     32   4   1   128    512              142     3.70 s
+    18.4B       40    6144     48   8   1   256   1024              135     9.40 s
+    39.1B       48    8192     64   8   2   512   1536              138    14.45 s
+
+The 39.1B row runs micro-batches of 4 sequences under the 1F1B schedule: 1536 / (32 replicas x 4) = 12
+micro-batches per replica, `hybrid:tp=8,pp=2,microbatches=12,recompute=full` with
+`TrainSetup(schedule="1f1b")`: two stages of consecutive ops balanced by FLOPs (`pipeline_stages`: the
+LM head's FLOPs count, so its stage holds fewer layers; Megatron splits the layers evenly), each op
+in 12 rounds on its stage's 8 devices; LayerNorms and dropouts, whose 4 sequences do not split 8 ways,
+split their sequence over the tensor-parallel group.
 
 The paper counts 96·B·s·l·h²·(1 + s/6h + V/16lh) FLOPs per step (forward, recomputed forward and backward
 of the layers, forward and backward of the logit layer); per-GPU throughput is that over (GPUs x step time).
@@ -65,10 +73,14 @@ Where the comparison misses (what the simulation does not model as Megatron runs
 - the loss: the cross entropy keeps the float32 log-probabilities of the whole vocabulary for backward
   (the "loss" entry of the kept outputs: 6.7 GB per device in the 1.7B row), since the loss does not
   split over classes, where Megatron's vocabulary-parallel cross entropy splits it over the TP group;
-- no pipelining and no micro-batches: each device holds the activations of its whole share of the
+- no micro-batches in the first four rows: each device holds the activations of its whole share of the
   global batch at once (16 sequences of 2048 tokens per data-parallel group in the 512 rows, 32 in the
   18.4B row), where Megatron accumulates gradients over micro-batches; so rows can be predicted
   infeasible (over 80 GB) that ran. Step time is not affected by this to first order: the same FLOPs;
+- the pipeline (39.1B): the 1F1B order is a list schedule on a rough FLOP clock (`soap.lowering`), and
+  an exchange between stages is in the order of both its ends, so a receiving stage waits for the
+  sender to reach it; Megatron posts its sends and receives around each micro-batch. The first stage
+  holds 2 micro-batches' activations, the second 1, as Megatron's 1F1B;
 - the gradient all-reduce moves float32 (the lowering's rule for mixed precision), bucketed at DDP's
   25 MiB and overlapped with the rest of backward; the GPT's LM head is untied (Megatron ties it to the
   embedding), about 7% more parameters in the 1.7B model; the loss, LayerNorms and GELU are separate
@@ -109,8 +121,9 @@ import torch  # noqa: E402
 
 from search.baselines import parse_baseline  # noqa: E402
 from simulator import Simulator  # noqa: E402
+from simulator.engine import simulator_of  # noqa: E402
 from soap.graph import OperatorGraph  # noqa: E402
-from soap.lowering import lower  # noqa: E402
+from soap.lowering import flight_savings, lower  # noqa: E402
 from soap.setup import TrainSetup  # noqa: E402
 from soap.strategy import Strategy, validate_strategy  # noqa: E402
 from soap.topology import DeviceTopology  # noqa: E402
@@ -236,8 +249,9 @@ def graph_flops(graph: OperatorGraph, strategy: Strategy) -> float:
 
 def memory_breakdown(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup, sim: Simulator,
                      device: int = 0) -> dict:
-    """Device `device`'s memory by what it is (the lowering's memory rule), GB."""
-    plan = lower(graph, strategy, setup, sim.num_devices, flow=sim.flow)
+    """Device `device`'s memory by what it is (the lowering's memory rule), GB: what it keeps, less what
+    the schedule never holds at once (`soap.lowering.flight_savings`, 1F1B), plus its largest transient."""
+    plan = lower(graph, strategy, setup, sim.num_devices, flow=sim.flow, replicas=sim.replicas)
     by_kept: collections.Counter = collections.Counter()
     transient = 0
     for op, step in zip(sim.flow.graph.ops, plan.ops, strict=True):
@@ -250,6 +264,7 @@ def memory_breakdown(graph: OperatorGraph, strategy: Strategy, setup: TrainSetup
     return {"kept_outputs_gb": sum(by_kept.values()) / 1e9,
             "kept_outputs_by_op_gb": {k: v / 1e9 for k, v in by_kept.most_common(6) if v},
             "received_and_kept_inputs_gb": edges / 1e9, "params_grads_optimizer_gb": params / 1e9,
+            "not_in_flight_gb": flight_savings(plan.flow, plan.ops, plan.edges, plan.order).get(device, 0) / 1e9,
             "largest_transient_gb": transient / 1e9}
 
 
@@ -264,9 +279,10 @@ def run_row(row: Row, *, setup: TrainSetup, diagnostics: bool) -> tuple[dict, Op
     (_, graph), capture_s = _timed(lambda: capture_model(model_ref(row), batch_size=row.batch))
     strategy, strategy_s = _timed(lambda: parse_baseline(row.strategy)(graph, topology))
     validate_strategy(graph, strategy, topology.num_devices)
-    sim = Simulator(graph, topology, cost_model, setup=setup)
     cpu0 = time.process_time()
-    timeline, simulate_s = _timed(lambda: sim.full(strategy))
+    # by one replica where that is exact (`simulator.engine.simulate`): 512 GPUs in 12 micro-batches are
+    # 8.6 million tasks otherwise
+    (sim, timeline), simulate_s = _timed(lambda: simulator_of(graph, strategy, topology, cost_model, setup=setup))
     simulate_cpu_s = time.process_time() - cpu0
     _, resimulate_s = _timed(lambda: sim.full(strategy))  # plans cached: what a search's full costs
     pred_s = timeline.iteration_time_ms / 1e3
@@ -278,6 +294,7 @@ def run_row(row: Row, *, setup: TrainSetup, diagnostics: bool) -> tuple[dict, Op
         "pp": row.pp, "microbatches": row.microbatches, "schedule": setup.schedule,
         "dp": row.gpus // (row.tp * row.pp), "gpus": row.gpus, "batch": row.batch, "topology": row.topology,
         "strategy": row.strategy, "num_ops": len(graph), "num_tasks": timeline.num_tasks,
+        "replicas_simulated_once": timeline.replicas,
         "params": sum(_numel(p.shape) for op in graph for p in op.params.values()),
         "published_s": row.step_s, "predicted_s": pred_s, "ratio": pred_s / row.step_s,
         "error": pred_s / row.step_s - 1, "within_target": abs(pred_s / row.step_s - 1) <= TARGET_ERROR,
@@ -294,7 +311,7 @@ def run_row(row: Row, *, setup: TrainSetup, diagnostics: bool) -> tuple[dict, Op
         diag: dict = {}
         diag["memory"], diag["breakdown_s"] = _timed(lambda: memory_breakdown(graph, strategy, setup, sim))
         rails = rail_topology(topology)
-        t, rails_s = _timed(lambda: Simulator(graph, rails, cost_model, setup=setup).full(strategy))
+        (_, t), rails_s = _timed(lambda: simulator_of(graph, strategy, rails, cost_model, setup=setup))
         diag["rails"] = {"topology": rails.name, "predicted_s": t.iteration_time_ms / 1e3,
                          "ratio": t.iteration_time_ms / 1e3 / row.step_s, "sync_ms": t.sync_ms,
                          "comm_ms": t.comm_ms, "compute_ms": t.compute_ms, "simulate_s": rails_s}
@@ -401,7 +418,8 @@ def render(rows: list[dict], opt: dict | None, meta: dict) -> str:
         "Parameters and FLOPs of the captured graph (graph FLOPs: forward and backward of every op plus the "
         "forward again of every recomputing op) against the paper's formula; wall-clock seconds of capture, "
         "building the strategy, the first full simulation (lowering and pricing included) and a second one "
-        "(plans cached).",
+        "(plans cached). A strategy of identical data-parallel replicas is simulated by one replica where that "
+        "is exact (`simulator.engine.simulate`): its tasks are that replica's.",
         "",
         "| model | params | ops | tasks | graph / formula FLOPs | capture s | strategy s | first full s "
         "(CPU) | second full s |",
@@ -422,11 +440,12 @@ def render(rows: list[dict], opt: dict | None, meta: dict) -> str:
             "25 GB/s InfiniBand link to the switch instead of one shared 8 x 25 GB/s node uplink, on which the "
             "preset serializes the data-parallel rings of the TP ranks. Memory of device 0 by what it is: outputs "
             "kept for backward, inputs kept from recomputing producers and received pieces, parameters with their "
-            "gradients, fp16 copies and AdamW state, the largest transient.",
+            "gradients, fp16 copies and AdamW state, what the 1F1B schedule never holds at once (subtracted), "
+            "the largest transient.",
             "",
             "| model | rails: predicted s | ratio | sync ms | kept outputs GB (largest) | kept inputs GB | "
-            "params+grads+state GB | transient GB |",
-            "|---|---:|---:|---:|---|---:|---:|---:|",
+            "params+grads+state GB | not in flight GB (1F1B) | transient GB |",
+            "|---|---:|---:|---:|---|---:|---:|---:|---:|",
         ]
         for r in diag:
             d = r["diagnostics"]
@@ -435,7 +454,8 @@ def render(rows: list[dict], opt: dict | None, meta: dict) -> str:
             lines.append(
                 f"| {r['row']} | {ra['predicted_s']:.2f} | {ra['ratio']:.2f} | {ra['sync_ms']:.0f} | "
                 f"{m['kept_outputs_gb']:.1f} ({largest}) | {m['received_and_kept_inputs_gb']:.1f} | "
-                f"{m['params_grads_optimizer_gb']:.1f} | {m['largest_transient_gb']:.1f} |")
+                f"{m['params_grads_optimizer_gb']:.1f} | {m['not_in_flight_gb']:.1f} | "
+                f"{m['largest_transient_gb']:.1f} |")
     if opt is not None:
         lines += ["", f"## Search on the {opt['row']} row ({opt['topology']}, batch {opt['batch']})", ""]
         pub = opt["published_config_predicted_s"]

@@ -726,16 +726,21 @@ class Simulator:
                     k0 = rk[t]
             gone.update(unit.tids)
 
+        end_, sh_, kt_ = self._end, self._sh, self._kt
+
         def unlink(pairs) -> None:
-            """Cut edges `pairs` where their ends live on; the replay starts no later than a cut target."""
+            """Cut edges `pairs` where their ends live on; the replay starts no later than a cut target, nor
+            than where the target may now come: its priority with the predecessors it keeps (those that
+            replay come before it anyway; those that do not keep their ends)."""
             nonlocal k0
             for a, v in pairs:
                 if alive[a]:
                     succs[a].remove(v)
                 if alive[v]:
                     preds[v].remove(a)
-                    if rk[v] < k0:
-                        k0 = rk[v]
+                    c = min(rk[v], (max((end_[p] for p in preds[v] if alive[p]), default=0) << sh_) | kt_[v])
+                    if c < k0:
+                        k0 = c
 
         for _, _, unit in removed:
             unlink(unit.links)

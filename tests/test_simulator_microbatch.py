@@ -508,6 +508,36 @@ def test_delta_equals_full_with_repeated_devices_on_zoo_models(zoo_graphs, model
     assert repeated >= proposals * 3 // 4 and ordered >= 1
 
 
+@pytest.mark.parametrize(("model", "topology", "proposals"), [("rnnlm", "cpu-2", 150), ("transformer", "cpu-2", 60)])
+def test_delta_equals_full_on_zoo_models_under_one_f_one_b(zoo_graphs, model, topology, proposals):
+    """Under 1F1B a change re-orders rounds far from the changed op."""
+    repeated, ordered = run_chain(zoo_graphs[model], load_topology(topology), proposals=proposals,
+                                  seed=proposals + 3, setup=TrainSetup(schedule="1f1b"))
+    assert repeated >= proposals * 3 // 4 and ordered >= 1
+
+
+def test_a_cut_order_edge_replays_from_where_its_target_now_comes(zoo_graphs):
+    """Under 1F1B, giving the RNN LM's first LSTM 2 micro-batches on device 0 re-orders the step: an order
+    edge into an exchange of the dropout before it is cut, so the exchange is ready earlier than where it
+    stood in the old order, ahead of a dropout part that had gone before it on its device. The replay
+    must start no later than the exchange's new place (it used to start at its old one: the dropout part
+    kept its old, too early, start)."""
+    graph = zoo_graphs["rnnlm"]
+    two = {"degrees": {"sample": 2}, "devices": [0, 1]}
+    layout = {"input0": two, "target": two, "embedding": two, "drops.1": two, "drops.2": two, "decoder": two,
+              "loss.reshape_1": two, "loss": two,
+              "drops.0": {"degrees": {"sample": 4}, "devices": [1, 0, 0, 1]},
+              "lstms.0": {"degrees": {"sample": 8}, "devices": [0, 1] * 4},
+              "lstms.1": {"degrees": {}, "devices": [1]},
+              "loss.reshape": {"degrees": {"sample": 2}, "devices": [1, 1]}}
+    current = Strategy({name: ParallelConfig.from_dict(doc) for name, doc in layout.items()})
+    topo, setup = load_topology("cpu-2"), TrainSetup(schedule="1f1b")
+    sim, ref = (Simulator(graph, topo, setup=setup) for _ in range(2))
+    sim.full(current)
+    propose_and_check(sim, ref, current, "lstms.0", ParallelConfig(degrees={"sample": 2}, devices=(0, 0)), 0,
+                      every=1)
+
+
 def test_delta_from_a_pipeline_to_other_micro_batch_counts():
     """Proposals that change one op's micro-batch count in a two-stage pipeline re-order the rounds of
     every op after it: the round-order edges that change are cut and added, the rest kept."""
