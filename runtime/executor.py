@@ -20,12 +20,16 @@ before any backward under GPipe and without repeated devices, interleaved under 
   region of an `input` from the global synthetic batch every rank holds, and of a `constant` from this
   rank's own buffer (or the value its recipe computes from the buffers, once, at setup).
   A chunk along a carried dim (an LSTM split in time, `soap.lowering`'s rule "Carries") starts from
-  the final state of the chunk before it, which ran earlier on this rank: a leaf copy of it.
+  the final state of the chunk before it, which ran earlier (in an earlier round): a leaf copy of it. When
+  that chunk ran on another rank, the two ranks exchange the state at this item, after the input edges'
+  exchanges (`OpStep.carry_moves`: one exchange per carry; the sender goes on, `Outbox`), and the chunk
+  starts from a leaf copy of what arrived (kept for a recomputation).
 - a backward item: backpropagate this rank's part of the round from the gradients its consumers sent
   back (leaf gradients give the input gradients), send every input piece's gradient back through the
   same round's exchange to the part it came from (added there; a producer part on this rank gets it
   added locally), hand the gradient of a chunk's initial state to the chunk before it (added to the
-  gradient of its final state when its own backward runs, later in the order), and once it is the op's
+  gradient of its final state when its own backward runs, later in the order; on another rank, sent
+  there through one exchange after the input edges' gradients), and once it is the op's
   last backward item (`StepPlan.done_at`) tell `GradSync`: it launches the plan's all-reduces whose
   gradients just became final, within exactly their device set, asynchronous.
 
@@ -53,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import kernels
-from runtime.collectives import CollectiveLog, EdgeMover, GradSync, Outbox, make_groups
+from runtime.collectives import CollectiveLog, EdgeMover, GradSync, Outbox, exchange, make_groups
 from runtime.materialize import PieceKey, take_piece
 from soap.config import param_pieces
 from soap.graph import Operator, OperatorGraph, TensorRef
@@ -204,6 +208,15 @@ class Executor:
         # Every process group, for the exchanges and the all-reduces, created up front in the same (sorted)
         # order on every rank.
         groups = self.groups = make_groups(plan.process_groups(), timeout_s=timeout_s) if self.distributed else {}
+        # per (op position, round), the carries between ranks this rank takes part in (`OpStep.carry_moves`):
+        # (chunk, the part it starts from, the source's rank, the chunk's rank, the state's shapes)
+        self.carry_moves: dict[tuple[int, int], list[tuple[int, int, int, int, tuple[tuple[int, ...], ...]]]] = {}
+        for i, step in enumerate(plan.ops):
+            for c, p, _ in step.carry_moves:
+                src, dst = step.devices[p], step.devices[c]
+                if rank in (src, dst):
+                    shapes = op_def(graph.ops[i].kind).carry_shapes(graph.ops[i], step.boxes[c])
+                    self.carry_moves.setdefault((i, step.rounds[c]), []).append((c, p, src, dst, shapes))
         for mover in self.movers.values():
             mover.bind(groups)
         self.sync = GradSync(plan.all_reduces, rank=rank, groups=groups, grad_of=self._grad_of,
@@ -250,6 +263,10 @@ class Executor:
         # None, and its final state), and the gradient of its final state from the chunk after it
         self.carry: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...]]] = {}
         self.carry_grads: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
+        # per chunk here whose state came from another rank: that state as received, and the gradient of
+        # its initial state to send back
+        self.carry_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.carry_back: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
         self.collectives: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ setup helpers
@@ -454,7 +471,11 @@ class Executor:
         # a chunk along a carried dim starts from the final state of the chunk before it, on this rank
         # (`soap.lowering`'s rule "Carries"): a leaf copy, whose gradient backward hands back to that chunk
         prev = self.plan.ops[i].carry_from[c]
-        state = None if prev is None else tuple(x.detach().requires_grad_(keep) for x in self.carry[(i, prev)][1])
+        state = None
+        if prev is not None:
+            given = self.carry_in.get((i, c))  # received from another rank (`_move_state`)
+            source = given if given is not None else self.carry[(i, prev)][1]
+            state = tuple(x.detach().requires_grad_(keep) for x in source)
         with context:
             outs, final = self._compute(op, self.op_params[(i, c)], self.plan.ops[i].boxes[c], leaves, state)
         if final:
@@ -507,6 +528,8 @@ class Executor:
         self.log.reset()
         self.carry.clear()
         self.carry_grads.clear()
+        self.carry_in.clear()
+        self.carry_back.clear()
         for op in self.graph:
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
@@ -538,6 +561,8 @@ class Executor:
         self.kept.clear()
         self.carry.clear()
         self.carry_grads.clear()
+        self.carry_in.clear()
+        self.carry_back.clear()
         self.where = "step"
         if not losses:
             return torch.zeros((), dtype=self.float_dtype)
@@ -552,6 +577,8 @@ class Executor:
         op = self.graph.ops[i]
         self.where = self._where(i, r, 0)
         inputs = self._inputs(i, r, op)
+        for move in self.carry_moves.get((i, r), ()):
+            self._move_state(i, *move)
         c = self.round_part[i].get(r)
         if c is not None:
             if fail:
@@ -559,6 +586,36 @@ class Executor:
             self._run_part(i, c, op, inputs, keep=not self.recompute[i])
         for j, p in self.drop_after.get(k, ()):
             self.values.pop((j, p), None)
+
+    def _move_state(self, i: int, c: int, p: int, src: int, dst: int, shapes: tuple[tuple[int, ...], ...]) -> None:
+        """Forward of a carry between ranks (`OpStep.carry_moves`): the rank of part `p` sends the final state
+        of `p`, the rank of chunk `c` receives it as the state `c` starts from."""
+        ranks = (min(src, dst), max(src, dst))
+        dtype = self.torch_dtype(self.graph.ops[i].outputs[0].dtype)
+        if self.rank == src:
+            sends = [(x.detach(), dst) for x in self.carry[(i, p)][1]]
+            exchange(ranks, self.groups[ranks], sends, [], dtype, self.log, self.outbox)
+        else:
+            got = exchange(ranks, self.groups[ranks], [], [(shape, src) for shape in shapes], dtype, self.log,
+                           self.outbox)
+            self.carry_in[(i, c)] = tuple(got)
+
+    def _move_state_grad(self, i: int, c: int, p: int, src: int, dst: int, shapes: tuple[tuple[int, ...], ...]
+                         ) -> None:
+        """Backward of a carry between ranks: the rank of chunk `c` sends the gradient of its initial state,
+        the rank of part `p` receives it as the gradient of `p`'s final state (added in `p`'s backward)."""
+        ranks = (min(src, dst), max(src, dst))
+        dtype = self.torch_dtype(self.graph.ops[i].outputs[0].dtype)
+        if self.rank == dst:
+            self.carry_in.pop((i, c), None)
+            grads = self.carry_back.pop((i, c), (None,) * len(shapes))
+            sends = [(g if g is not None else torch.zeros(shape, dtype=dtype), src)
+                     for g, shape in zip(grads, shapes, strict=True)]
+            exchange(ranks, self.groups[ranks], sends, [], dtype, self.log, self.outbox)
+        else:
+            got = exchange(ranks, self.groups[ranks], [], [(shape, dst) for shape in shapes], dtype, self.log,
+                           self.outbox)
+            self.carry_grads[(i, p)] = tuple(got)
 
     def _where(self, i: int, r: int, phase: int) -> str:
         """What the rank does at round `r` of op position `i` (phase 0: forward, 1: backward), for errors."""
@@ -610,6 +667,8 @@ class Executor:
                 ref = flow.edges[eid].ref
                 self.movers[(eid, r)].backward(
                     in_grads[slot], lambda p, sl, piece, ref=ref: self._accumulate((ref, p), sl, piece))
+        for move in self.carry_moves.get((i, r), ()):
+            self._move_state_grad(i, *move)
         if self.plan.done_at[i] == k:
             self.sync.ready(i)
 
@@ -635,7 +694,11 @@ class Executor:
         in_grads = [x.grad if x is not None and x.requires_grad else None for x in leaves]
         prev = self.plan.ops[i].carry_from[c]
         if prev is not None:
-            self.carry_grads[(i, prev)] = tuple(x.grad for x in state)
+            grads = tuple(x.grad for x in state)
+            if (i, c) in self.carry_in:
+                self.carry_back[(i, c)] = grads  # sent back to the source's rank (`_move_state_grad`)
+            else:
+                self.carry_grads[(i, prev)] = grads
         if sharded:
             # the gathered weights are done with: free them before the reduce-scatter's buffers
             grads = {name: w.grad for name, w in self.op_params[(i, c)].items()}

@@ -14,9 +14,10 @@ transfer or an all-reduce waits for all its links. Since keys increase along dat
 >= 0, (ready, key) is a topological order of data plus resource edges, so the full simulation is Kahn's
 algorithm with a heap on (ready, key) where each task takes the current last end of its resources.
 
-Rounds. Where devices repeat, the round order's edges (`simulator.taskgraph`'s task list; `_order_links`)
-are predecessors like data edges, rebuilt from the step's order on every change (they depend on every
-op's config; a proposal cuts and adds only those that differ). One may lead to a smaller key (a later
+Rounds. Where an op runs in several rounds (devices repeat, or chunks hand their state between devices),
+the round order's edges (`simulator.taskgraph`'s task list; `_order_links`) are predecessors like data
+edges, rebuilt from the step's order on every change (they depend on every op's config; a proposal cuts
+and adds only those that differ). One may lead to a smaller key (a later
 round of an earlier op): that keeps (ready, key) a topological order unless the task before it lasts
 0 ns, so a state with such an edge (`_may_unsort`) is replayed whole by the next delta.
 
@@ -96,16 +97,18 @@ SyncId = tuple[tuple[int, ...], int]  # (device group, bucket)
 
 
 class _Unit:
-    """The tasks of an op (forward, backward: per part), of an edge (forward, backward: its exchange tasks,
-    as `EdgePlan.fwd_xfer` and `bwd_xfer`), or of a parameter unit's updates, and the data edges the unit
-    made (undone exactly when the unit is replaced)."""
+    """The tasks of an op (forward, backward: per part; `carry`: per chunk whose state moves from another
+    device, its forward and backward transfer tasks, as `OpPlan.carry_xfers`), of an edge (forward,
+    backward: its exchange tasks, as `EdgePlan.fwd_xfer` and `bwd_xfer`), or of a parameter unit's
+    updates, and the data edges the unit made (undone exactly when the unit is replaced)."""
 
-    __slots__ = ("tids", "links", "fwd", "bwd", "by_device")
+    __slots__ = ("tids", "links", "fwd", "bwd", "by_device", "carry")
 
     def __init__(self, tids: list[int], links: list[Link], fwd: list[int] | None = None,
-                 bwd: list[int] | None = None, by_device: dict[int, int] | None = None):
+                 bwd: list[int] | None = None, by_device: dict[int, int] | None = None,
+                 carry: dict[int, tuple[int, int | None]] | None = None):
         self.tids, self.links = tids, links
-        self.fwd, self.bwd, self.by_device = fwd, bwd, by_device
+        self.fwd, self.bwd, self.by_device, self.carry = fwd, bwd, by_device, carry
 
 
 class _Sync:
@@ -324,7 +327,7 @@ class Simulator:
         if pos < n:
             op = flow.ops[pos]
             if sub == SUB_COMPUTE:
-                return f"{op.name} fwd[{a}]"
+                return f"{op.name} state [{a}] ->" if b else f"{op.name} fwd[{a}]"
             src = op.inputs[e].op
             if sub == SUB_XFER:
                 return f"{src} -> {op.name}" + (f" round {a}" if a else "")
@@ -332,7 +335,7 @@ class Simulator:
         if pos < 2 * n:
             op = flow.ops[2 * n - 1 - pos]
             if sub == SUB_COMPUTE:
-                return f"{op.name} bwd[{a}]"
+                return f"grad {op.name} state [{a}] ->" if b else f"{op.name} bwd[{a}]"
             if sub == SUB_SYNC:
                 bucket = flow.bucket_first_op.index(2 * n - 1 - pos)
                 return f"allreduce bucket {bucket} devices {a}..{b}"
@@ -389,6 +392,7 @@ class Simulator:
         for plan in self._plans:
             self._add_mem(plan.mem, 1)
             self._add_transient(plan.transient, 1)
+            self._moved += plan.moved * (1 if self.replicas is None else self.replicas.count)
         for plan in self._params:
             self._add_mem(plan.mem, 1)
         for e in range(len(flow.edges)):
@@ -419,24 +423,29 @@ class Simulator:
             if {(d + rep.size) % n for d in group} != set(group):
                 raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
         owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it
+        passes = []
         for e, edge in enumerate(self.flow.edges):
             step = self._edge_plan(e).step
             pdev = self._plans[edge.src].step.devices
             cdev = self._plans[edge.dst].step.devices
-            passes = []
             for _, _, ks in step.exchanges:
                 pairs = [(pdev[p], cdev[c], nb) for p, c, nb, _ in map(step.pieces.__getitem__, ks)]
                 passes += [pairs] + ([[(b, a, nb) for a, b, nb in pairs]] if edge.grad else [])
-            for pieces in passes:
-                ns = None
-                for g in range(rep.count):
-                    res, t = self.comm.exchange([(a + g * rep.size, b + g * rep.size, nb) for a, b, nb in pieces])
-                    if ns is not None and t != ns:
-                        raise NotReplicable(f"an exchange of replica {g} takes longer than replica 0's")
-                    ns = t
-                    for r in res:
-                        if r >= n and owner.setdefault(r, g) != g:
-                            raise NotReplicable("two replicas' exchanges share a link")
+        for plan in self._plans:  # the carries between devices
+            dev = plan.step.devices
+            for p, c, fwd, back in plan.carry_xfers:
+                nb = fwd.nbytes
+                passes += [[(dev[p], dev[c], nb)]] + ([[(dev[c], dev[p], nb)]] if back is not None else [])
+        for pieces in passes:
+            ns = None
+            for g in range(rep.count):
+                res, t = self.comm.exchange([(a + g * rep.size, b + g * rep.size, nb) for a, b, nb in pieces])
+                if ns is not None and t != ns:
+                    raise NotReplicable(f"an exchange of replica {g} takes longer than replica 0's")
+                ns = t
+                for r in res:
+                    if r >= n and owner.setdefault(r, g) != g:
+                        raise NotReplicable("two replicas' exchanges share a link")
 
     def _apply(self, links: list[Link]) -> None:
         succs, preds = self._succs, self._preds
@@ -497,8 +506,22 @@ class Simulator:
         mine = list(zip(fwd, bwd, strict=False))
         for p, c in plan.carries:  # a chunk after the chunk whose state it starts from; backward back
             mine += [(fwd[p], fwd[c])] + ([(bwd[c], bwd[p])] if bwd else [])
+        tids = fwd + bwd
+        carry = None
+        if plan.carry_xfers:  # the same, through the state's transfer between their devices
+            xfers = [x[2] for x in plan.carry_xfers] + [x[3] for x in plan.carry_xfers if x[3] is not None]
+            new = self._new_tasks([x.ns for x in xfers], [x.key for x in xfers], [x.resources for x in xfers], XFER,
+                                  [x.nbytes for x in xfers])
+            tids += new
+            carry = {}
+            n = len(plan.carry_xfers)
+            for k, (p, c, _, back) in enumerate(plan.carry_xfers):
+                mine += [(fwd[p], new[k]), (new[k], fwd[c])]
+                if back is not None:
+                    mine += [(bwd[c], new[n + k]), (new[n + k], bwd[p])]
+                carry[c] = (new[k], new[n + k] if back is not None else None)
         links += mine
-        return _Unit(fwd + bwd, mine, fwd, bwd)
+        return _Unit(tids, mine, fwd, bwd, carry=carry)
 
     def _add_update_unit(self, u: int, links: list[Link]) -> _Unit | None:
         plan = self._params[u]
@@ -574,16 +597,16 @@ class Simulator:
         return _Sync(tid, members, mine)
 
     def _order_links(self) -> tuple[list[Link], dict[int, int]]:
-        """The round order's edges (`simulator.taskgraph`'s task list): on every device, the tasks of an op's
-        rounds but the first it runs in each pass wait for the task before them in the device's share of
-        the step's order (`soap.lowering.step_order`), as the runtime walks it: at each forward item, the
-        exchanges of its input edges for that round (in slot order), then its part; at each backward item,
-        its part, then those exchanges' gradients. An exchange waits for the task before it on every
-        device that sends or receives in it (a rank issues it when its walk gets there), but only a
-        receiver's next task waits for the exchange: a rank that only sends goes on
-        (`runtime.collectives.Outbox`), unless the exchange occupies the sending device itself (a cost
-        model that charges the copies to the devices, as on CPUs). Also the order's
-        `soap.lowering.flight_savings`. None without repeated devices."""
+        """The round order's edges (`simulator.taskgraph`'s task list): on every device, the tasks of an op's rounds but
+        the first it runs in each pass wait for the task before them in the device's share of the step's order
+        (`soap.lowering.step_order`), as the runtime walks it: at each forward item, the exchanges of its input edges
+        for that round (in slot order) and the transfers of the states its chunks receive from other devices
+        (`OpPlan.carry_xfers`, in part order), then its part; at each backward item, its part, then those exchanges'
+        gradients and the states' gradients. An exchange waits for the task before it on every device that sends or
+        receives in it (a rank issues it when its walk gets there), but only a receiver's next task waits for the
+        exchange: a rank that only sends goes on (`runtime.collectives.Outbox`), unless the exchange occupies the
+        sending device itself (a cost model that charges the copies to the devices, as on CPUs). Also the order's
+        `soap.lowering.flight_savings`. None while every op runs in one round."""
         if not self._rounds:
             return [], {}
         flow, units, edge_units = self.flow, self._op_units, self._edge_units
@@ -618,6 +641,13 @@ class Simulator:
                     receivers = {ends[pieces[m][side]] for m in edges[e].exchanges[k][2]}
                     exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks,
                                       receivers))
+            carry = units[i].carry
+            if carry:  # the carries into the round's chunks from other devices, after the edges' exchanges
+                for c in rounds[r]:
+                    if c in carry and carry[c][backward] is not None:
+                        src, dst = step.devices[step.carry_from[c]], step.devices[c]
+                        exchanges.append((carry[c][backward], (min(src, dst), max(src, dst)),
+                                          {src if backward else dst}))
             # the first item of each op and pass waits for nothing (the plain ready order)
             waits = (phase, i) in first
             first.add((phase, i))
@@ -844,6 +874,7 @@ class Simulator:
         """Add (`sign` 1) or take out (-1) the memory and bytes of an op's units and its unit's all-reduces."""
         self._add_mem(plan.mem, sign)
         self._add_transient(plan.transient, sign)
+        self._moved += sign * plan.moved
         if params is not None:
             self._add_mem(params.mem, sign)
         for e in edges:

@@ -15,7 +15,10 @@ Tasks of a step plan:
   buffers are everywhere). Parts of one op on one device (its rounds, `OpStep.rounds`: micro-batches)
   are separate tasks that queue on the device like any others. A chunk along a carried dim
   (`OpStep.carry_from`: an LSTM split in time) waits for the forward of the chunk it starts from, whose
-  backward waits for its own (`OpPlan.carries`; one device, so nothing moves). A recomputing part's
+  backward waits for its own (`OpPlan.carries`). When the two run on different devices
+  (`OpStep.carry_moves`) a transfer task stands between them in each pass (`OpPlan.carry_xfers`: one
+  exchange of the state's bytes, `Comm.exchange`, from the source chunk's device to the chunk's in
+  forward, back in backward), part of the op's own tasks. A recomputing part's
   backward task includes its forward again. A sharded part's forward task includes the all-gather of its parameters
   and its backward task the second all-gather and the reduce-scatter of their gradient, collectives over
   its shard group (`simulator.comm`), since the runtime issues them synchronously around the part's
@@ -72,7 +75,7 @@ SYNC_CATS = frozenset({SYNC})
 # sub-slots of a key position: transfers into an op, then its reduce tasks, then its compute, then the
 # all-reduces of the bucket that ends there
 SUB_XFER, SUB_REDUCE, SUB_COMPUTE, SUB_SYNC = 0, 1, 2, 3
-# the most parts of one op on one device (rounds: micro-batches) the task keys have room for
+# the most rounds of one op (so parts on one device: micro-batches, chunks) the task keys have room for
 MAX_ROUNDS = 1 << 16
 
 
@@ -85,8 +88,11 @@ class KeySpace:
     all-reduces at a position; e is the input slot (forward), the consumer use (backward) or a hash of the
     device group (all-reduce); a is a part index (compute, reduce), the consumer round (an exchange), the
     device (an update) or the group's first device (an all-reduce); b is the group's last device for an
-    all-reduce, else 0. A part index runs below num_devices x `MAX_ROUNDS` (an op runs at most
-    `MAX_ROUNDS` parts on one device), so that is the radix of a; without repeated devices every a is
+    all-reduce, 1 for the transfer of a carry between chunks on two devices (a compute key right after
+    that of the part it leaves: forward (i, compute, 0, source part, 1), backward (2N-1-i, compute,
+    n-1-c, c, 1) for chunk c of n parts, between the keys of the chunk's and its source's backward), else
+    0. A part index runs below num_devices x `MAX_ROUNDS` (an op runs at most `MAX_ROUNDS` rounds, so
+    parts on one device), so that is the radix of a; without repeated devices every a is
     below num_devices and keys order as (position, sub, e, a, b) whatever the radices.
     """
 
@@ -164,11 +170,14 @@ class SyncShare(NamedTuple):
 class OpPlan:
     """The timed tasks of one op under one config: `step` (the lowering), per part the forward and
     backward durations and keys (empty lists when the op has no such tasks), `mem` (device -> bytes
-    kept for backward), `transient` (device -> the largest bytes a part holds only while it runs) and
-    `carries` ((part, part that starts from its state) per chunk after the first along a carried dim:
-    dependencies on one device, forward from the first to the second, backward back)."""
+    kept for backward), `transient` (device -> the largest bytes a part holds only while it runs),
+    `carries` ((part, part that starts from its state) per chunk after the first along a carried dim on
+    the same device: dependencies, forward from the first to the second, backward back), `carry_xfers`
+    ((part, chunk that starts from its state, forward transfer, backward transfer or None) per chunk
+    whose source is on another device) and `moved` (bytes those transfers move, both passes)."""
 
-    __slots__ = ("step", "devices", "fwd_ns", "bwd_ns", "fwd_keys", "bwd_keys", "mem", "transient", "carries")
+    __slots__ = ("step", "devices", "fwd_ns", "bwd_ns", "fwd_keys", "bwd_keys", "mem", "transient", "carries",
+                 "carry_xfers", "moved")
 
     def __init__(self, step: OpStep):
         self.step = step
@@ -180,6 +189,8 @@ class OpPlan:
         self.mem: dict[int, int] = {}
         self.transient: dict[int, int] = {}
         self.carries: list[tuple[int, int]] = []
+        self.carry_xfers: list[tuple[int, int, Exchange, Exchange | None]] = []
+        self.moved = 0
 
 
 class EdgePlan:
@@ -261,7 +272,7 @@ class Planner:
             return plan
         op = flow.ops[i]
         if step.num_rounds > MAX_ROUNDS:
-            raise StrategyError(f"op {op.name!r} runs {step.num_rounds} parts on one device; the simulator "
+            raise StrategyError(f"op {op.name!r} runs in {step.num_rounds} rounds; the simulator "
                                 f"times at most {MAX_ROUNDS}")
         for d, nbytes, extra in zip(step.devices, step.activation_bytes, step.transient_bytes, strict=True):
             plan.mem[d] = plan.mem.get(d, 0) + nbytes
@@ -289,7 +300,15 @@ class Planner:
                 # chunks: the backward of a chunk runs before the one it starts from, so their keys count
                 # down the parts in the field before the part (keys increase along every dependency)
                 plan.bwd_keys.append(keys.make(bpos, SUB_COMPUTE, step.num_parts - 1 - c if chunked else 0, c, 0))
-        plan.carries = [(p, c) for c, p in enumerate(step.carry_from) if p is not None]
+        moves = {c for c, _, _ in step.carry_moves}
+        plan.carries = [(p, c) for c, p in enumerate(step.carry_from) if p is not None and c not in moves]
+        n, dev = step.num_parts, step.devices
+        for c, p, nbytes in step.carry_moves:
+            fwd = self._exchange([(p, c, nbytes)], dev, dev, keys.make(fpos, SUB_COMPUTE, 0, p, 1))
+            bwd = (self._exchange([(c, p, nbytes)], dev, dev, keys.make(bpos, SUB_COMPUTE, n - 1 - c, c, 1))
+                   if step.runs_bwd else None)
+            plan.carry_xfers.append((p, c, fwd, bwd))
+            plan.moved += nbytes * (2 if step.runs_bwd else 1)
         return plan
 
     # -- edges -----------------------------------------------------------------------------------------
@@ -331,7 +350,8 @@ class Planner:
 
     def _exchange(self, pieces: list[tuple[int, int, int]], src_dev: tuple[int, ...], dst_dev: tuple[int, ...],
                   key: int) -> Exchange:
-        """The exchange task of `pieces` (sending part, receiving part, bytes) of one edge, pass and round."""
+        """The exchange task of `pieces` (sending part, receiving part, bytes) of one edge, pass and round (or
+        of one carry and pass)."""
         res, ns = self.comm.exchange([(src_dev[a], dst_dev[b], nbytes) for a, b, nbytes in pieces])
         return Exchange(tuple(sorted({a for a, _, _ in pieces})), tuple(sorted({b for _, b, _ in pieces})),
                         sum(nbytes for _, _, nbytes in pieces), res, ns, key)

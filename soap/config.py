@@ -6,8 +6,8 @@ fastest); part `i` runs on `devices[i]`. A device may appear more than once: its
 another and add their weight gradients locally (a sample split with repeated devices is micro-batching;
 `soap.lowering` states the rules). Not with `recompute` or `shard` > 1, nor for ops with running
 statistics (each part would update them). A split of a carried dim (`soap.opdef.DimSpec.carried`: the
-time axis of an LSTM) makes chunks, each starting from the state of the chunk before it: the chunks of
-one range of the other dims run on one device (`carry_refusal`), so the state stays where it is.
+time axis of an LSTM) makes chunks, each starting from the state of the chunk before it, on its device or
+moved from another (`soap.lowering`'s rule "Carries"); not with `shard` > 1 (`carry_refusal`).
 
 - `recompute`: the op keeps nothing for backward; its forward runs again on each of its devices before
   its backward (and before the recomputation of a consumer that reads it). What it reads from other
@@ -160,11 +160,11 @@ def repeat_refusal(op: Operator, cfg: ParallelConfig) -> str | None:
 
 
 def carry_refusal(op: Operator, cfg: ParallelConfig) -> str | None:
-    """Why `cfg`'s chunks along the op's carried dim cannot run where it puts them (None: they can)."""
-    for c, prev in enumerate(carry_sources(dims_of(op), cfg.degrees)):
-        if prev is not None and cfg.devices[prev] != cfg.devices[c]:
-            return (f"chunks of a recurrent op must run on one device per sample range for now (part {c} on "
-                    f"device {cfg.devices[c]} starts from the state of part {prev} on device {cfg.devices[prev]})")
+    """Why `cfg`'s chunks along the op's carried dim cannot run as it says (None: they can). Chunks run in
+    successive rounds (`soap.lowering`), and a sharded op's parts gather their parameters together, in
+    one round."""
+    if cfg.shard > 1 and any(p is not None for p in carry_sources(dims_of(op), cfg.degrees)):
+        return f"a sharded op (shard {cfg.shard}) cannot run in chunks along its carried dim (not built yet)"
     return None
 
 

@@ -75,9 +75,13 @@ at most f of them in flight (forward done, backward not; f < n only under 1F1B) 
 parts' activations and of what its input edges keep there (`flight_savings`). The transient is the peak
 of one op at a time, as the runtime frees a part's transients before the next op's.
 
-- **Rounds.** A config's devices may repeat: part c's *round* is how many earlier parts run on its
-  device (`part_rounds`), so the parts of one round run on distinct devices and a device runs its parts
-  one after another (a sample split with repeated devices is micro-batching). Parts on one device share
+- **Rounds.** A config's devices may repeat: part c's *round* is one more than the round of the last
+  earlier part on its device (0 for its device's first), and a chunk's (rule "Carries") at least one more
+  than the round of the chunk it starts from, wherever that runs (`part_rounds`). Without chunks that is
+  how many earlier parts run on its device; with chunks a device's rounds may have gaps (chunks 0..3
+  alternating devices 0, 1, 0, 1 run in rounds 0..3, device 0 in rounds 0 and 2), and every round
+  0..n-1 of the op holds some part. The parts of one round run on distinct devices and a device runs its
+  parts one after another (a sample split with repeated devices is micro-batching). Parts on one device share
   the device's parameter shards: their gradients add up locally, and the all-reduce groups are over
   distinct devices. An edge's moving pieces make one exchange per consumer round (`EdgeStep.exchanges`),
   so round r of a consumer waits only for the producer parts it reads. Repeated devices are refused with
@@ -109,13 +113,20 @@ of one op at a time, as the runtime frees a part's transients before the next op
   earlier micro-batch while it works on a later one.
 - **Carries.** A split of an op's carried dim (`soap.opdef.DimSpec.carried`: the time axis of an LSTM)
   makes chunks: part c starts from the final state of part `OpStep.carry_from[c]`, the chunk before it
-  (None for a first chunk). Both run on one device (`soap.config.validate`), so the state moves nothing;
-  chunk k runs after chunk k-1 in the step's order (`carry_order`; they are rounds of one op on one
-  device, so the rounds' own order has it already) and its backward before chunk k-1's (under 1F1B too),
-  whose final state then receives the gradient of chunk k's initial state. A chunk keeps its initial
-  state for backward (`OpDef.carry_bytes`, counted in its activation bytes). Layers of a stacked
-  recurrence placed on different devices, each in chunks, make FlexFlow's wavefront: the step's order
-  runs layer 2's chunk k while layer 1 runs chunk k+1.
+  (None for a first chunk). Chunk k runs in a later round than chunk k-1 (rule "Rounds"), so after it in
+  the step's order (`carry_order`), and its backward before chunk k-1's (under 1F1B too), whose final
+  state then receives the gradient of chunk k's initial state. On one device the state moves nothing.
+  On another device it is a transfer (`OpStep.carry_moves`): at chunk k's forward item, after the
+  exchanges of its input edges, ONE exchange between the two devices moves the state's bytes
+  (`OpDef.carry_bytes`) from chunk k-1's device to chunk k's (one all-to-all in the runtime, one transfer
+  task in the simulator); at chunk k's backward item, after its input edges' gradients, one exchange
+  moves the gradient of that state back. Every rank walks the order, so both ends issue it at the same
+  position; a rank holding neither end does nothing. A chunk keeps its initial state for backward
+  (`OpDef.carry_bytes`, counted in its activation bytes; a recomputing chunk keeps the state it received
+  from another device, so its recomputation moves nothing). Layers of a stacked recurrence placed on
+  different devices, each in chunks, make FlexFlow's wavefront: the step's order runs layer 2's chunk k
+  while layer 1 runs chunk k+1; one layer's chunks on different devices hand the state from one to the
+  next.
 - **Replicas.** `lower(..., replicas=Replicas(count=R, size=m))` lowers only replica 0 of a strategy
   that repeats itself R times (`find_replicas`): every op that computes splits its sample dim outermost
   into a multiple of R chunks, and the parts of replica g are those of replica 0 on devices shifted by
@@ -405,10 +416,13 @@ class OpStep:
     buffer bytes of part c's all-gather (each pass) and reduce-scatter (0 when none);
     `transient_bytes[c]`: what part c holds only while it runs (recomputed outputs, gathered parameters
     and their gradient); `carry_from[c]`: the part whose final state part c starts from (module
-    docstring, "Carries"; None: it starts from zeros).
+    docstring, "Carries"; None: it starts from zeros); `carry_moves`: (chunk, the part it starts from,
+    bytes of the state) per chunk whose source runs on another device, in part order: the state moves in
+    the chunk's forward item and its gradient back in its backward item.
     """
 
-    __slots__ = ("op", "devices", "boxes", "rounds", "num_rounds", "carry_from", "out_regions", "in_regions", "reads",
+    __slots__ = ("op", "devices", "boxes", "rounds", "num_rounds", "carry_from", "carry_moves", "out_regions",
+                 "in_regions", "reads",
                  "reduced", "runs_bwd", "activation_bytes", "recompute", "shard", "shard_groups", "cross_groups",
                  "gather_bytes", "scatter_bytes", "transient_bytes", "_in_overlap", "_out_overlap")
 
@@ -449,13 +463,20 @@ class OpStep:
         return [c for c, k in enumerate(self.rounds) if k == r]
 
 
-def part_rounds(devices: Sequence[int]) -> tuple[int, ...]:
-    """Per part, its round: how many earlier parts run on the same device (module docstring)."""
-    seen: dict[int, int] = {}
-    out = []
-    for d in devices:
-        out.append(seen.get(d, 0))
-        seen[d] = out[-1] + 1
+def part_rounds(devices: Sequence[int], carry_from: Sequence[int | None] | None = None) -> tuple[int, ...]:
+    """Per part, its round (module docstring, "Rounds"): one more than the round of the last earlier part
+    on its device (0 for the first), and, for a chunk, at least one more than the round of the chunk it
+    starts from (`carry_from[c]`, an earlier part). Without chunks: how many earlier parts run on the same
+    device."""
+    last: dict[int, int] = {}
+    out: list[int] = []
+    for c, d in enumerate(devices):
+        r = last.get(d, -1) + 1
+        prev = carry_from[c] if carry_from is not None else None
+        if prev is not None:
+            r = max(r, out[prev] + 1)
+        out.append(r)
+        last[d] = r
     return tuple(out)
 
 
@@ -468,9 +489,11 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig, replicas: Replicas | N
     boxes_devices = parts(op, cfg, keep)
     boxes = step.boxes = tuple(b for b, _ in boxes_devices)
     step.devices = cfg.devices if keep is None else cfg.devices[:keep]
-    step.rounds = part_rounds(step.devices)
-    step.num_rounds = max(step.rounds) + 1
     step.carry_from = carry_sources(entry.dims(op), cfg.degrees)[:len(boxes)]
+    step.rounds = part_rounds(step.devices, step.carry_from)
+    step.num_rounds = max(step.rounds) + 1
+    step.carry_moves = tuple((c, p, entry.carry_bytes(op, boxes[c])) for c, p in enumerate(step.carry_from)
+                             if p is not None and step.devices[p] != step.devices[c])
     n = len(boxes)
     step.out_regions = [_regions([entry.output_region(op, b, o) for b in boxes], n, spec.ndim)
                         for o, spec in enumerate(op.outputs)]
@@ -506,6 +529,8 @@ def lower_op(flow: GradFlow, i: int, cfg: ParallelConfig, replicas: Replicas | N
                 kept += entry.carry_bytes(op, b)  # its initial state, the chunk before's final one
             if cfg.recompute:
                 transient[c] = kept
+                if step.carry_from[c] is not None and step.devices[step.carry_from[c]] != step.devices[c]:
+                    act[c] = entry.carry_bytes(op, b)  # received: kept for the recomputation
             else:
                 act[c] = kept
             if step.runs_bwd:
@@ -868,7 +893,7 @@ Item = tuple[int, int, int]
 def carry_order(ops: Sequence[OpStep], live: Sequence[int], after: dict[tuple[int, int], set[tuple[int, int]]]
                 ) -> None:
     """Add to `after` (round -> the rounds that wait for it) that each chunk of an op runs after the chunk
-    whose state it starts from (module docstring, "Carries")."""
+    whose state it starts from (module docstring, "Carries"; its round is later, on any device)."""
     for i in live:
         step = ops[i]
         for c, prev in enumerate(step.carry_from):
@@ -1162,6 +1187,8 @@ class StepPlan:
         """Every device set a collective runs within (the exchanges', the all-reduces'), sorted: the runtime
         creates one group each."""
         groups = {ranks for step in self.edges for _, ranks, _ in step.exchanges}
+        groups |= {tuple(sorted((step.devices[p], step.devices[c]))) for step in self.ops
+                   for c, p, _ in step.carry_moves}
         groups |= {a.group for a in self.all_reduces if len(a.group) > 1}
         groups |= {g for step in self.ops if step.shard_groups for g in step.shard_groups if len(g) > 1}
         return sorted(groups)
@@ -1169,8 +1196,9 @@ class StepPlan:
     def collectives(self) -> list[dict[str, dict[str, int]]]:
         """Per device, per kind, the count and bytes of the collectives one step issues.
 
-        ``all_to_all``: one per exchange (edge, consumer round) and pass a device takes part in, bytes it
-        sends to other devices;
+        ``all_to_all``: one per exchange (edge, consumer round) and pass a device takes part in, and one
+        per carry between devices (`OpStep.carry_moves`) and pass on both its devices, bytes it sends to
+        other devices;
         ``all_reduce``: one per all-reduce over two or more devices, bytes of the buffer reduced;
         ``all_gather`` and ``reduce_scatter`` (sharded parts): one per part and pass, bytes of the whole
         (gathered or reduced) buffer."""
@@ -1194,6 +1222,13 @@ class StepPlan:
                         sent[src_dev[piece[si]]] += piece[2]
                     for d in ranks:
                         add(d, ALL_TO_ALL, sent[d])
+        for step in self.ops:
+            for c, p, nbytes in step.carry_moves:
+                # forward: the state from the source chunk's device; backward: its gradient back
+                src, dst = step.devices[p], step.devices[c]
+                for sender, receiver in [(src, dst)] + ([(dst, src)] if step.runs_bwd else []):
+                    add(sender, ALL_TO_ALL, nbytes)
+                    add(receiver, ALL_TO_ALL, 0)
         for a in self.all_reduces:
             if len(a.group) > 1:
                 for d in a.group:

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from soap.graph import Operator
+from soap.graph import DTYPE_BYTES, Operator
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]
@@ -61,9 +61,10 @@ class DimSpec:
     along it into *chunks*, not into parts that run at once. Chunk k (the part covering [t0, t1) of the
     dim, and given ranges of the other dims) starts from the final state of chunk k-1 (the part covering
     the same ranges of the other dims and the range before [t0, t1)), which the kind's kernel returns
-    after its outputs (`OpDef.carry_bytes` says how large it is); its gradient flows back from chunk k to
-    chunk k-1. The chunks of one range of the other dims run on one device (`soap.config.validate`),
-    one after another (its rounds, `soap.lowering`), so the state never moves. A carried dim is not
+    after its outputs (`OpDef.carry_shapes` and `OpDef.carry_bytes` say how large it is); its gradient
+    flows back from chunk k to chunk k-1. Chunk k runs in a later round than chunk k-1 (`soap.lowering`);
+    on another device the state moves to it, and its gradient back (`soap.lowering`'s rule "Carries"). A
+    carried dim is not
     `splittable`: a search that places parts on distinct devices leaves it alone, and `OpDef.check`
     allows any degree on it.
     """
@@ -207,10 +208,16 @@ class OpDef:
         pool's indices, a cross entropy's log-probabilities), in the dtypes of `op` as run."""
         return 0
 
+    def carry_shapes(self, op: Operator, box: Box) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the tensors of the state a part hands to the next chunk along the kind's carried
+        dim (`DimSpec.carried`), in the order its kernel returns them; empty for kinds without one. The
+        state is in the dtype of output 0 as run."""
+        return ()
+
     def carry_bytes(self, op: Operator, box: Box) -> int:
-        """Bytes of the state a part hands to the next chunk along the kind's carried dim (`DimSpec.carried`),
+        """Bytes of the state a part hands to the next chunk along the kind's carried dim (`carry_shapes`),
         in the dtypes of `op` as run; 0 for kinds without one."""
-        return 0
+        return sum(math.prod(shape) for shape in self.carry_shapes(op, box)) * DTYPE_BYTES[op.outputs[0].dtype]
 
     def reduced(self, op: Operator, box: Box) -> bool:
         """Whether the part holds partial sums (it covers a proper subrange of a dim with no out_axis)."""

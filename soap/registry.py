@@ -442,7 +442,7 @@ class LSTM(OpDef):
     params: `weight_ih_l{k}`, `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}`; attrs: `hidden_size`,
     `num_layers`. dims: `sample` (splittable; axis 0 of out, axis 1 of h_n and c_n); `seq` carried
     (`DimSpec.carried`: split into time chunks, chunk k starting from the final (h, c) of every layer of
-    chunk k-1, on the same device); `hidden` not splittable (every gate reads all of hidden). A chunk
+    chunk k-1, moved to it from another device); `hidden` not splittable (every gate reads all of hidden). A chunk
     reads x[:, t0:t1] and writes out[:, t0:t1]; only the last chunk holds h_n and c_n (the others hold
     empty regions of them), so their consumers read them from the last chunks. The carried state is
     (h, c) of every layer: 2 L N H elements of the part's samples.
@@ -461,10 +461,10 @@ class LSTM(OpDef):
         layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
         return (7 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
 
-    def carry_bytes(self, op: Operator, box: Box) -> int:
+    def carry_shapes(self, op: Operator, box: Box) -> tuple[tuple[int, ...], ...]:
         (n0, n1) = box[0]
         layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
-        return 2 * layers * (n1 - n0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+        return ((layers, n1 - n0, hidden), (layers, n1 - n0, hidden))  # (h, c)
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, t, h = op.outputs[0].shape

@@ -401,12 +401,17 @@ def _divisors(n: int) -> list[int]:
     return [g for g in range(1, n + 1) if n % g == 0]
 
 
-def chunked(op: Operator, sample_devices: tuple[int, ...], chunks: int) -> ParallelConfig:
+def chunked(op: Operator, sample_devices: tuple[int, ...], chunks: int, *, hand_over: int = 0,
+            num_devices: int = 1) -> ParallelConfig:
     """`op` (with a carried dim) split on its sample dim over `sample_devices` (one per sample range) and
-    into `chunks` chunks along its carried dim, the chunks of each sample range on its device."""
+    into `chunks` chunks along its carried dim, the chunks of each sample range on its device; with
+    `hand_over` h > 0, chunk k of a range on the device k // h after its own (modulo `num_devices`): the
+    state moves to the next device every h chunks."""
     carried = next(d for d in dims_of(op) if d.carried)
     degrees = {"sample": len(sample_devices), carried.name: chunks}
-    return ParallelConfig(degrees=degrees, devices=tuple(d for d in sample_devices for _ in range(chunks)))
+    devices = tuple((d + k // hand_over) % num_devices if hand_over else d
+                    for d in sample_devices for k in range(chunks))
+    return ParallelConfig(degrees=degrees, devices=devices)
 
 
 def follow_chunks(op: Operator, producer: ParallelConfig, axis_dims: tuple[str, str]) -> ParallelConfig | None:
@@ -424,17 +429,20 @@ def follow_chunks(op: Operator, producer: ParallelConfig, axis_dims: tuple[str, 
     return cfg
 
 
-def wavefront_strategy(graph: OperatorGraph, num_devices: int, chunks: int, *, samples: int = 1) -> Strategy:
+def wavefront_strategy(graph: OperatorGraph, num_devices: int, chunks: int, *, samples: int = 1,
+                       hand_over: int = 0) -> Strategy:
     """FlexFlow's wavefront: recurrent op k (in graph order) on device k mod `num_devices` (sample range s
-    of `samples` on the next devices), each in `chunks` time chunks; the ops after each one that keep its
-    (sample, time) layout (dropouts) follow it, chunk by chunk; everything else whole on device 0."""
+    of `samples` on the next devices), each in `chunks` time chunks (with `hand_over` h > 0, moving on to
+    the next device every h chunks: `chunked`); the ops after each one that keep its (sample, time)
+    layout (dropouts) follow it, chunk by chunk; everything else whole on device 0."""
     out: dict[str, ParallelConfig] = {}
     last: ParallelConfig | None = None
     k = 0
     for op in graph:
         cfg = None
         if any(d.carried for d in dims_of(op)):
-            cfg = chunked(op, tuple((k + s) % num_devices for s in range(samples)), chunks)
+            cfg = chunked(op, tuple((k + s) % num_devices for s in range(samples)), chunks, hand_over=hand_over,
+                          num_devices=num_devices)
             k += 1
         elif last is not None and op.kind == "dropout":
             cfg = follow_chunks(op, last, ("sample", "d1"))
@@ -448,8 +456,8 @@ def wavefront_strategy(graph: OperatorGraph, num_devices: int, chunks: int, *, s
 def chunked_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random) -> Strategy:
     """A random strategy with repeated devices (`repeated_strategy`) in which every op with a carried dim
     is split into 2 or more chunks along it (and on its sample dim at random), each sample range's chunks
-    on one random device, recomputing with probability 0.3, and each dropout after it follows it half the
-    time."""
+    on one random device half the time, else each chunk on a random device (the state moving between
+    devices), recomputing with probability 0.3, and each dropout after it follows it half the time."""
     base = repeated_strategy(graph, num_devices, rng)
     out = dict(base.configs)
     last = None
@@ -459,6 +467,8 @@ def chunked_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random)
             samples = rng.choice([g for g in _divisors(op.outputs[0].shape[0]) if g <= num_devices])
             chunks = rng.choice([g for g in _divisors(carried.size) if g > 1])
             last = out[op.name] = chunked(op, tuple(rng.randrange(num_devices) for _ in range(samples)), chunks)
+            if rng.random() < 0.5:
+                last = out[op.name] = last.replace(devices=tuple(rng.randrange(num_devices) for _ in last.devices))
             if rng.random() < 0.3:
                 last = out[op.name] = last.replace(recompute=True)
             validate(op, last, num_devices)

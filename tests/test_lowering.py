@@ -11,7 +11,17 @@ from torch import nn
 from runtime.train import TrainOptions, Workload, integer_highs, synthetic_batch, train_rank
 from soap.config import ParallelConfig
 from soap.graph import Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
-from soap.lowering import BACKWARD, FORWARD, EdgeStep, StepPlan, carry_order, flight_savings, lower
+from soap.lowering import (
+    ALL_TO_ALL,
+    BACKWARD,
+    FORWARD,
+    EdgeStep,
+    StepPlan,
+    carry_order,
+    flight_savings,
+    lower,
+    part_rounds,
+)
 from soap.setup import TrainSetup
 from soap.strategy import Strategy
 
@@ -593,3 +603,77 @@ def test_the_order_runs_a_chunk_after_the_one_it_starts_from():
     carry_order(plan.ops, [a, b], after)
     assert after == {(a, 0): {(a, 1)}, (a, 1): {(a, 2)}, (a, 2): {(a, 3)}, (b, 0): {(b, 1)}}
     assert [n for n in plan.backward_order if n[0] in (a, b)] == [n for n in reversed(fwd) if n[0] in (a, b)]
+
+
+def test_a_chunk_runs_in_a_later_round_than_its_source_on_any_device():
+    """Rule "Rounds": one more than the last round on the part's device and than its source chunk's round;
+    the parts of a round on distinct devices; without chunks, the count of earlier parts on the device."""
+    assert part_rounds((0, 1, 0, 1), (None, 0, 1, 2)) == (0, 1, 2, 3)
+    assert part_rounds((0, 0, 1, 1), (None, 0, None, 2)) == (0, 1, 0, 1)
+    assert part_rounds((0, 1, 1, 0), (None, 0, None, 2)) == (0, 1, 2, 3)
+    assert part_rounds((0, 1, 1, 0)) == (0, 0, 1, 1)
+    assert part_rounds((0, 1, 2, 2, 1, 0), (None, 0, 1, None, 3, 4)) == (0, 1, 2, 3, 4, 5)
+    assert part_rounds((0, 1, 2, 1), (None, 0, None, 2)) == (0, 1, 0, 2)
+
+
+def carry_plan(devices: tuple[int, ...], *, degrees=None, recompute: bool = False, schedule: str = "gpipe",
+               num_devices: int = 3) -> StepPlan:
+    """The test RNN LM on device `num_devices` - 1, its first LSTM split as `degrees` (4 time chunks) on
+    `devices`."""
+    graph = lstm_graph()
+    strategy = Strategy({op.name: ParallelConfig.single(num_devices - 1) for op in graph}).with_config(
+        "lstms.0", ParallelConfig(degrees=degrees or {"seq": 4}, devices=devices, recompute=recompute))
+    return lower(graph, strategy, TrainSetup(schedule=schedule), num_devices)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_chunks_on_other_devices_move_their_state_in_order(schedule):
+    """Chunks alternating devices 0, 1, 0, 1: rounds 0..3, one carry between devices per chunk after the
+    first (the state's bytes, `OpDef.carry_bytes`), each chunk's forward after its source's and its
+    backward before it, under both schedules."""
+    plan = carry_plan((0, 1, 0, 1), schedule=schedule)
+    i = plan.flow.index["lstms.0"]
+    step = plan.ops[i]
+    state = 2 * 1 * 4 * 16 * 4  # (h, c) x layers x samples x hidden x float32
+    assert step.rounds == (0, 1, 2, 3) and step.num_rounds == 4
+    assert step.carry_moves == ((1, 0, state), (2, 1, state), (3, 2, state))
+    fwd = [r for j, r in plan.forward_order if j == i]
+    bwd = [r for j, r in plan.backward_order if j == i]
+    assert fwd == [0, 1, 2, 3] and bwd == [3, 2, 1, 0]
+    # on one device nothing moves
+    assert carry_plan((1, 1, 1, 1)).ops[i].carry_moves == ()
+    # a sample range's chunks on one device, the other's handed over
+    two = carry_plan((0, 0, 1, 0), degrees={"sample": 2, "seq": 2})
+    assert two.ops[i].rounds == (0, 1, 0, 2) and two.ops[i].carry_moves == ((3, 2, state // 2),)
+
+
+def test_a_carry_between_devices_is_a_collective_of_its_two_devices():
+    """`StepPlan.collectives` counts one all-to-all per carry and pass on both devices (the sender's
+    bytes: the state forward, its gradient backward), `process_groups` holds the pair, and a recomputing
+    chunk keeps the state it received (its recomputation moves nothing)."""
+    plan = carry_plan((0, 1, 0, 1))
+    i = plan.flow.index["lstms.0"]
+    step = plan.ops[i]
+    state = step.carry_moves[0][2]
+    with_moves, groups = plan.collectives(), plan.process_groups()
+    step.carry_moves = ()
+    without = plan.collectives()
+    for d in (0, 1):
+        # device 0 sends the state to chunks 1 and 3 and receives chunk 2's: 3 carries, 2 passes each
+        sent = 2 * state if d == 0 else state  # forward: 0 -> 1 twice; backward: 1 -> 0 (chunk 2's source)
+        sent += state if d == 0 else 2 * state
+        assert with_moves[d][ALL_TO_ALL]["count"] == without[d][ALL_TO_ALL]["count"] + 6
+        assert with_moves[d][ALL_TO_ALL]["bytes"] == without[d][ALL_TO_ALL]["bytes"] + sent
+    assert with_moves[2] == without[2]
+    assert (0, 1) in groups
+    # the pair (0, 1) only carries: the parameters' all-reduce is over (0, 1, 2), the edges' exchanges
+    # with device 2
+    apart = carry_plan((0, 1, 0, 2))
+    assert (0, 1) in apart.process_groups() and (0, 2) in apart.process_groups()
+    apart.ops[i].carry_moves = ()
+    assert (0, 1) not in apart.process_groups()
+    kept = carry_plan((0, 1, 0, 1), recompute=True).ops[i]
+    assert kept.activation_bytes == (0, state, state, state)
+    local = carry_plan((0, 0, 0, 0), recompute=True).ops[i]
+    assert local.activation_bytes == (0, 0, 0, 0)
+    assert plan.ops[i].activation_bytes[1:] == carry_plan((0, 0, 0, 0)).ops[i].activation_bytes[1:]

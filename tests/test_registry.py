@@ -560,14 +560,17 @@ def test_lstm_chunks_have_time_regions_and_only_the_last_holds_the_final_state()
         assert entry.carry_bytes(op, box) == 2 * 2 * 2 * 6 * DTYPE_BYTES[op.outputs[0].dtype]
 
 
-def test_chunks_of_a_sample_range_must_share_a_device():
+def test_chunks_may_run_on_any_devices_but_not_sharded():
+    """The chunks of a sample range run on one device or on several (the state moves); a sharded op does
+    not run in chunks (`carry_refusal`), even on distinct devices."""
     op = _lstm_op()
     validate(op, ParallelConfig(degrees={"seq": 5}, devices=(1,) * 5), num_devices=2)
     validate(op, ParallelConfig(degrees={"sample": 2, "seq": 5}, devices=(1,) * 5 + (0,) * 5), num_devices=2)
-    with pytest.raises(ConfigError, match="chunks of a recurrent op must run on one device per sample range"):
-        validate(op, ParallelConfig(degrees={"seq": 5}, devices=(0, 0, 1, 1, 1)), num_devices=2)
-    with pytest.raises(ConfigError, match="part 1 on device 1 starts from the state of part 0 on device 0"):
-        validate(op, ParallelConfig(degrees={"sample": 2, "seq": 5}, devices=(0, 1) * 5), num_devices=2)
+    validate(op, ParallelConfig(degrees={"seq": 5}, devices=(0, 0, 1, 1, 1)), num_devices=2)
+    validate(op, ParallelConfig(degrees={"sample": 2, "seq": 5}, devices=(0, 1) * 5), num_devices=2)
+    with pytest.raises(ConfigError, match="a sharded op .shard 5. cannot run in chunks along its carried dim"):
+        validate(op, ParallelConfig(degrees={"seq": 5}, devices=(0, 1, 2, 3, 4), shard=5), num_devices=5)
+    validate(op, ParallelConfig(degrees={"sample": 2}, devices=(0, 1), shard=2), num_devices=2)
 
 
 @pytest.mark.parametrize("degrees", [{"seq": 5}, {"sample": 2, "seq": 5}, {"sample": 4, "seq": 5}])

@@ -1,12 +1,13 @@
 """The runtime under recurrent ops split in time (chunks: `soap.lowering`'s rule "Carries"), against
 single-process training and against the step plan.
 
-Chunk k of an LSTM starts from the final (h, c) of chunk k-1, on the same rank, and the gradient of its
-initial state flows back into chunk k-1's backward. Layers on different ranks, each in chunks, make
-FlexFlow's wavefront. Every case trains a few SGD steps and compares losses and final parameters with the
-unpartitioned model trained in one process (float64 masters, a few float32 cases whose collective bytes
-are compared too), and the collectives each rank issued with the plan's. One launch of 2 processes runs
-the default cases; `-m slow` runs a random sweep on 4 processes.
+Chunk k of an LSTM starts from the final (h, c) of chunk k-1, on the same rank or moved from another
+(one exchange each way), and the gradient of its initial state flows back into chunk k-1's backward.
+Layers on different ranks, each in chunks, make FlexFlow's wavefront. Every case trains a few SGD steps
+and compares losses and final parameters with the unpartitioned model trained in one process (float64
+masters, a few float32 cases whose collective bytes are compared too), and the collectives each rank
+issued with the plan's. One launch of 2 processes runs the default cases; `-m slow` runs a random sweep
+on 4 processes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from soap.strategy import Strategy
 
 FLOAT64 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True, dtype="float64")
 FLOAT32 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05), verify=True)
+BF16 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, precision="bf16"), verify=True)
 ONE_F_ONE_B = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, schedule="1f1b"), verify=True, dtype="float64")
 
 
@@ -74,19 +76,38 @@ def test_the_wavefront_plan_alternates_layers():
     assert [r for r, _, _ in into_l2.exchanges] == [0, 1, 2, 3]
 
 
+def recomputing_lstms(strategy: Strategy) -> Strategy:
+    return Strategy({name: c.replace(recompute=True) if name.startswith("lstms") else c
+                     for name, c in strategy.items()})
+
+
 def test_chunks_match_single_process():
     """One launch of 2 processes: the wavefront of the two LSTM layers in 4 and 2 chunks (also under 1F1B and
     recomputing the LSTMs), with 2 sample
     ranges on different ranks, in float32, the chunks of both layers on one rank, the chunked expert and
-    mp baselines of the RNN LM and the NMT, and random chunked strategies."""
+    mp baselines of the RNN LM and the NMT, and random chunked strategies. Chunks on different ranks: each
+    layer's 4 chunks alternating ranks (0, 1, 0, 1 and 1, 0, 1, 0; under GPipe and 1F1B, recomputing, in
+    float32, under bf16 against autocast, with 2 sample ranges) and the wavefront whose layers change rank
+    halfway (one carry each)."""
     graph = rc.graph_of("rnnlm")
     both_on_one = Strategy({**rc.wavefront_strategy(graph, 2, 2).configs,
                             "lstms.1": rc.chunked(graph["lstms.1"], (0,), 2)})
+    alternate = rc.wavefront_strategy(graph, 2, 4, hand_over=1)
+    assert alternate["lstms.0"].devices == (0, 1, 0, 1) and alternate["lstms.1"].devices == (1, 0, 1, 0)
+    halfway = rc.wavefront_strategy(graph, 2, 4, hand_over=2)
     cases = [
+        case("alternate-4", alternate),
+        case("alternate-4-1f1b", alternate, ONE_F_ONE_B),
+        case("alternate-4-recompute", recomputing_lstms(alternate)),
+        case("alternate-4-f32", alternate, FLOAT32),
+        case("alternate-4-bf16", alternate, BF16),
+        case("alternate-4x2samples", rc.wavefront_strategy(graph, 2, 4, samples=2, hand_over=1)),
+        case("halfway-4", halfway),
+        case("halfway-4-1f1b", halfway, ONE_F_ONE_B),
+        case("halfway-4-1f1b-recompute", recomputing_lstms(halfway), ONE_F_ONE_B),
         case("wavefront-4", rc.wavefront_strategy(graph, 2, 4)),
         case("wavefront-4-1f1b", rc.wavefront_strategy(graph, 2, 4), ONE_F_ONE_B),
-        case("wavefront-4-recompute", Strategy({name: c.replace(recompute=True) if name.startswith("lstms") else c
-                                                for name, c in rc.wavefront_strategy(graph, 2, 4).items()})),
+        case("wavefront-4-recompute", recomputing_lstms(rc.wavefront_strategy(graph, 2, 4))),
         case("wavefront-2-f32", rc.wavefront_strategy(graph, 2, 2), FLOAT32),
         case("wavefront-4x2samples", rc.wavefront_strategy(graph, 2, 4, samples=2)),
         case("one-rank-2", both_on_one),

@@ -92,7 +92,8 @@ def repeated_config(op: Operator, num_devices: int, rng: random.Random) -> Paral
 
 def chunked_config(op: Operator, num_devices: int, rng: random.Random) -> ParallelConfig | None:
     """A random split of `op`'s carried dim into chunks (None without one): its sample dim split over
-    random devices (repeats allowed), each sample range's chunks on its device."""
+    random devices (repeats allowed), each sample range's chunks on its device half the time, else every
+    chunk on a random device (states moving between devices)."""
     carried = next((d for d in dims_of(op) if d.carried), None)
     if carried is None:
         return None
@@ -100,6 +101,8 @@ def chunked_config(op: Operator, num_devices: int, rng: random.Random) -> Parall
     samples = rng.choice([g for g in range(1, min(size, 2 * num_devices) + 1) if size % g == 0])
     chunks = rng.choice([g for g in range(2, carried.size + 1) if carried.size % g == 0])
     devices = tuple(d for d in (rng.randrange(num_devices) for _ in range(samples)) for _ in range(chunks))
+    if rng.random() < 0.5:
+        devices = tuple(rng.randrange(num_devices) for _ in devices)
     return _valid(op, ParallelConfig(degrees={"sample": samples, carried.name: chunks}, devices=devices),
                   num_devices)
 
@@ -234,11 +237,11 @@ def test_an_op_with_more_rounds_than_keys_hold_is_refused(monkeypatch):
     graph = mlp(batch=8, sizes=(8, 8, 8))
     monkeypatch.setattr(taskgraph, "MAX_ROUNDS", 2)
     strategy = two_stages(graph, 4, lambda op: 0)
-    with pytest.raises(StrategyError, match="4 parts on one device"):
+    with pytest.raises(StrategyError, match="runs in 4 rounds"):
         Simulator(graph, load_topology("cpu-2")).full(strategy)
     sim = Simulator(graph, load_topology("cpu-2"))
     before = sim.full(two_stages(graph, 2, lambda op: 0)).task_times()
-    with pytest.raises(StrategyError, match="4 parts on one device"):
+    with pytest.raises(StrategyError, match="runs in 4 rounds"):
         sim.propose("fc0", strategy["fc0"])
     assert not sim.pending and sim.timeline().task_times() == before
 
@@ -476,17 +479,50 @@ ZOO_CASES = [("mlp", "p100-2x2", 150), ("transformer", "cpu-2", 100), ("transfor
              ("rnnlm", "cpu-2", 150), ("rnnlm", "p100-4x4", 60)]
 
 
-def test_delta_equals_full_with_lstm_chunks():
+def test_a_chunk_on_another_device_waits_for_the_transfer_of_its_state():
+    """An LSTM in 4 chunks alternating devices 0, 1, 0, 1 (rounds 0..3): each chunk's forward starts after
+    the transfer of the state (`OpDef.carry_bytes`, over the link between the two devices) that starts
+    after the previous chunk's forward; in backward the state's gradient goes back the same way; the
+    transfers count in the bytes moved and match the plan's collectives."""
+    graph = rc.graph_of("rnnlm")
+    strategy = Strategy({op.name: ParallelConfig.single(0) for op in graph}).with_config(
+        "lstms.0", ParallelConfig(degrees={"seq": 4}, devices=(0, 1, 0, 1)))
+    cost = FixedCostModel(fwd_each_ms=0.01, bwd_each_ms=0.02, update_each_ms=0.005, reduce_each_ms=0.001)
+    sim = Simulator(graph, load_topology("p100-2x2"), cost)  # (transfers occupy links, not devices)
+    timeline = sim.full(strategy)
+    tasks = {t.name: t for t in timeline.tasks()}
+    op = graph["lstms.0"]
+    state = op_def("lstm").carry_bytes(op, ((0, 4), (0, 1), (0, 16)))
+    plan = sim.step_plan()
+    step = plan.ops[plan.flow.index["lstms.0"]]
+    assert step.rounds == (0, 1, 2, 3) and step.carry_moves == ((1, 0, state), (2, 1, state), (3, 2, state))
+    moves = [t for t in timeline.tasks() if "state" in t.name]
+    assert len(moves) == 6 and all(t.category == "transfer" and t.nbytes == state and t.links for t in moves)
+    for c in range(1, 4):
+        fwd = tasks[f"lstms.0 state [{c - 1}] ->"]
+        assert set(fwd.devices) <= {0, 1} and fwd.links
+        assert tasks[f"lstms.0 fwd[{c - 1}]"].end_ms <= fwd.start_ms < fwd.end_ms <= tasks[f"lstms.0 fwd[{c}]"].start_ms
+        bwd = tasks[f"grad lstms.0 state [{c}] ->"]
+        assert tasks[f"lstms.0 bwd[{c}]"].end_ms <= bwd.start_ms < bwd.end_ms <= tasks[f"lstms.0 bwd[{c - 1}]"].start_ms
+    assert timeline.bytes_moved == sum(t.nbytes for t in timeline.tasks() if t.category in ("transfer", "allreduce"))
+    assert sim.collectives() == plan.collectives()
+    assert plan.collectives()[0]["all_to_all"]["count"] >= 6
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_delta_equals_full_with_lstm_chunks(schedule):
     """The LSTMs of the RNN LM in chunks half the time they are drawn (a chunk after the one it starts
-    from, its backward before), also under equal durations (ties broken by the chunks' keys)."""
+    from, its backward before), half of those with chunks on different devices (the state's transfer
+    between them), also under equal durations (ties broken by the chunks' keys), under both schedules."""
     graph = rc.capture_workload(functools.partial(rc.zoo_build, "rnnlm", 8, hidden=16, embed=8, vocab=32, steps=4))
     lstms = [op.name for op in graph if op.kind == "lstm"]
-    seen = 0
+    seen = moved = 0
+    setup = TrainSetup(schedule=schedule)
     for topology, cost, seed in (("cpu-2", None, 3), ("p100-2x2", FixedCostModel(
             fwd_each_ms=0.01, bwd_each_ms=0.02, update_each_ms=0.005, reduce_each_ms=0.001), 4)):
         rng = random.Random(seed)
-        sim = Simulator(graph, load_topology(topology), cost)
-        ref = Simulator(graph, load_topology(topology), cost)
+        sim = Simulator(graph, load_topology(topology), cost, setup=setup)
+        ref = Simulator(graph, load_topology(topology), cost, setup=setup)
         n = load_topology(topology).num_devices
         current = data_parallel(graph, tuple(range(n)))
         sim.full(current)
@@ -494,11 +530,13 @@ def test_delta_equals_full_with_lstm_chunks():
             name = rng.choice(lstms) if k % 2 else rng.choice([op.name for op in graph])
             cfg = draw_config(graph[name], n, rng, 0.6)
             proposed = propose_and_check(sim, ref, current, name, cfg, k, every=3)
-            seen += any(p is not None for p in sim.planner.op_plan(graph.ops.index(graph[name]), cfg).step.carry_from)
+            step = sim.planner.op_plan(graph.ops.index(graph[name]), cfg).step
+            seen += any(p is not None for p in step.carry_from)
+            moved += bool(step.carry_moves)
             current = accept_or_reject(sim, ref, current, proposed, k, rng, every=3, check_times=True)
-        fresh = Simulator(graph, load_topology(topology), cost).full(current)
+        fresh = Simulator(graph, load_topology(topology), cost, setup=setup).full(current)
         assert sim.timeline().task_times() == fresh.task_times()
-    assert seen >= 40
+    assert seen >= 40 and moved >= 15
 
 
 @pytest.mark.parametrize(("model", "topology", "proposals"), ZOO_CASES)
