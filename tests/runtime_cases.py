@@ -593,6 +593,20 @@ def _counts(collectives: list[dict[str, dict[str, int]]]) -> list[dict[str, int]
     return [{kind: v["count"] for kind, v in rank.items()} for rank in collectives]
 
 
+def run_one_process(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run `cases` in this process as rank 0 of 1 (one intra-op thread, as a launched rank), assert that
+    every one matches (`failures`), and return the results."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = run_cases(0, 1, cases=cases)
+    finally:
+        torch.set_num_threads(threads)
+    bad = failures(results, cases=cases, num_devices=1)
+    assert not bad, "\n".join(bad)
+    return results
+
+
 def failures(results: list[dict[str, Any]], tol: float = TOL, cases: list[dict[str, Any]] | None = None,
              num_devices: int = 2) -> list[str]:
     """One line per case of rank 0's `results` that differs from its reference by more than `tol`, or
