@@ -21,6 +21,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+from search.space import cut_chunks
 from soap.config import ParallelConfig, param_replicas, parts, recompute_refusal
 from soap.graph import Operator, OperatorGraph
 from soap.opdef import DimKind, DimSpec, Region
@@ -263,27 +264,14 @@ def _carried(op: Operator) -> DimSpec | None:
 def chunked(op: Operator, cfg: ParallelConfig, chunks: int) -> ParallelConfig:
     """`cfg` with each of its parts cut into `chunks` chunks along the op's carried dim
     (`soap.opdef.DimSpec.carried`), run one after another on the part's device (the largest number up to
-    `chunks` that divides the part's time steps); `cfg` itself where the op has no carried dim."""
+    `chunks` that divides the part's time steps; the layout is the search space's, `search.space.cut_chunks`);
+    `cfg` itself where the op has no carried dim."""
     carried = _carried(op)
     if carried is None:
         return cfg
     steps = carried.size // cfg.degree(carried.name)
     chunks = max(g for g in range(1, min(chunks, steps) + 1) if steps % g == 0)
-    return cfg if chunks == 1 else _cut(op, cfg, carried, chunks)
-
-
-def _cut(op: Operator, cfg: ParallelConfig, dim: DimSpec, times: int) -> ParallelConfig:
-    """`cfg` with dim `dim` split `times` times finer, the new parts of each old part on its device (the
-    part order of `soap.config.parts`)."""
-    names = [d.name for d in dims_of(op)]
-    k = names.index(dim.name)
-    inner = [cfg.degree(name) for name in names]
-    outer = list(inner)
-    outer[k] *= times
-    device_of = dict(zip(itertools.product(*(range(g) for g in inner)), cfg.devices, strict=True))
-    devices = [device_of[idx[:k] + (idx[k] // times,) + idx[k + 1:]]
-               for idx in itertools.product(*(range(g) for g in outer))]
-    return ParallelConfig(degrees={n: g for n, g in zip(names, outer, strict=True) if g > 1}, devices=tuple(devices))
+    return cfg if chunks == 1 else cut_chunks(op, cfg, carried.name, chunks)
 
 
 def _follow_chunks(op: Operator, graph: OperatorGraph, configs: Mapping[str, ParallelConfig]) -> ParallelConfig | None:

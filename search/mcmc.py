@@ -10,10 +10,12 @@ The method:
 - target p(S) ∝ exp(-β·cost(S)), cost = simulated iteration time (ms), infinite when a device runs out of
   memory; a proposal is a move of `search.moves`: mostly a uniformly drawn op given a uniformly drawn
   valid config, or an eighth of the time its micro-batch count changed (devices repeated, rounds), or
-  half the rest for an op with recompute or shard choices, its current layout with those redrawn
+  half the rest for an op with recompute or shard choices, its current layout with those redrawn, or
+  for an op with a chunk dim (an LSTM's time steps) an eighth of the time its chunk count changed
   (`search.space`); and, beside those, moves over several ops that follow the model's
   structure (the same config for every copy of an op in repeated blocks, one block's layout for all the
-  copies, a neighbour's layout for one op), each counted as one proposal (`search.evaluate.Move`: op by
+  copies, a neighbour's layout for one op, one micro-batch count for a whole pipeline stage), each
+  counted as one proposal (`search.evaluate.Move`: op by
   op, or one full simulation beyond two ops). A proposal S' is accepted with
   min(1, exp(β·(cost(S) - cost(S')))); one that does not fit in memory is always rejected. A chain whose
   current strategy does not fit (a random start) walks downhill on the memory excess until it fits, then

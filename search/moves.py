@@ -21,11 +21,22 @@ the null move), and costs it as one proposal whatever its size. The mixture, fix
   take the reference's configs: a baseline's layout of one part of the model grafted onto the current
   strategy (Megatron's attention beside another layout of the MLP), which one op at a time would need
   many proposals through worse strategies, each op's layout being only as good as its neighbours';
-- *single* (the rest): `ConfigSpace.propose`, one op drawn uniformly with a config drawn uniformly.
+- *stage* (a sixteenth, on more than one device): an op drawn uniformly, a micro-batch count drawn as
+  its micro-batch move draws one (uniformly among the counts of `ConfigSpace.microbatch_options`, 1
+  included), and that count for every op of its pipeline stage (`stages_of`: the maximal run of
+  consecutive proposal targets in graph order whose configs run on one set of devices), each keeping its
+  layout (and chunks) as its own micro-batch move does; ops that cannot take the count (running
+  statistics, a sample dim it does not divide) are left out. A lone micro-batched op in a stage without
+  micro-batches is slower than without them (it waits for the whole of its producer and holds up its
+  consumer), so the chain would seldom accept the single-op moves that lead to a pipeline one op at a
+  time;
+- *single* (the rest): `ConfigSpace.propose`, one op drawn uniformly with a config drawn uniformly (or,
+  given the current strategy, its micro-batch count, chunk count or recompute and shard choices changed).
 
 Every config a move gives is one of the op's configs in the space (`ConfigSpace.contains`): ops for
-which it is not (a copy whose parameters another op shares cannot shard) are left out of the move. The
-single moves are symmetric; the tied, copy and propagation moves are not (their reverse is not as likely
+which it is not (a copy whose parameters another op shares cannot shard, a neighbour's layout the space
+does not hold) are left out of the move. The single moves are symmetric; the tied, copy, propagation
+and stage moves are not (their reverse is not as likely
 as they are), so, as in FlexFlow, the chain is Metropolis-Hastings in its acceptance rule but not an
 exact sampler of exp(-beta cost): the search wants the best strategy it meets, not the distribution.
 
@@ -47,6 +58,7 @@ TIED_SHARE = 0.25
 COPY_SHARE = 0.125
 PROPAGATION_SHARE = 0.125
 MODULE_SHARE = 0.125
+STAGE_SHARE = 0.0625
 
 
 class Moves:
@@ -70,6 +82,7 @@ class Moves:
         copy = tied + (COPY_SHARE if classes else 0.0)
         propagation = copy + (PROPAGATION_SHARE if self.movable else 0.0)
         module = propagation + (MODULE_SHARE if self.modules else 0.0)
+        stage = module + (STAGE_SHARE if self.space.num_devices > 1 else 0.0)
         if r < tied:
             members = classes[rng.randrange(len(classes))]
             cfg = self.space.propose_for(members[0], rng, current)
@@ -81,19 +94,53 @@ class Moves:
         elif r < propagation:
             name = self.movable[rng.randrange(len(self.movable))]
             other = self.near[name][rng.randrange(len(self.near[name]))]
-            cfg = carried(self.graph, name, current[name], current[other], self.space.num_devices)
+            cfg = carried(self.graph, name, current[name], current[other], self.space.num_devices, other_op=other)
             changes = {} if cfg is None else {name: cfg}
         elif r < module:
             modules = self.modules[rng.randrange(len(self.modules))]
             reference = self.references[rng.randrange(len(self.references))]
             chosen = modules if rng.random() < 0.5 else [modules[rng.randrange(len(modules))]]
             changes = {m: reference[m] for names in chosen for m in names}
+        elif r < stage:
+            changes = self._stage_move(rng, current)
         else:
-            # drawn from the op's own configs, or the current layout with other recompute and shard
-            # choices, which the space holds unless the layout lies outside it (a baseline's time chunks)
+            # drawn from the op's own configs, or the current layout with other recompute, shard, micro-batch
+            # or chunk choices, which the space holds unless the layout lies outside it (a baseline's
+            # chunks in more than `search.space.MAX_CHUNKS`)
             name, cfg = self.space.propose(rng, current)
             return {name: cfg} if cfg != current[name] and self.space.contains(name, cfg) else {}
         return {m: cfg for m, cfg in changes.items() if cfg != current[m] and self.space.contains(m, cfg)}
 
+    def _stage_move(self, rng: random.Random, current: Strategy) -> dict[str, ParallelConfig]:
+        """The stage move (module docstring): one micro-batch count for every op of a drawn op's stage."""
+        ops = self.space.ops
+        name = ops[rng.randrange(len(ops))]
+        options = self.space.microbatch_options(name, current[name])
+        if not options:
+            return {}
+        count = self.space.microbatch_count(name, options[rng.randrange(len(options))])
+        members = next(members for members in stages_of(ops, current) if name in members)
+        changes = {}
+        for m in members:
+            cfg = self.space.with_microbatches(m, current[m], count)
+            if cfg is not None:
+                changes[m] = cfg
+        return changes
 
-__all__ = ["Moves"]
+
+def stages_of(ops: Sequence[str], strategy: Strategy) -> list[tuple[str, ...]]:
+    """The pipeline stages of `strategy` over `ops` (op names in graph order, the proposal targets): the
+    maximal runs of consecutive ops whose configs run on the same set of devices (micro-batches and chunks
+    do not change an op's set), in order."""
+    out: list[list[str]] = []
+    last: frozenset[int] | None = None
+    for name in ops:
+        devices = frozenset(strategy[name].devices)
+        if devices != last:
+            out.append([])
+            last = devices
+        out[-1].append(name)
+    return [tuple(members) for members in out]
+
+
+__all__ = ["Moves", "stages_of"]

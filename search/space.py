@@ -1,7 +1,9 @@
 """The proposal space: every valid `ParallelConfig` of every op, enumerated lazily and sampled uniformly.
 
-Owns `ConfigSpace`, and `Microbatches` with the functions that cut a config into micro-batches and see one
-as such (`microbatched`, `split_microbatches`). A config of an op is a pair (degrees, devices):
+Owns `ConfigSpace`, `Microbatches` with the functions that cut a config into micro-batches and see one
+as such (`microbatched`, `split_microbatches`), and `Chunks` with those for time chunks (`chunk_dim`,
+`cut_chunks`, `split_chunks`; `search.baselines` lays out its chunked `mp` and `expert` with them).
+A config of an op is a pair (degrees, devices):
 
 - *degrees*: a degree per splittable iteration dim of the op (`soap.registry.dims_of`), each dividing its
   dim, their product dividing the device count, and the combination allowed by the op kind's
@@ -40,6 +42,21 @@ enumerated by `configs`): given the current strategy, `MICROBATCH_SHARE` of `pro
 change the op's micro-batch count (to 1, removing them, or to another count of the space), and its
 recompute and shard redraw keeps them.
 
+*Chunks* (`soap.lowering`'s rules "Rounds" and "Carries"): an op's *chunk dim* (`chunk_dim`) is its
+carried dim (an LSTM's time steps), or, in a graph with one, for an op without parameters whose output is
+(sample, time, ...), the dim of its output's axis 1 (a dropout between LSTMs). The space also holds each
+config above that leaves the chunk dim whole (micro-batched ones included) cut into K chunks along it,
+K a divisor of the dim from 2 to `MAX_CHUNKS` (so 8, the baselines' default, or the most that divide
+fewer time steps): each part's K chunks on the part's device, which runs them one after another in time
+order (`cut_chunks`, the layout of `search.baselines`' `mp` and `expert`), within `MAX_ROUNDS` rounds per
+device with the micro-batches; only where `soap.config.validate` accepts them (not with sharded
+parameters). Along a carried dim chunk k then starts from chunk k-1's state on the same device; a chunked
+dropout runs chunk by chunk beside its LSTM. `split_chunks` recognizes them. Like micro-batches they are
+not drawn uniformly: `CHUNK_SHARE` of an op's proposals (given the current strategy, for an op with a
+chunk dim) change its chunk count (to 1, removing them, or another count), keeping its layout and
+micro-batches; the micro-batch move and the recompute and shard redraw keep the chunks, and
+`search.moves`' propagation carries a chunked layout from an LSTM to a dropout and back.
+
 Ops whose output exists on every device for free (`OpDef.everywhere`: the batch, constants) and ops with a
 single config (on one device: ops that cannot recompute) are not proposal targets. Must not import torch,
 the runtime or soapflow.
@@ -71,6 +88,11 @@ Degrees = tuple[tuple[str, int], ...]  # (dim name, degree > 1), in the op's dim
 MICROBATCH_COUNTS = tuple(m for m in (2, 4, 8) if m <= MAX_ROUNDS)
 # The share of `propose_for`'s proposals (given the current strategy) that change an op's micro-batch count.
 MICROBATCH_SHARE = 0.125
+# The most chunks the space cuts an op's chunk dim into (module docstring): every divisor of the dim from 2 up
+# to this, so that a baseline's default 8 time chunks (or the most that divide the time steps) are in it.
+MAX_CHUNKS = 8
+# The share of `propose_for`'s proposals (given the current strategy) that change an op's chunk count.
+CHUNK_SHARE = 0.125
 
 
 def _divisors(n: int) -> list[int]:
@@ -91,6 +113,8 @@ class ConfigSpace:
         self._recompute: dict[str, tuple[bool, ...]] = {}
         self._shards: dict[tuple[str, Degrees], tuple[int, ...]] = {}
         self._shared = graph.shared_params()
+        recurrent = any(d.carried for op in graph for d in dims_of(op))
+        self._chunk_dims = {op.name: dim for op in graph if (dim := chunk_dim(op, recurrent=recurrent)) is not None}
         # On one device an op's only choice is whether it recomputes.
         self.ops: tuple[str, ...] = tuple(op.name for op in graph if not op_def(op.kind).everywhere
                                           and (self.num_devices > 1 or len(self.recompute_options(op.name)) > 1))
@@ -153,6 +177,10 @@ class ConfigSpace:
         dims = [d.name for d in dims_of(op)]
         if any(name not in dims for name in cfg.degrees):
             return False
+        chunks = self.split_chunks(op_name, cfg)
+        if chunks.count > 1:
+            return (chunks.count in self.chunk_counts(op_name) and self.contains(op_name, chunks.rest)
+                    and max(Counter(cfg.devices).values()) <= MAX_ROUNDS and _accepts(op, cfg, self.num_devices))
         if len(set(cfg.devices)) < cfg.num_parts:
             split = split_microbatches(op, cfg)
             return (split is not None and split.count in MICROBATCH_COUNTS and self.contains(op_name, split.base)
@@ -184,54 +212,124 @@ class ConfigSpace:
 
     def propose_for(self, op_name: str, rng: random.Random, current: Strategy | None = None) -> ParallelConfig:
         """A uniformly drawn config of the op; given the `current` strategy, `MICROBATCH_SHARE` of the
-        proposals change the op's micro-batch count (uniformly among `microbatch_options`), and half of the
-        others, for an op with recompute or shard choices, keep its layout (micro-batches included) and
-        redraw only those (uniformly among `memory_options`), so that a chain can trade time for memory one
-        op at a time. Where the op has no such choice the proposal is a uniform draw. The recompute and
-        shard redraw and the micro-batch move are symmetric, and so is the uniform draw, but not their
-        mixture: a micro-batched config is left by a uniform draw too and entered only by the micro-batch
-        move, so the chain is Metropolis-Hastings in its acceptance rule without being an exact sampler (as
-        with `search.moves`'s structural moves; the search wants the best strategy it meets)."""
+        proposals change the op's micro-batch count (uniformly among `microbatch_options`), half of the
+        others, for an op with recompute or shard choices, keep its layout (micro-batches and chunks
+        included) and redraw only those (uniformly among `memory_options`), so that a chain can trade time
+        for memory one op at a time, and `CHUNK_SHARE` change its chunk count (uniformly among
+        `chunk_options`, for an op with a chunk dim). Where the op has no such choice the proposal is a
+        uniform draw. The recompute and shard redraw and the micro-batch and chunk moves are symmetric, and
+        so is the uniform draw, but not their mixture: a micro-batched or chunked config is left by a
+        uniform draw too and entered only by its move, so the chain is Metropolis-Hastings in its
+        acceptance rule without being an exact sampler (as with `search.moves`'s structural moves; the
+        search wants the best strategy it meets)."""
         if current is not None:
             cfg = current[op_name]
             r = rng.random()
+            memory = MICROBATCH_SHARE + (1 - MICROBATCH_SHARE) / 2
             if r < MICROBATCH_SHARE:
                 options = self.microbatch_options(op_name, cfg)
                 if options:
                     return options[rng.randrange(len(options))]
-            elif r < MICROBATCH_SHARE + (1 - MICROBATCH_SHARE) / 2:
+            elif r < memory:
                 options = self.memory_options(op_name, cfg)
                 if len(options) > 1:
+                    return options[rng.randrange(len(options))]
+            elif r < memory + CHUNK_SHARE:
+                options = self.chunk_options(op_name, cfg)
+                if options:
                     return options[rng.randrange(len(options))]
         return self.sample(op_name, rng)
 
     def memory_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
         """`cfg` with each of the op's (recompute, shard) choices under its degrees (those of its base,
-        where it has micro-batches, keeping them: only the choices `soap.config.validate` accepts with
-        them); empty where its devices repeat other than as micro-batches (`split_microbatches`)."""
+        where it has micro-batches or chunks, keeping them: only the choices `soap.config.validate`
+        accepts with them); empty where its devices repeat other than as micro-batches and chunks
+        (`split_microbatches`, `split_chunks`)."""
         op = self.graph[op_name]
-        split = split_microbatches(op, cfg)
+        chunks = self.split_chunks(op_name, cfg)
+        split = split_microbatches(op, chunks.rest)
         if split is None:
             return ()
         dims = [d.name for d in dims_of(op)]
         degrees = tuple(sorted(split.base.degrees.items(), key=lambda kv: dims.index(kv[0])))
         options = [cfg.replace(recompute=recompute, shard=shard) for recompute in self.recompute_options(op_name)
                    for shard in self.shard_options(op_name, degrees)]
-        return tuple(o for o in options if split.count == 1 or _accepts(op, o, self.num_devices))
+        plain = split.count == 1 and chunks.count == 1
+        return tuple(o for o in options if plain or _accepts(op, o, self.num_devices))
 
     def microbatch_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
         """The configs a micro-batch move gives the op from `cfg`: its base without micro-batches (where
         `cfg` has them), then the base in each other count of `MICROBATCH_COUNTS` that `soap.config.validate`
-        accepts, laid out as `cfg` is (its `inner`; 1 where it has no micro-batches). Empty where `cfg` is
-        not a config of the space, or a micro-batched config of one."""
+        accepts, laid out as `cfg` is (its `inner`; 1 where it has no micro-batches), each in `cfg`'s chunks
+        where it has them (within `MAX_ROUNDS` rounds per device). Empty where `cfg` is not a config of the
+        space, or a micro-batched or chunked config of one."""
         op = self.graph[op_name]
-        split = split_microbatches(op, cfg)
+        chunks = self.split_chunks(op_name, cfg)
+        split = split_microbatches(op, chunks.rest)
         if split is None or not self.contains(op_name, split.base):
             return ()
-        options = [] if split.count == 1 else [split.base]
-        for count in MICROBATCH_COUNTS:
-            if count != split.count:
-                candidate = microbatched(op, split.base, count, split.inner)
+
+        def rechunked(c: ParallelConfig) -> ParallelConfig:
+            return c if chunks.count == 1 else cut_chunks(op, c, chunks.dim, chunks.count)
+
+        candidates = [] if split.count == 1 else [split.base]
+        candidates += [microbatched(op, split.base, count, split.inner) for count in MICROBATCH_COUNTS
+                       if count != split.count and count * chunks.count <= MAX_ROUNDS]
+        options = []
+        for candidate in map(rechunked, candidates):
+            if len(set(candidate.devices)) == candidate.num_parts or _accepts(op, candidate, self.num_devices):
+                options.append(candidate)
+        return tuple(options)
+
+    def microbatch_count(self, op_name: str, cfg: ParallelConfig) -> int | None:
+        """How many micro-batches `cfg` runs (1: none), its chunks aside; None where its devices repeat
+        other than as micro-batches and chunks."""
+        split = split_microbatches(self.graph[op_name], self.split_chunks(op_name, cfg).rest)
+        return None if split is None else split.count
+
+    def with_microbatches(self, op_name: str, cfg: ParallelConfig, count: int) -> ParallelConfig | None:
+        """`cfg` in `count` micro-batches as the micro-batch move lays them out (`microbatch_options`):
+        `cfg` itself where it has that count, None where the move does not offer it."""
+        if self.microbatch_count(op_name, cfg) == count:
+            return cfg
+        return next((o for o in self.microbatch_options(op_name, cfg) if self.microbatch_count(op_name, o) == count),
+                    None)
+
+    # -- chunks --------------------------------------------------------------------------------------
+
+    def chunk_dim(self, op_name: str) -> str | None:
+        """The dim the space cuts the op's parts into chunks along (`chunk_dim`), None where it does not."""
+        return self._chunk_dims.get(op_name)
+
+    def chunk_counts(self, op_name: str) -> tuple[int, ...]:
+        """The chunk counts of the op in the space: the divisors of its chunk dim from 2 to `MAX_CHUNKS`
+        (empty where it has no chunk dim)."""
+        dim = self.chunk_dim(op_name)
+        if dim is None:
+            return ()
+        size = next(d.size for d in dims_of(self.graph[op_name]) if d.name == dim)
+        return tuple(k for k in range(2, MAX_CHUNKS + 1) if size % k == 0)
+
+    def split_chunks(self, op_name: str, cfg: ParallelConfig) -> Chunks:
+        """`cfg` as chunks along the op's chunk dim (`split_chunks`; count 1 where it has none)."""
+        dim = self.chunk_dim(op_name)
+        return Chunks(rest=cfg, dim=None, count=1) if dim is None else split_chunks(self.graph[op_name], cfg, dim)
+
+    def chunk_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
+        """The configs a chunk move gives the op from `cfg`: `cfg` without its chunks (where it has them),
+        then in each other count of `chunk_counts` that `soap.config.validate` accepts, within `MAX_ROUNDS`
+        rounds per device with its micro-batches (`cut_chunks`). Empty where the op has no chunk dim, or
+        `cfg` is not a config of the space, or a chunked config of one, or splits the chunk dim over
+        distinct devices."""
+        chunks = self.split_chunks(op_name, cfg)
+        if chunks.dim is None or chunks.rest.degree(chunks.dim) > 1 or not self.contains(op_name, chunks.rest):
+            return ()
+        op = self.graph[op_name]
+        rounds = max(Counter(chunks.rest.devices).values())
+        options = [] if chunks.count == 1 else [chunks.rest]
+        for count in self.chunk_counts(op_name):
+            if count != chunks.count and rounds * count <= MAX_ROUNDS:
+                candidate = cut_chunks(op, chunks.rest, chunks.dim, count)
                 if _accepts(op, candidate, self.num_devices):
                     options.append(candidate)
         return tuple(options)
@@ -326,6 +424,73 @@ def split_microbatches(op: Operator, cfg: ParallelConfig) -> Microbatches | None
                                   recompute=cfg.recompute, shard=cfg.shard)
             return Microbatches(base=base, count=count, inner=inner)
     return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Chunks:
+    """A config seen as `count` chunks along dim `dim` of `rest`, a config that does not split `dim` (module
+    docstring): each part of `rest` cut into `count` consecutive pieces along `dim`, all on the part's
+    device, which runs them one after another. `count` 1: `rest` itself (`dim` None: the op has no chunk
+    dim)."""
+
+    rest: ParallelConfig
+    dim: str | None
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or (self.count > 1 and (self.dim is None or self.rest.degree(self.dim) > 1)):
+            raise ValueError(f"{self.count} chunks need a chunk dim that the rest does not split, got dim "
+                             f"{self.dim!r} and degrees {dict(self.rest.degrees)}")
+
+
+def chunk_dim(op: Operator, *, recurrent: bool) -> str | None:
+    """The dim the space cuts `op`'s parts into chunks along: its carried dim (`soap.opdef.DimSpec.carried`);
+    else, in a graph with a carried dim (`recurrent`) and for an op without parameters whose output is
+    (sample, time, ...), the splittable attribute dim indexing output axis 1, so that an op between
+    recurrent ops (a dropout) can run chunk by chunk beside them, as `search.baselines`' `mp` and `expert`
+    lay it out. None otherwise."""
+    dims = dims_of(op)
+    carried = next((d.name for d in dims if d.carried), None)
+    if carried is not None or not recurrent or op.params:
+        return carried
+    axes = {d.out_axis: d for d in dims if d.out_axis is not None}
+    if 0 in axes and 1 in axes and axes[0].kind == DimKind.SAMPLE and axes[1].kind == DimKind.ATTRIBUTE \
+            and axes[1].splittable:
+        return axes[1].name
+    return None
+
+
+def cut_chunks(op: Operator, cfg: ParallelConfig, dim: str, count: int) -> ParallelConfig:
+    """`cfg` with dim `dim` split `count` times finer, the new parts of each part of `cfg` on its device in
+    part order (`soap.config.parts`), so that the device runs them one after another (as its next
+    rounds); `cfg`'s `recompute` and `shard` kept. Not validated. Along a carried dim these are chunks
+    (`soap.lowering`'s rule "Carries"): each starts from the state of the one before it, on the same
+    device."""
+    names = [d.name for d in dims_of(op)]
+    k = names.index(dim)
+    shape = [cfg.degree(name) for name in names]
+    grid = np.array(cfg.devices).reshape(shape[:k] + [shape[k], 1] + shape[k + 1:])
+    devices = np.repeat(grid, count, axis=k + 1).ravel()
+    return cfg.replace(degrees={**cfg.degrees, dim: shape[k] * count}, devices=tuple(int(d) for d in devices))
+
+
+def split_chunks(op: Operator, cfg: ParallelConfig, dim: str) -> Chunks:
+    """`cfg` as chunks along `dim` (`Chunks`): its degree on `dim`, where every run of parts along `dim`
+    lies on one device (the rest then leaves `dim` whole); count 1, `cfg` itself, where `cfg` leaves `dim`
+    whole or splits it over several devices (an ordinary split, or one the space does not hold)."""
+    count = cfg.degree(dim)
+    if count == 1:
+        return Chunks(rest=cfg, dim=dim, count=1)
+    names = [d.name for d in dims_of(op)]
+    k = names.index(dim)
+    shape = [cfg.degree(name) for name in names]
+    grid = np.array(cfg.devices).reshape(shape)
+    first = grid.take([0], axis=k)
+    if not (grid == first).all():
+        return Chunks(rest=cfg, dim=dim, count=1)
+    degrees = {name: g for name, g in cfg.degrees.items() if name != dim}
+    return Chunks(rest=cfg.replace(degrees=degrees, devices=tuple(int(d) for d in first.ravel())), dim=dim,
+                  count=count)
 
 
 def _accepts(op: Operator, cfg: ParallelConfig, num_devices: int) -> bool:

@@ -46,14 +46,23 @@ def neighbours(graph: OperatorGraph) -> dict[str, list[str]]:
 
 
 def carried(graph: OperatorGraph, name: str, own: ParallelConfig, other: ParallelConfig,
-             num_devices: int) -> ParallelConfig | None:
+            num_devices: int, *, other_op: str | None = None) -> ParallelConfig | None:
     """`other`'s layout (degrees and devices) carried over to op `name`, which keeps its own `recompute`,
-    and its `shard` where still valid: the degrees of the dims the op also has (by name), on `other`'s
-    devices; None where that is not a valid config of the op. A layout whose devices repeat (micro-batches)
-    carries over without the shard where the shard refuses them (`soap.config.repeat_refusal`)."""
+    and its `shard` where still valid: the degrees of the dims the op also has (by name; given the op
+    `other` is a config of, `other_op`, a dim the op does not have by name carries over to the op's dim
+    that indexes the same axis of its output: an LSTM's time chunks, on its `seq`, to a dropout's `d1`),
+    on `other`'s devices; None where that is not a valid config of the op. A layout whose devices repeat
+    (micro-batches, chunks) carries over without the shard where the shard refuses them
+    (`soap.config.repeat_refusal`)."""
     op = graph[name]
     dims = {d.name for d in dims_of(op)}
-    degrees = {d: g for d, g in other.degrees.items() if d in dims}
+    by_axis = {d.out_axis: d.name for d in dims_of(op) if d.out_axis is not None}
+    axis_of = {} if other_op is None else {d.name: d.out_axis for d in dims_of(graph[other_op])}
+    degrees: dict[str, int] = {}
+    for d, g in other.degrees.items():
+        mine = d if d in dims else by_axis.get(axis_of.get(d))
+        if mine is not None and mine not in degrees:
+            degrees[mine] = g
     try:
         cfg = ParallelConfig(degrees=degrees, devices=other.devices, recompute=own.recompute)
         if own.shard > 1 and param_replicas(op, cfg) % own.shard == 0:

@@ -16,6 +16,7 @@ import pytest
 from test_search_fixtures import GRAPHS
 
 from search import mcmc
+from search import moves as search_moves
 from search.evaluate import Cost, FullEvaluator
 from search.mcmc import NoFeasibleStrategy, _Chain, _run_chains, recompute_starts, search
 from search.moves import Moves
@@ -64,22 +65,6 @@ class ToyEvaluators:
 
     def __call__(self, graph, topology):
         return FullEvaluator(ToyCost(graph, topology))
-
-
-class RecordingEvaluator(FullEvaluator):
-    """Records the cost of every accepted proposal."""
-
-    def __init__(self, cost_of, accepted: list[Cost]):
-        super().__init__(cost_of)
-        self.accepted, self._last = accepted, None
-
-    def propose(self, op, cfg):
-        self._last = super().propose(op, cfg)
-        return self._last
-
-    def accept(self):
-        super().accept()
-        self.accepted.append(self._last)
 
 
 def tiny_memory_topology(tmp_path, memory_gb: float, devices: int = 4):
@@ -166,10 +151,15 @@ def test_out_of_memory_proposals_are_rejected(tmp_path):
     start = search_baseline(graph, topo, "tp")
     toy = ToyCost(graph, topo)
     assert toy(start).feasible and not toy(search_baseline(graph, topo, "dp")).feasible
-    chain = _Chain("tp", start, RecordingEvaluator(toy, accepted), Moves(graph, space), random.Random(0),
+    chain = _Chain("tp", start, FullEvaluator(toy), Moves(graph, space), random.Random(0),
                    beta_per_ms=100 / toy(start).time_ms, beta_scale=100, max_proposals=None)
     for _ in range(2000):
+        # the cost of every accepted proposal (a move over several ops included, whose evaluator makes all
+        # but its last op current on the way)
+        before = chain.num_accepted
         chain.step()
+        if chain.num_accepted > before:
+            accepted.append(chain.cost)
     assert accepted and all(c.feasible for c in accepted)
     result = search(graph, topo, evaluators=ToyEvaluators(), max_proposals=800)
     assert result.best_cost.feasible and result.best_cost.peak_memory_bytes <= 0.04e9
@@ -286,7 +276,15 @@ class CountingEvaluators:
         return Counting(self.cost(graph, topology))
 
 
-def test_chains_from_baselines_reuse_the_baselines_simulations():
+def without_stage_moves(monkeypatch):
+    """No stage moves (`search.moves.STAGE_SHARE`): on the MLP every other move changes one op, so that a
+    test can count the strategies simulated from scratch (a move over more than two ops is one) or let
+    every accepted change take one step of a fake walk."""
+    monkeypatch.setattr(search_moves, "STAGE_SHARE", 0.0)
+
+
+def test_chains_from_baselines_reuse_the_baselines_simulations(monkeypatch):
+    without_stage_moves(monkeypatch)
     evaluators = CountingEvaluators()
     result = search(GRAPHS["mlp"](), load_topology("p100-4x4"), evaluators=evaluators, max_proposals=100,
                     random_chains=2)
@@ -366,6 +364,7 @@ def test_early_stops_count_a_shrinking_memory_excess_as_progress(monkeypatch, bu
     memory excess as progress while nothing known fits, so the chain walks on until its strategy fits."""
     clock = FakeClock()
     monkeypatch.setattr(mcmc, "time", clock)
+    without_stage_moves(monkeypatch)
     graph, topo = GRAPHS["mlp"](), load_topology("cpu-2")
     spec = ChainSpec(name="dp", start=to_plain(search_baseline(graph, topo, "dp")), seed="walk",
                      max_proposals=max_proposals)
@@ -396,11 +395,12 @@ class RecomputeFits:
         return Cost(time_ms=time_ms, feasible=False, peak_memory_bytes=1.0 + kept, memory_excess_bytes=kept)
 
 
-def test_chains_also_start_from_a_recomputing_strategy_that_beats_the_baselines():
+def test_chains_also_start_from_a_recomputing_strategy_that_beats_the_baselines(monkeypatch):
     """On more than one device the candidates are the Megatron layouts with full recomputation (tp within
     a node and tp 1, parameters replicated or sharded over all data-parallel groups) and fsdp with full
     recomputation, those the graph admits, each strategy once; when no baseline fits, one chain starts
     from the closest of them to fitting."""
+    without_stage_moves(monkeypatch)
     graph, topo = GRAPHS["mlp"](), load_topology("p100-4x4")  # 4 nodes of 4 devices
     starts = recompute_starts(graph, topo)
     # fsdp with full recomputation is hybrid:tp=1,shard=16 with full recomputation here: listed once

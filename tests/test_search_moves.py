@@ -15,8 +15,8 @@ from test_simulator_delta import accept_or_reject, propose_and_check
 from search.baselines import dp, parse_baseline, tp
 from search.evaluate import Move, SimulatorEvaluators
 from search.mcmc import _Chain
-from search.moves import COPY_SHARE, MODULE_SHARE, PROPAGATION_SHARE, TIED_SHARE, Moves
-from search.space import MICROBATCH_COUNTS, ConfigSpace, microbatched, split_microbatches
+from search.moves import COPY_SHARE, MODULE_SHARE, PROPAGATION_SHARE, STAGE_SHARE, TIED_SHARE, Moves, stages_of
+from search.space import MICROBATCH_COUNTS, ConfigSpace, cut_chunks, microbatched, split_microbatches
 from search.structure import carried, copies_of, modules_of, neighbours
 from simulator import AnalyticalCostModel, Simulator
 from simulator.engine import simulate
@@ -63,7 +63,9 @@ def test_moves_are_tied_copied_propagated_or_single_and_stay_in_the_space():
         if len(changes) > 1:
             classes = {k for m in changes for k, members in enumerate(copies.classes) if m in members}
             kinds["several"] += 1
-            if len(classes) == 1:  # a tied move: one config for every copy it changes
+            # a tied move: one config for every copy it changes (unless it is a stage move, which gives
+            # each op its own layout in one micro-batch count)
+            if len(classes) == 1 and _stage_count(space, current, changes) is None:
                 assert len({cfg for cfg in changes.values()}) == 1
         else:
             kinds["one"] += 1
@@ -192,6 +194,45 @@ def test_a_rejected_move_over_many_ops_leaves_the_evaluator_on_its_strategy():
     evaluator.reject()
 
 
+def step_and_check(sim: Simulator, ref: Simulator, current, changes, k: int, rng: random.Random, every: int = 5):
+    """Propose the move `changes` (proposal `k`) to `sim` op by op, each step checked against `ref`'s full
+    simulation (`propose_and_check`), then accept or reject it at random (`accept_or_reject`); a rejected
+    move over several ops is undone op by op, checked again. Returns the chain's strategy."""
+    items = list(changes.items())
+    state = current
+    for name, cfg in items[:-1]:
+        state = propose_and_check(sim, ref, state, name, cfg, k, every)
+        sim.accept()
+    name, cfg = items[-1]
+    proposed = propose_and_check(sim, ref, state, name, cfg, k, every)
+    if accept_or_reject(sim, ref, state, proposed, k, rng, every, check_times=True) is proposed:
+        return proposed
+    for name, _ in reversed(items[:-1]):
+        state = propose_and_check(sim, ref, state, name, current[name], k, every)
+        sim.accept()
+    assert sim.strategy == current
+    return current
+
+
+def _layout_of(space, name, cfg):
+    """The config `cfg` of op `name` without its micro-batches (its chunks kept: the layout a micro-batch
+    move keeps)."""
+    chunks = space.split_chunks(name, cfg)
+    base = split_microbatches(space.graph[name], chunks.rest).base
+    return base if chunks.count == 1 else cut_chunks(space.graph[name], base, chunks.dim, chunks.count)
+
+
+def _stage_count(space, before, changes) -> int | None:
+    """The micro-batch count where `changes` gives every op it changes that one count, each keeping its
+    layout (a stage move's changes); None otherwise."""
+    counts = {space.microbatch_count(m, cfg) for m, cfg in changes.items()}
+    if len(counts) != 1 or None in counts or any(space.microbatch_count(m, before[m]) is None for m in changes):
+        return None
+    if any(_layout_of(space, m, cfg) != _layout_of(space, m, before[m]) for m, cfg in changes.items()):
+        return None
+    return counts.pop()
+
+
 def _micro_move(graph, before, changes) -> tuple[str, int, int] | None:
     """(op, count before, count after) where `changes` is one op's micro-batch move (its base kept)."""
     if len(changes) != 1:
@@ -222,21 +263,21 @@ def test_moves_from_a_pipeline_propose_micro_batches_that_delta_simulation_times
     sim, ref = (Simulator(graph, topo, AnalyticalCostModel(), setup=setup) for _ in range(2))
     sim.full(start)
     rng = random.Random(4)
-    current, micro_moves, pipelined = start, Counter(), 0
+    current, micro_moves, pipelined, stage_moves = start, Counter(), 0, 0
     for k in range(300):
         changes = moves.propose(rng, current)
         if not changes:
             continue
-        [(name, cfg)] = changes.items()  # no copies in this MLP: every move changes one op
+        stage_moves += len(changes) > 1 and _stage_count(space, current, changes) is not None
         move = _micro_move(graph, current, changes)
         if move is not None:
             micro_moves[move[1:]] += 1
-        proposed = propose_and_check(sim, ref, current, name, cfg, k, every=5)
-        pipelined += _pipelined(proposed, space.ops)
-        current = accept_or_reject(sim, ref, current, proposed, k, rng, every=5, check_times=True)
+        pipelined += _pipelined(current.with_configs(changes), space.ops)
+        current = step_and_check(sim, ref, current, changes, k, rng)
     assert {new for _, new in micro_moves} == {1, *MICROBATCH_COUNTS}
     assert any(old == 1 for old, _ in micro_moves) and any(old > 1 and new == 1 for old, new in micro_moves)
     assert pipelined > 0 or "microbatches" not in spec
+    assert stage_moves > 0  # (several ops in one proposal, stepped op by op above)
     fresh = Simulator(graph, topo, AnalyticalCostModel(), setup=setup).full(current)
     assert sim.timeline().task_times() == fresh.task_times()
 
@@ -288,3 +329,121 @@ def test_propagation_carries_micro_batches_and_drops_a_shard_they_refuse():
     refused = repeat_refusal(graph["fc0"], micro.replace(shard=2)) is not None
     assert cfg == micro.replace(shard=1 if refused else 2)
     assert ConfigSpace(graph, topo).contains("fc0", cfg)
+
+
+# -- time chunks and stage moves ---------------------------------------------------------------------------
+
+
+def test_propagation_carries_a_chunked_layout_to_a_dropout_and_back():
+    """An LSTM's time chunks carry over to the dropout after it (its `seq` to the dropout's `d1`, the same
+    output axis) as a valid config of the space, chunk by chunk on the LSTM's devices; and a chunked
+    dropout's layout carries back to an LSTM. Matching dims by name alone carries nothing."""
+    graph, topo = rc.graph_of("rnnlm"), load_topology("p100-2x2")
+    space = ConfigSpace(graph, topo)
+    current = dp(graph, topo)
+    lstm = graph["lstms.0"]
+    chunked = cut_chunks(lstm, ParallelConfig(degrees={"sample": 2}, devices=(1, 3)), "seq", 4)
+    current = current.with_config("lstms.0", chunked)
+    for drop in ("drops.0", "drops.1"):  # before and after the LSTM
+        cfg = carried(graph, drop, current[drop], chunked, topo.num_devices, other_op="lstms.0")
+        assert cfg is not None and dict(cfg.degrees) == {"sample": 2, "d1": 4} and cfg.devices == chunked.devices
+        validate(graph[drop], cfg, topo.num_devices)
+        assert space.contains(drop, cfg) and space.split_chunks(drop, cfg).count == 4
+        assert carried(graph, drop, current[drop], chunked, topo.num_devices) is None
+        back = carried(graph, "lstms.1", current["lstms.1"], cfg, topo.num_devices, other_op=drop)
+        assert back == chunked and space.contains("lstms.1", back)
+    # the propagation move makes that change (it is in the space, so not dropped)
+    moves = Moves(graph, space)
+    rng = random.Random(0)
+    made = set()
+    for _ in range(3000):
+        changes = moves.propose(rng, current)
+        if set(changes) <= {"drops.0", "drops.1"} and changes and all(
+                cfg.devices == chunked.devices and space.split_chunks(m, cfg).count == 4 for m, cfg in changes.items()):
+            made |= set(changes)
+    assert made == {"drops.0", "drops.1"}
+
+
+def test_stages_are_maximal_runs_of_ops_on_one_device_set():
+    graph, topo = rc.graph_of("mlp"), load_topology("cpu-2")
+    space = ConfigSpace(graph, topo)
+    start = parse_baseline("hybrid:tp=1,pp=2")(graph, topo)
+    stages = stages_of(space.ops, start)
+    assert [m for members in stages for m in members] == list(space.ops)
+    assert len(stages) == 2
+    for members in stages:
+        assert len({frozenset(start[m].devices) for m in members}) == 1
+    assert {frozenset(start[s[0]].devices) for s in stages} == {frozenset({0}), frozenset({1})}
+    # micro-batches do not change a stage; another device set in the middle of one splits it in three
+    micro = start.with_configs({m: microbatched(graph[m], start[m], 2) for m in stages[0][:1]})
+    assert stages_of(space.ops, micro) == stages
+    first = stages[0]
+    if len(first) >= 3:
+        split = start.with_config(first[1], ParallelConfig.single(1))
+        assert stages_of(space.ops, split)[:3] == [first[:1], first[1:2], first[2:]]
+
+
+@pytest.mark.parametrize("spec", ["hybrid:tp=1,pp=2", "hybrid:tp=1,pp=2,microbatches=4"])
+def test_a_stage_move_gives_one_micro_batch_count_to_a_whole_stage(spec: str):
+    """The stage move draws an op and a count among its micro-batch move's, and gives that count to every
+    op of the op's stage that takes it, each keeping its layout; it is drawn about `STAGE_SHARE` of the time."""
+    graph, topo = rc.graph_of("mlp"), load_topology("cpu-2")
+    space = ConfigSpace(graph, topo)
+    moves = Moves(graph, space)
+    current = parse_baseline(spec)(graph, topo)
+    rng = random.Random(6)
+    counts = Counter()
+    for _ in range(200):
+        changes = moves._stage_move(rng, current)
+        if not changes:
+            continue
+        count = _stage_count(space, current, changes)
+        assert count is not None
+        stage = next(s for s in stages_of(space.ops, current) if set(changes) <= set(s))
+        after = current.with_configs(changes)
+        takers = {m for m in stage if space.with_microbatches(m, current[m], count) is not None}
+        assert len(takers) > 1
+        assert {m for m in stage if space.microbatch_count(m, after[m]) == count} == takers
+        assert all(space.contains(m, cfg) for m, cfg in changes.items())
+        counts[count] += 1
+        current = after
+    assert set(counts) == {1, *MICROBATCH_COUNTS}
+    # among all moves (single-op micro-batch moves aside: those change one op)
+    start = parse_baseline(spec)(graph, topo)
+    n = 3000
+    stage_moves = sum(len(changes) > 1 and _stage_count(space, start, changes) is not None
+                      for changes in (moves.propose(rng, start) for _ in range(n)))
+    assert 0.5 * n * STAGE_SHARE < stage_moves <= n * STAGE_SHARE + 5 * (n * STAGE_SHARE) ** 0.5
+
+
+@pytest.mark.parametrize("spec, topology", [("expert", "p100-2x2"), ("mp", "cpu-2"), ("dp", "cpu-2")])
+def test_moves_on_the_rnn_lm_with_chunks_and_stages_are_timed_by_delta_as_by_full(spec: str, topology: str):
+    """The zoo's RNN LM: the moves (baselines as references) add, change and remove LSTM time chunks, carry
+    chunked layouts to dropouts and give whole stages micro-batch counts, and delta simulation times every
+    step of every proposal exactly as a full simulation does (accepted or rejected at random)."""
+    graph, topo = rc.graph_of("rnnlm"), load_topology(topology)
+    space = ConfigSpace(graph, topo)
+    references = [parse_baseline(b)(graph, topo) for b in ("dp", "expert", "mp")]
+    moves = Moves(graph, space, references)
+    start = parse_baseline(spec)(graph, topo)
+    sim, ref = (Simulator(graph, topo, AnalyticalCostModel()) for _ in range(2))
+    sim.full(start)
+    rng = random.Random(3)
+    current, seen = start, Counter()
+    for k in range(400):
+        changes = moves.propose(rng, current)
+        if not changes:
+            continue
+        for m, cfg in changes.items():
+            before, after = space.split_chunks(m, current[m]).count, space.split_chunks(m, cfg).count
+            if before != after and graph[m].kind == "lstm":
+                seen["add" if before == 1 else "remove" if after == 1 else "change"] += 1
+            if after > 1 and graph[m].kind == "dropout" and before == 1:
+                seen["dropout chunked"] += 1
+        if len(changes) > 1 and _stage_count(space, current, changes) is not None:
+            seen["stage"] += 1
+        current = step_and_check(sim, ref, current, changes, k, rng)
+    assert {"add", "change", "remove", "stage"} <= set(seen), seen
+    assert seen["dropout chunked"] > 0 or spec == "dp", seen
+    fresh = Simulator(graph, topo, AnalyticalCostModel()).full(current)
+    assert sim.timeline().task_times() == fresh.task_times()

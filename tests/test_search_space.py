@@ -12,7 +12,18 @@ import runtime_cases as rc
 from test_search_fixtures import GRAPHS, GraphBuilder
 
 from search.baselines import BASELINES, BaselineNotApplicable, parse_baseline
-from search.space import MICROBATCH_COUNTS, MICROBATCH_SHARE, ConfigSpace, microbatched, sample_dim, split_microbatches
+from search.space import (
+    CHUNK_SHARE,
+    MAX_CHUNKS,
+    MICROBATCH_COUNTS,
+    MICROBATCH_SHARE,
+    ConfigSpace,
+    cut_chunks,
+    microbatched,
+    sample_dim,
+    split_chunks,
+    split_microbatches,
+)
 from simulator.taskgraph import MAX_ROUNDS
 from soap.config import ConfigError, ParallelConfig, parts, repeat_refusal, validate
 from soap.lowering import part_rounds
@@ -144,11 +155,12 @@ def test_space_is_lazy():
 @pytest.mark.parametrize("topology", ["cpu-2", "p100-4x4", "k80-16x4"])
 @pytest.mark.parametrize("graph_name", sorted(GRAPHS))
 def test_baselines_lie_in_the_space(graph_name: str, topology: str):
-    """Chains start from baselines; their configs must be states the chain can return to. Except, for now,
-    the time chunks of `mp` and `expert` (an LSTM split along its carried dim and the ops that follow it
-    chunk by chunk, their devices repeating): the space does not propose repeated devices yet."""
+    """Chains start from baselines; their configs must be states the chain can return to, the time chunks
+    of `mp` and `expert` included (an LSTM split along its carried dim and the ops that follow it chunk by
+    chunk, their devices repeating)."""
     graph, topo = GRAPHS[graph_name](), load_topology(topology)
     space = ConfigSpace(graph, topo)
+    chunked = 0
     for name, make in BASELINES.items():
         try:
             strategy = make(graph, topo)
@@ -156,10 +168,10 @@ def test_baselines_lie_in_the_space(graph_name: str, topology: str):
             continue
         for op in space.ops:
             cfg = strategy[op]
-            if len(set(cfg.devices)) < len(cfg.devices):
-                assert name in ("mp", "expert"), (name, op, cfg)
-                continue
+            chunked += len(set(cfg.devices)) < len(cfg.devices)
             assert space.contains(op, cfg), (name, op, cfg)
+    # the recurrent graph's baselines hold chunks: the check covers them
+    assert chunked > 0 or graph_name != "rnn"
 
 
 def test_random_strategy_and_single_device():
@@ -241,8 +253,8 @@ def test_microbatch_proposals_are_valid_with_their_rounds_and_can_be_removed(gra
         op = graph[name]
         validate(op, cfg, topo.num_devices)
         assert space.contains(name, cfg)
-        if len(set(cfg.devices)) == cfg.num_parts:
-            continue
+        if len(set(cfg.devices)) == cfg.num_parts or space.split_chunks(name, cfg).count > 1:
+            continue  # (time chunks, the chunk move's: test_chunk_moves_add_change_and_remove_chunks)
         counts[_check_microbatches(op, cfg, topo.num_devices)] += 1
         # from the micro-batched config the move takes them away again (back to dp's config) or changes
         # their count, and from each of those it comes back
@@ -368,3 +380,131 @@ def test_the_space_holds_only_micro_batches_of_its_configs():
     for cfg in outside:
         validate(op, cfg, topo.num_devices)  # valid configs, only not in the space
         assert not space.contains("fc0", cfg), cfg
+
+
+# -- time chunks -------------------------------------------------------------------------------------------
+
+
+def _check_chunks(op, cfg: ParallelConfig, dim: str, num_devices: int) -> int:
+    """Check that `cfg` cuts each part of a config that leaves `dim` whole into consecutive pieces along
+    `dim`, all on the part's device and run there in order (its rounds in part order); return the count."""
+    validate(op, cfg, num_devices)
+    count = cfg.degree(dim)
+    assert count > 1
+    axis = [d.name for d in dims_of(op)].index(dim)
+    rounds = part_rounds(cfg.devices)
+    runs: dict[tuple, list[tuple[int, int, tuple]]] = {}
+    for (box, device), r in zip(parts(op, cfg), rounds, strict=True):
+        runs.setdefault(box[:axis] + box[axis + 1:], []).append((device, r, box[axis]))
+    for pieces in runs.values():
+        assert len(pieces) == count and len({device for device, _, _ in pieces}) == 1
+        cuts = [c for _, _, c in sorted(pieces, key=lambda p: p[1])]  # in round order: along the dim
+        size = next(d.size for d in dims_of(op) if d.name == dim)
+        assert cuts[0][0] == 0 and cuts[-1][1] == size and all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
+    return count
+
+
+@pytest.mark.parametrize("topology", ["cpu-2", "p100-2x2"])
+@pytest.mark.parametrize("graph_name", ["rnnlm", "rnn"])
+def test_chunked_configs_are_valid_and_in_the_space(graph_name: str, topology: str):
+    """Every config of an LSTM, cut along its carried dim into each count of the space, is a valid config of
+    the space with each sample range's chunks on its device; the counts are the divisors of the time steps up
+    to `MAX_CHUNKS`; a split of the time steps over distinct devices is not in the space."""
+    graph = rc.graph_of("rnnlm") if graph_name == "rnnlm" else GRAPHS["rnn"]()
+    topo = load_topology(topology)
+    space = ConfigSpace(graph, topo)
+    lstms = [op.name for op in graph if op.kind == "lstm"]
+    assert lstms
+    for name in lstms:
+        op = graph[name]
+        seq = next(d for d in dims_of(op) if d.carried)
+        assert space.chunk_dim(name) == seq.name
+        assert set(space.chunk_counts(name)) == {k for k in range(2, MAX_CHUNKS + 1) if seq.size % k == 0}
+        seen = Counter()
+        for base in space.configs(name):
+            for count in space.chunk_counts(name):
+                cfg = cut_chunks(op, base, seq.name, count)
+                if repeat_refusal(op, cfg) is not None:  # (sharded parameters: one part per device)
+                    assert base.shard > 1 and not space.contains(name, cfg)
+                    continue
+                seen[_check_chunks(op, cfg, seq.name, topo.num_devices)] += 1
+                assert space.contains(name, cfg)
+                found = split_chunks(op, cfg, seq.name)
+                assert (found.rest, found.count) == (base, count)
+        assert set(seen) == set(space.chunk_counts(name))
+        # chunks of one sample range on two devices (valid: the state moves) are not chunks of the space
+        across = ParallelConfig(degrees={seq.name: 2}, devices=(0, 1))
+        assert not space.contains(name, across)
+        # a count outside the space's (more chunks than MAX_CHUNKS or not dividing) is not in it
+        assert not space.contains(name, cut_chunks(op, ParallelConfig.single(0), seq.name, seq.size * 2))
+
+
+@pytest.mark.parametrize("topology", ["cpu-2", "p100-2x2"])
+def test_chunk_moves_add_change_and_remove_chunks(topology: str):
+    """From dp on the zoo's RNN LM, `CHUNK_SHARE` of an LSTM's proposals cut it into chunks (every count of
+    the space); from a chunked config the move removes them or changes their count, and comes back; the
+    micro-batch move and the recompute redraw keep the chunks."""
+    graph, topo = rc.graph_of("rnnlm"), load_topology(topology)
+    space = ConfigSpace(graph, topo)
+    current = BASELINES["dp"](graph, topo)
+    rng = random.Random(2)
+    name = "lstms.0"
+    op, dim = graph[name], space.chunk_dim(name)
+    draws = 2000
+    chunked = Counter()
+    for _ in range(draws):
+        cfg = space.propose_for(name, rng, current)
+        assert space.contains(name, cfg)
+        if len(set(cfg.devices)) < cfg.num_parts and space.split_chunks(name, cfg).count > 1:
+            found = space.split_chunks(name, cfg)
+            assert found.rest == current[name]
+            chunked[_check_chunks(op, cfg, dim, topo.num_devices)] += 1
+    assert set(chunked) == set(space.chunk_counts(name))
+    n, p = draws, CHUNK_SHARE
+    assert abs(sum(chunked.values()) - n * p) < 5 * math.sqrt(n * p * (1 - p))
+    for count in space.chunk_counts(name):
+        cfg = cut_chunks(op, current[name], dim, count)
+        options = space.chunk_options(name, cfg)
+        assert options[0] == current[name]  # removes the chunks
+        assert sorted(space.split_chunks(name, o).count for o in options[1:]) == \
+            sorted(set(space.chunk_counts(name)) - {count})
+        for other in options[1:]:
+            assert cfg in space.chunk_options(name, other)
+        # micro-batches under the chunks: each option keeps them (the count of chunks), is valid and in the
+        # space, within MAX_ROUNDS rounds per device
+        micro = space.microbatch_options(name, cfg)
+        assert sorted(space.microbatch_count(name, o) for o in micro) == \
+            counts_of(op, current[name], topo.num_devices)
+        for o in micro:
+            assert space.split_chunks(name, o).count == count and space.contains(name, o)
+            validate(op, o, topo.num_devices)
+            assert max(Counter(o.devices).values()) <= MAX_ROUNDS
+            assert split_microbatches(op, space.split_chunks(name, o).rest).count > 1
+        # and the chunk move from a micro-batched, chunked config keeps the micro-batches
+        for o in space.chunk_options(name, micro[0]) if micro else ():
+            assert split_microbatches(op, space.split_chunks(name, o).rest).count == \
+                split_microbatches(op, space.split_chunks(name, micro[0]).rest).count
+        redraws = space.memory_options(name, cfg)
+        assert cfg.replace(recompute=True) in redraws
+        assert all(space.split_chunks(name, o).count == count and space.contains(name, o) for o in redraws)
+
+
+@pytest.mark.parametrize("topology", ["cpu-2", "cpu-3", "p100-2x2", "p100-4x4"])
+@pytest.mark.parametrize("model", ["rnnlm", "nmt"])
+def test_chunked_baselines_of_the_zoo_lie_in_the_space(model: str, topology: str):
+    """`mp` and `expert` in time chunks (default and other counts) on the zoo's recurrent models: every op's
+    config, the chunked LSTMs and the ops that follow them chunk by chunk included, is in the space, and the
+    chunk move can take each chunked op's chunks away."""
+    graph, topo = rc.graph_of(model), load_topology(topology)
+    space = ConfigSpace(graph, topo)
+    followers = set()
+    for spec in ("mp", "expert", "mp:chunks=2", "expert:chunks=2"):
+        strategy = parse_baseline(spec)(graph, topo)
+        for name in space.ops:
+            cfg = strategy[name]
+            assert space.contains(name, cfg), (spec, name, cfg)
+            if space.split_chunks(name, cfg).count > 1:
+                assert space.chunk_options(name, cfg)[0] == space.split_chunks(name, cfg).rest
+                if graph[name].kind != "lstm":
+                    followers.add(name)
+    assert followers or topology == "cpu-3" or model == "rnnlm" and topology == "cpu-2"
