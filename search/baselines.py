@@ -21,8 +21,8 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from search.space import cut_chunks
-from soap.config import ParallelConfig, param_replicas, parts, recompute_refusal
+from search.space import cut_chunks, microbatched, sample_dim
+from soap.config import ConfigError, ParallelConfig, param_replicas, parts, recompute_refusal, validate
 from soap.graph import Operator, OperatorGraph
 from soap.opdef import DimKind, DimSpec, Region
 from soap.registry import dims_of, op_def
@@ -108,11 +108,14 @@ def _blocks(weights: Sequence[float], num_blocks: int) -> list[int]:
     return out
 
 
-def mp(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -> Strategy:
+def mp(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8, microbatches: int = 1) -> Strategy:
     """Pure model parallelism: ops whole, placed layer-wise in contiguous compute-balanced blocks; a
     recurrent op in `chunks` time chunks on its device (`chunked`), and the ops after it on the same
     device that keep its (sample, time) layout chunk by chunk too, so that consecutive blocks overlap
-    on different chunks (a wavefront; no effect on models without recurrent ops)."""
+    on different chunks (a wavefront; no effect on models without recurrent ops). With `microbatches`
+    M > 1 every other op runs its batch in M micro-batches on its device (`search.space.microbatched`;
+    those that refuse repeated devices, or whose batch M does not divide, stay whole), so that the blocks
+    pipeline on micro-batches (``mp:microbatches=M``)."""
     weights = [op.fwd_flops + op.bwd_flops + (1.0 if op.params else 0.0) for op in graph]
     blocks = _blocks(weights, topology.num_devices)
     configs: dict[str, ParallelConfig] = {}
@@ -121,6 +124,13 @@ def mp(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -> St
         if cfg.num_parts == 1 and not op.params:
             follow = _follow_chunks(op, graph, configs)
             cfg = follow if follow is not None and set(follow.devices) == {b} else cfg
+        if cfg.num_parts == 1 and microbatches > 1 and not op_def(op.kind).everywhere and sample_dim(op):
+            micro = microbatched(op, cfg, microbatches)
+            try:
+                validate(op, micro, topology.num_devices)
+                cfg = micro
+            except ConfigError:
+                pass
         configs[op.name] = cfg
     return Strategy(configs)
 
@@ -457,18 +467,24 @@ class BaselineSpecError(ValueError):
 
 
 def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strategy] | None:
-    """The baseline function `ref` names (a key of `BASELINES`, ``mp:chunks=K``, ``expert:chunks=K``, or
+    """The baseline function `ref` names (a key of `BASELINES`, ``mp:chunks=K,microbatches=M`` (either
+    optional), ``expert:chunks=K``, or
     ``hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]``), None when `ref` names no
     baseline; `BaselineSpecError` for a malformed spec."""
     if ref in BASELINES:
         return BASELINES[ref]
     name, colon, spec = ref.partition(":")
     if colon and name in ("mp", "expert"):
-        value = spec.removeprefix("chunks=").strip()
-        if not spec.startswith("chunks=") or not value.isdigit() or int(value) < 1:
-            raise BaselineSpecError(f"malformed baseline {ref!r}: expected {name}:chunks=K with K >= 1")
+        allowed = ("chunks", "microbatches") if name == "mp" else ("chunks",)
+        usage = f"{name}:" + ",".join(f"{k}={'K' if k == 'chunks' else 'M'}" for k in allowed) + " (>= 1 each)"
+        options: dict[str, int] = {}
+        for item in spec.split(","):
+            key, eq, value = (x.strip() for x in item.partition("="))
+            if not eq or key not in allowed or key in options or not value.isdigit() or int(value) < 1:
+                raise BaselineSpecError(f"malformed baseline {ref!r}: expected {usage}")
+            options[key] = int(value)
         make = BASELINES[name]
-        return lambda graph, topology: make(graph, topology, chunks=int(value))
+        return lambda graph, topology: make(graph, topology, **options)
     if not ref.startswith("hybrid:"):
         return None
     usage = "hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]"

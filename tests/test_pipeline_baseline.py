@@ -101,3 +101,23 @@ def test_ops_whose_micro_batch_does_not_split_over_the_group_split_their_sequenc
     sample = dims_of(transformer["blocks.0.ln_1"])[0].name
     assert norm.degree(sample) == 8 and len(norm.degrees) == 2 and norm.num_parts == 32
     assert find_replicas(transformer, s, 8) == Replicas(count=2, size=4)
+
+
+def test_mp_with_micro_batches_pipelines_its_blocks():
+    """``mp:microbatches=4``: the layer-wise blocks of mp, every op that computes in 4 micro-batches on its
+    block's device (4 rounds there), simulated faster than plain mp; malformed specs are one-line errors."""
+    from search.baselines import BaselineSpecError
+    from simulator.engine import simulate
+
+    graph = capture_model("mlp", batch_size=256)[1]
+    topo = load_topology("cpu-2")
+    plain, micro = parse_baseline("mp")(graph, topo), parse_baseline("mp:microbatches=4")(graph, topo)
+    validate_strategy(graph, micro, 2)
+    plan = lower(graph, micro, TrainSetup(), 2)
+    for op, step in zip(graph, plan.ops, strict=True):
+        if op.kind not in ("input", "constant"):
+            assert step.num_rounds == 4 and set(step.devices) == set(plain[op.name].devices), op.name
+    assert simulate(graph, micro, topo).iteration_time_ms < simulate(graph, plain, topo).iteration_time_ms
+    for bad in ("mp:microbatches=0", "mp:pipes=2", "expert:microbatches=2", "mp:chunks=2,chunks=4"):
+        with pytest.raises(BaselineSpecError, match="malformed baseline"):
+            parse_baseline(bad)

@@ -156,6 +156,7 @@ def test_micro_batches_match_single_process(tmp_path):
         pipeline = rc.baseline_case("transformer", spec, 2, options=options)
         assert pipeline is not None, spec
         cases.append({**pipeline, "label": f"transformer/{spec}/{options.setup.schedule}"})
+    cases.append(rc.baseline_case("mlp", "mp:microbatches=4", 2, options=ONE_F_ONE_B))
     cases += checkpoint_cases(tmp_path)
     cases += repeated_cases(RANDOM_MODELS, 12, 2, seed=1)
     results = {r["label"]: r for r in run_and_check(cases)}
