@@ -128,9 +128,10 @@ class Executor:
         self.float_dtype = float_dtype
         mixed = plan.flow.setup.compute_dtype != "float32"
         self.compute_dtype = TORCH_DTYPES[plan.flow.setup.compute_dtype] if mixed else float_dtype
-        if self.compute_dtype == torch.float16 and any(op.kind == "lstm" for op in graph):
-            raise ValueError("precision fp16 cannot run an LSTM on a CPU (its kernel has no float16 form); "
-                             "use bf16")
+        recurrent = sorted({op.kind for op in graph if any(d.carried for d in op_def(op.kind).dims(op))})
+        if self.compute_dtype == torch.float16 and recurrent:
+            raise ValueError(f"precision fp16 cannot run a recurrent op ({', '.join(recurrent)}) on a CPU (its "
+                             "kernel has no float16 form); use bf16")
         self.where = "setup"
         self.step = 0
         self.num_forwards = 0

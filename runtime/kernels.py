@@ -299,15 +299,22 @@ def _embedding(op, box, inputs, params, ctx):
     return (F.embedding(local, weight, padding_idx=pad) * inside.unsqueeze(-1).to(weight.dtype),)
 
 
-def _lstm(op, box, inputs, params, ctx):
-    x = inputs[0]
-    layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+def _recurrent_flat(op, params) -> tuple[list[Tensor], bool]:
+    """The parameters of a recurrent op (lstm, gru, rnn) in the order torch's recurrent functions take
+    them: per layer weight_ih, weight_hh and, with biases, bias_ih, bias_hh; and whether it has biases."""
     has_bias = "bias_ih_l0" in params
     flat = []
-    for k in range(layers):
+    for k in range(int(op.attrs["num_layers"])):
         flat += [params[f"weight_ih_l{k}"], params[f"weight_hh_l{k}"]]
         if has_bias:
             flat += [params[f"bias_ih_l{k}"], params[f"bias_hh_l{k}"]]
+    return flat, has_bias
+
+
+def _lstm(op, box, inputs, params, ctx):
+    x = inputs[0]
+    layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+    flat, has_bias = _recurrent_flat(op, params)
     if ctx.state is None:
         h0 = c0 = x.new_zeros(layers, x.shape[0], hidden)
     else:
@@ -317,6 +324,35 @@ def _lstm(op, box, inputs, params, ctx):
         # not the last chunk: h_n and c_n are the next chunk's state, none of the op's outputs
         return (out, h_n[:0], c_n[:0], h_n, c_n)
     return (out, h_n, c_n, h_n, c_n)
+
+
+def _gru_or_rnn(fn: Callable[..., tuple[Tensor, Tensor]]) -> Kernel:
+    """The kernel of a recurrent kind whose state is h alone (gru, rnn), running torch's `fn` (torch.gru,
+    torch.rnn_tanh or torch.rnn_relu) from the chunk's initial h (zeros for the first chunk)."""
+    def kernel(op, box, inputs, params, ctx):
+        x = inputs[0]
+        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+        flat, has_bias = _recurrent_flat(op, params)
+        (h0,) = (x.new_zeros(layers, x.shape[0], hidden),) if ctx.state is None else ctx.state
+        out, h_n = fn(x, h0, flat, has_bias, layers, 0.0, ctx.training, False, True)
+        if box[1][1] != op.outputs[0].shape[1]:
+            return (out, h_n[:0], h_n)  # not the last chunk: h_n is the next chunk's state, not an output
+        return (out, h_n, h_n)
+    return kernel
+
+
+_gru = _gru_or_rnn(torch.gru)
+
+
+def _rnn(op, box, inputs, params, ctx):
+    fn = {"tanh": _rnn_tanh, "relu": _rnn_relu}.get(op.attrs["nonlinearity"])
+    if fn is None:
+        raise ValueError(f"op {op.name!r}: unknown rnn nonlinearity {op.attrs['nonlinearity']!r}")
+    return fn(op, box, inputs, params, ctx)
+
+
+_rnn_tanh = _gru_or_rnn(torch.rnn_tanh)
+_rnn_relu = _gru_or_rnn(torch.rnn_relu)
 
 
 def _attention(op, box, inputs, params, ctx):
@@ -537,8 +573,8 @@ def _loss(op, box, inputs, params, ctx):
 # names match the registry both ways).
 KERNELS: dict[str, Kernel] = {
     "conv2d": _conv2d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
-    "layernorm": _layernorm, "rmsnorm": _rmsnorm, "embedding": _embedding, "lstm": _lstm,
-    "attention": _attention, "pool2d": _pool2d, "adaptive_pool2d": _adaptive_pool2d,
+    "layernorm": _layernorm, "rmsnorm": _rmsnorm, "embedding": _embedding, "lstm": _lstm, "gru": _gru,
+    "rnn": _rnn, "attention": _attention, "pool2d": _pool2d, "adaptive_pool2d": _adaptive_pool2d,
     "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
     "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
     "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss,

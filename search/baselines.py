@@ -1,6 +1,6 @@
 """The baseline strategies: dp, mp, tp, expert and fsdp, each a plain function returning a `Strategy`, and
 the parametric Megatron-LM layout `hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]`
-(`parse_baseline` reads any baseline name). `mp` and `expert` run recurrent ops (LSTMs) in time chunks,
+(`parse_baseline` reads any baseline name). `mp` and `expert` run recurrent ops (LSTM, GRU, RNN) in time chunks,
 8 by default (`mp:chunks=K`, `expert:chunks=K`, fewer where K does not divide the time steps; K = 1
 keeps them whole): layers on different devices
 then overlap on different chunks, FlexFlow's wavefront.
@@ -206,14 +206,14 @@ def _tensor_parallel(graph: OperatorGraph, devices: tuple[int, ...]) -> Strategy
 def expert(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -> Strategy:
     """The "one weird trick" expert strategy (Krizhevsky 2014), extended to RNNs as in GNMT.
 
-    Convolutions, pools and everything else data parallel; fully connected layers (linear) and embeddings
-    model parallel (parameter split over all devices; in a recurrent model over the devices of a node,
-    data parallel across nodes, as GNMT splits its softmax over a node's GPUs); LSTM layers each placed
-    whole on one device of a node (layer i on local device i mod devices-per-node), data parallel across
-    nodes, each in `chunks`
-    time chunks (`chunked`; where the time steps divide), and the ops between them that keep their
-    (sample, time) layout split as they are, chunk by chunk on the same device, so that layer i + 1
-    runs chunk k while layer i runs chunk k + 1 (FlexFlow's wavefront over unrolled RNNs).
+    Convolutions, pools and everything else data parallel; fully connected layers (linear) and embeddings model
+    parallel (parameter split over all devices; in a recurrent model over the devices of a node, data parallel
+    across nodes, as GNMT splits its softmax over a node's GPUs); recurrent layers (LSTM, GRU, RNN: ops with a
+    carried dim) each placed whole on one device of a node (layer i on local device i mod devices-per-node),
+    data parallel across nodes, each in `chunks` time chunks (`chunked`; where the time steps divide), and the
+    ops between them that keep their (sample, time) layout split as they are, chunk by chunk on the same
+    device, so that layer i + 1 runs chunk k while layer i runs chunk k + 1 (FlexFlow's wavefront over
+    unrolled RNNs).
     """
     devices = tuple(range(topology.num_devices))
     nodes = sorted({d.node for d in topology.devices})
@@ -224,7 +224,7 @@ def expert(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -
     recurrent = any(_carried(op) is not None for op in graph) and all(
         p == tuple(range(k * size, (k + 1) * size)) for k, p in enumerate(per_node))
     configs: dict[str, ParallelConfig] = {}
-    num_lstm = 0
+    num_recurrent = 0
     for op in graph:
         cfg = None
         if op.kind in ("linear", "embedding"):
@@ -233,9 +233,9 @@ def expert(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -
                         if c is not None), None)
             if cfg is not None and recurrent:
                 cfg = _with_sample(op, cfg, len(per_node), size)
-        elif op.kind == "lstm":
-            local = num_lstm % min(len(p) for p in per_node)
-            num_lstm += 1
+        elif _carried(op) is not None:
+            local = num_recurrent % min(len(p) for p in per_node)
+            num_recurrent += 1
             across = tuple(p[local] for p in per_node)
             cfg = first_fit(op, [(_sample(op), across), (None, across)])
             cfg = chunked(op, cfg, chunks)

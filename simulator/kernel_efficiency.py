@@ -175,6 +175,10 @@ def _input_grad(op: Operator, grads: Sequence[bool] | None, index: int) -> bool:
     return op.bwd_flops > 1.5 * op.fwd_flops  # capture counted a data gradient besides the weight one
 
 
+# gate blocks per recurrent cell kind: LSTM (i, f, g, o), GRU (r, z, n), a plain RNN (one)
+_GATES = {"lstm": 4, "gru": 3, "rnn": 1}
+
+
 def op_gemms(op: Operator, box: Box, grads: Sequence[bool] | None = None
              ) -> tuple[list[Gemm], list[Gemm]] | None:
     """(forward GEMMs, backward GEMMs) of the part `box` of `op`, or None for kinds that run no GEMM."""
@@ -207,18 +211,19 @@ def op_gemms(op: Operator, box: Box, grads: Sequence[bool] | None = None
         bwd = ([Gemm(imgs * hin * win, ci, co * kh * kw, batch, conv=True, nbytes=x + y + w)]
                if _input_grad(op, grads, 0) else [])
         return [fwd], bwd + [Gemm(co, ci * kh * kw, imgs * ho * wo, batch, conv=True, nbytes=x + y + w)]
-    if op.kind == "lstm":
+    if op.kind in _GATES:  # a recurrent cell: per layer, the input GEMM over every step, the hidden one per step
         b, t = _span(box[0]), _span(box[1])
         hidden, layers = int(op.attrs["hidden_size"]), int(op.attrs["num_layers"])
         features = input_shape(op, 0)[2]
+        g = _GATES[op.kind] * hidden
         fwd: list[Gemm] = []
         bwd: list[Gemm] = []
         for layer in range(layers):
             i = features if layer == 0 else hidden
-            fwd += [Gemm(b * t, 4 * hidden, i), Gemm(b, 4 * hidden, hidden, repeat=t)]
-            bwd += [Gemm(b, hidden, 4 * hidden, repeat=t), Gemm(4 * hidden, i + hidden, b * t)]
+            fwd += [Gemm(b * t, g, i), Gemm(b, g, hidden, repeat=t)]
+            bwd += [Gemm(b, hidden, g, repeat=t), Gemm(g, i + hidden, b * t)]
             if layer > 0 or _input_grad(op, grads, 0):
-                bwd.append(Gemm(b * t, i, 4 * hidden))
+                bwd.append(Gemm(b * t, i, g))
         return fwd, bwd
     if op.kind == "attention":
         n, heads, tq = (_span(r) for r in box[:3])

@@ -6,13 +6,14 @@ it and the name of its runtime kernel (what each of these means: `OpDef` in soap
 inputs come from the ``input_shapes`` attr that capture records on every op (an `Operator` holds only
 its output specs).
 
-FLOPs formulas (forward; `OpDef.backward_flops` is twice that for ops with parameters, once for the
-others): LSTM ``8 N T H (I + H)`` per layer (4 gates, an input and a hidden matmul per step, 2 FLOPs per
-multiply-add), attention ``2 N heads Tq Tk (head_dim + value_dim)`` (the two matmuls; backward twice
-that); elementwise, binary and dropout 1 per output element, batch norm, layer norm and softmax 5, RMS
-norm 4, cross entropy 5 and mse 3 per logit, reduce and adaptive pooling 1 per input element, pooling one
-per window element, data movement (concat, stack, expand, repeat, ...) 0. Convolution, linear, matmul,
-attention and opaque ops are `flops_counted`: capture counts them with torch.
+FLOPs formulas (forward; `OpDef.backward_flops` is twice that for ops with parameters, once for the others):
+LSTM ``8 N T H (I + H)`` per layer (4 gates, an input and a hidden matmul per step, 2 FLOPs per
+multiply-add), GRU ``6 N T H (I + H) + 10 N T H`` per layer (3 gates, and the elementwise of its equations),
+RNN ``2 N T H (I + H)`` per layer, attention ``2 N heads Tq Tk (head_dim + value_dim)`` (the two matmuls;
+backward twice that); elementwise, binary and dropout 1 per output element, batch norm, layer norm and
+softmax 5, RMS norm 4, cross entropy 5 and mse 3 per logit, reduce and adaptive pooling 1 per input element,
+pooling one per window element, data movement (concat, stack, expand, repeat, ...) 0. Convolution, linear,
+matmul, attention and opaque ops are `flops_counted`: capture counts them with torch.
 
 Pure Python: must not import torch, the simulator, the search or the runtime.
 """
@@ -436,35 +437,28 @@ class Embedding(OpDef):
         return 0.0  # a gather: data movement
 
 
-class LSTM(OpDef):
-    """out[N, T, H], h_n[L, N, H], c_n[L, N, H] = LSTM(x[N, T, I]) (batch first, zero initial state).
+class _Recurrent(OpDef):
+    """The shared shape of the recurrent kinds (`lstm`, `gru`, `rnn`): out[N, T, H] and the final states
+    [L, N, H] = cell(x[N, T, I]) run over time, batch first, from a zero initial state, with torch's
+    parameters `weight_ih_l{k}`, `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}` and attrs `hidden_size`,
+    `num_layers`.
 
-    params: `weight_ih_l{k}`, `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}`; attrs: `hidden_size`,
-    `num_layers`. dims: `sample` (splittable; axis 0 of out, axis 1 of h_n and c_n); `seq` carried
-    (`DimSpec.carried`: split into time chunks, chunk k starting from the final (h, c) of every layer of
-    chunk k-1, moved to it from another device); `hidden` not splittable (every gate reads all of hidden). A chunk
-    reads x[:, t0:t1] and writes out[:, t0:t1]; only the last chunk holds h_n and c_n (the others hold
-    empty regions of them), so their consumers read them from the last chunks. The carried state is
-    (h, c) of every layer: 2 L N H elements of the part's samples.
+    dims: `sample` (splittable; axis 0 of out, axis 1 of each final state); `seq` carried
+    (`DimSpec.carried`: split into time chunks, chunk k starting from the final state of every layer of
+    chunk k-1, moved to it from another device); `hidden` not splittable (every gate reads all of hidden). A
+    chunk reads x[:, t0:t1] and writes out[:, t0:t1]; only the last chunk holds the final states (the
+    others hold empty regions of them), so their consumers read them from the last chunks. The carried
+    state is `num_states` tensors [L, N, H] of the part's samples.
     """
 
-    kind = "lstm"
-    captured_from = ("lstm",)
-    kernel = "lstm"
-
-    def saved_bytes(self, op: Operator, box: Box) -> int:
-        # What the LSTM equations keep for backward per layer, step, sample and hidden unit: the four
-        # gate activations, the cell state and its tanh, and (below the last layer, whose output is the
-        # op's) the layer's output. Kernels may keep more: torch's CPU kernel (oneDNN) keeps a workspace
-        # about 2.5 times this.
-        (n0, n1), (t0, t1) = box[0], box[1]
-        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
-        return (7 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+    # gate blocks per layer (rows of weight_ih_l{k} are gates * H) and state tensors per layer
+    gates: int = 0
+    num_states: int = 0
 
     def carry_shapes(self, op: Operator, box: Box) -> tuple[tuple[int, ...], ...]:
         (n0, n1) = box[0]
         layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
-        return ((layers, n1 - n0, hidden), (layers, n1 - n0, hidden))  # (h, c)
+        return ((layers, n1 - n0, hidden),) * self.num_states
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         n, t, h = op.outputs[0].shape
@@ -483,13 +477,115 @@ class LSTM(OpDef):
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return ((box[0], box[1], (0, op.params["weight_ih_l0"].shape[1])),)
 
+    def matmul_flops(self, op: Operator) -> float:
+        """2 gates N T H (I + H) over the layers: per step an input and a hidden matmul for each gate
+        block, 2 FLOPs per multiply-add; layers after the first read the hidden state of the one below
+        (I = H)."""
+        n, t, features = input_shape(op, 0)
+        hidden, layers = op.attrs["hidden_size"], op.attrs["num_layers"]
+        return float(sum(2 * self.gates * n * t * hidden * ((features if k == 0 else hidden) + hidden)
+                         for k in range(layers)))
+
+
+class LSTM(_Recurrent):
+    """out[N, T, H], h_n[L, N, H], c_n[L, N, H] = LSTM(x[N, T, I]) (batch first, zero initial state).
+
+    params: `weight_ih_l{k}`, `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}`; attrs: `hidden_size`,
+    `num_layers`. dims: `sample` (splittable; axis 0 of out, axis 1 of h_n and c_n); `seq` carried
+    (`DimSpec.carried`: split into time chunks, chunk k starting from the final (h, c) of every layer of
+    chunk k-1, moved to it from another device); `hidden` not splittable (every gate reads all of hidden). A chunk
+    reads x[:, t0:t1] and writes out[:, t0:t1]; only the last chunk holds h_n and c_n (the others hold
+    empty regions of them), so their consumers read them from the last chunks. The carried state is
+    (h, c) of every layer: 2 L N H elements of the part's samples.
+    """
+
+    kind = "lstm"
+    captured_from = ("lstm",)
+    kernel = "lstm"
+    gates = 4
+    num_states = 2  # (h, c)
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # What the LSTM equations keep for backward per layer, step, sample and hidden unit: the four
+        # gate activations, the cell state and its tanh, and (below the last layer, whose output is the
+        # op's) the layer's output. Kernels may keep more: torch's CPU kernel (oneDNN) keeps a workspace
+        # about 2.5 times this.
+        (n0, n1), (t0, t1) = box[0], box[1]
+        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+        return (7 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+
     def flops(self, op: Operator) -> float:
         # 8 N T H (I + H) per layer: 4 gates, an input and a hidden matmul per step, 2 FLOPs per
         # multiply-add; layers after the first read the hidden state of the one below (I = H)
-        n, t, features = input_shape(op, 0)
-        hidden, layers = op.attrs["hidden_size"], op.attrs["num_layers"]
-        return float(sum(8 * n * t * hidden * ((features if k == 0 else hidden) + hidden)
-                         for k in range(layers)))
+        return self.matmul_flops(op)
+
+
+class GRU(_Recurrent):
+    """out[N, T, H], h_n[L, N, H] = GRU(x[N, T, I]) (torch.nn.GRU: batch first, zero initial state).
+
+    params: `weight_ih_l{k}` [3H, I], `weight_hh_l{k}` [3H, H], `bias_ih_l{k}`, `bias_hh_l{k}` [3H] (gates
+    r, z, n as torch orders them); attrs: `hidden_size`, `num_layers`. dims: `sample` (splittable; axis 0
+    of out, axis 1 of h_n); `seq` carried (`DimSpec.carried`: chunk k starts from the final h of every
+    layer of chunk k-1; there is no cell state); `hidden` not splittable. A chunk reads x[:, t0:t1] and
+    writes out[:, t0:t1]; only the last chunk holds h_n (the others an empty region of it). The carried
+    state is h of every layer: L N H elements of the part's samples.
+    """
+
+    kind = "gru"
+    captured_from = ("gru",)
+    kernel = "gru"
+    gates = 3
+    num_states = 1  # h
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # What the GRU equations keep for backward per layer, step, sample and hidden unit: the gate
+        # activations r, z and n and the hidden projection W_hn h + b_hn (r's gradient reads it), and
+        # (below the last layer, whose output is the op's) the layer's output, which is also each
+        # step's h_{t-1}: (5 L - 1) values.
+        (n0, n1), (t0, t1) = box[0], box[1]
+        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+        return (5 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+
+    def flops(self, op: Operator) -> float:
+        # 6 N T H (I + H) per layer (3 gates, an input and a hidden matmul per step, 2 FLOPs per
+        # multiply-add; I = H after the first layer) plus 10 N T H of elementwise per layer: adding the
+        # input and hidden projections of r and z (2), their sigmoids (2), r times the hidden projection
+        # of n, its sum with the input projection and the tanh (3), h' = n + z (h - n) (3)
+        n, t, _ = input_shape(op, 0)
+        elementwise = 10 * n * t * op.attrs["hidden_size"] * op.attrs["num_layers"]
+        return self.matmul_flops(op) + float(elementwise)
+
+
+class RNN(_Recurrent):
+    """out[N, T, H], h_n[L, N, H] = RNN(x[N, T, I]) (torch.nn.RNN, h' = f(W_ih x + b_ih + W_hh h + b_hh)
+    with f tanh or relu: batch first, zero initial state).
+
+    params: `weight_ih_l{k}` [H, I], `weight_hh_l{k}` [H, H], `bias_ih_l{k}`, `bias_hh_l{k}` [H]; attrs:
+    `hidden_size`, `num_layers`, `nonlinearity` (`tanh` or `relu`). dims: `sample` (splittable; axis 0 of
+    out, axis 1 of h_n); `seq` carried (`DimSpec.carried`: chunk k starts from the final h of every layer
+    of chunk k-1); `hidden` not splittable. A chunk reads x[:, t0:t1] and writes out[:, t0:t1]; only the
+    last chunk holds h_n (the others an empty region of it). The carried state is h of every layer: L N H
+    elements of the part's samples.
+    """
+
+    kind = "rnn"
+    captured_from = ("rnn_tanh", "rnn_relu")
+    kernel = "rnn"
+    gates = 1
+    num_states = 1  # h
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # What the RNN equations keep for backward per layer, step, sample and hidden unit: tanh's and
+        # relu's gradients read their output, which is the layer's output and each step's h_{t-1}; the
+        # last layer's is the op's output, so only the (L - 1) layers below it keep a value.
+        (n0, n1), (t0, t1) = box[0], box[1]
+        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+        return (layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+
+    def flops(self, op: Operator) -> float:
+        # 2 N T H (I + H) per layer: an input and a hidden matmul per step, 2 FLOPs per multiply-add;
+        # I = H after the first layer
+        return self.matmul_flops(op)
 
 
 class Attention(OpDef):
@@ -1172,7 +1268,7 @@ class Opaque(OpDef):
 
 
 for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), RMSNorm(), Embedding(),
-               LSTM(), Attention(), Pool2d(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(),
-               Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(), Transpose(), Softmax(), Dropout(), Loss(),
-               Opaque()):
+               LSTM(), GRU(), RNN(), Attention(), Pool2d(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(),
+               Concat(), Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(), Transpose(), Softmax(), Dropout(),
+               Loss(), Opaque()):
     register(_entry)

@@ -204,6 +204,10 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "rescnn": functools.partial(cnn_build, 4, residual=True),
     "bncnn": functools.partial(cnn_build, 4, residual=True, batchnorm=True),
     "rnnlm": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4),
+    # the RNN LM with GRU layers (`grus.0`, `grus.1`) and with plain RNN layers (`rnns.0`, `rnns.1`)
+    "grulm": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4, cell="gru"),
+    "rnnlm_tanh": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4, cell="rnn_tanh"),
+    "rnnlm_relu": functools.partial(zoo_build, "rnnlm", 4, hidden=16, embed=8, vocab=32, steps=4, cell="rnn_relu"),
     "nmt": functools.partial(zoo_build, "nmt", 4, hidden=16, embed=8, vocab=32, steps=4, layers=2),
     "transformer": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
                                      context=None, vocab=32),

@@ -190,6 +190,66 @@ def test_lstm_language_model():
     assert [r.op for r in graph["loss"].inputs] == ["loss.reshape", "loss.reshape_1"]
 
 
+class RecurrentLM(nn.Module):
+    """Embedding, a torch.nn recurrent module `cell` (GRU or RNN) and a decoder over the vocabulary."""
+
+    def __init__(self, cell: type[nn.Module], vocab: int = 50, embed: int = 12, hidden: int = 16, **kw) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embed)
+        self.rnn = cell(embed, hidden, batch_first=True, **kw)
+        self.decoder = nn.Linear(hidden * (2 if kw.get("bidirectional") else 1), vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embedding(tokens))
+        return self.decoder(out)
+
+
+@pytest.mark.parametrize(("cell", "kw", "kind", "attrs", "flops"), [
+    # GRU: 6 N T H (I + H) + 10 N T H per layer; RNN: 2 N T H (I + H) per layer (I = H above the first)
+    (nn.GRU, {}, "gru", {}, 6 * 3 * 7 * 16 * (12 + 16) + 10 * 3 * 7 * 16),
+    (nn.GRU, {"num_layers": 2}, "gru", {}, 6 * 3 * 7 * 16 * (12 + 16 + 32) + 2 * 10 * 3 * 7 * 16),
+    (nn.RNN, {}, "rnn", {"nonlinearity": "tanh"}, 2 * 3 * 7 * 16 * (12 + 16)),
+    (nn.RNN, {"num_layers": 2, "nonlinearity": "relu"}, "rnn", {"nonlinearity": "relu"},
+     2 * 3 * 7 * 16 * (12 + 16 + 32)),
+], ids=["gru", "gru-2-layers", "rnn-tanh", "rnn-relu-2-layers"])
+def test_gru_and_rnn_language_models(cell, kw, kind, attrs, flops):
+    """nn.GRU and nn.RNN (tanh or relu) become one op of kind gru or rnn, with torch's parameter names,
+    outputs out [N, T, H] and h_n [L, N, H], and their zero initial state folded in."""
+    model = RecurrentLM(cell, **kw)
+    x, y = torch.randint(0, 50, (3, 7)), torch.randint(0, 50, (3, 7))
+    graph = capture(model, meta_like(x), meta_like(y), lm_loss)
+    assert [(op.name, op.kind) for op in graph] == [
+        ("input0", "input"), ("target", "input"), ("embedding", "embedding"), ("rnn", kind),
+        ("decoder", "linear"), ("loss.reshape", "reshape"), ("loss.reshape_1", "reshape"), ("loss", "loss")]
+    check_common(graph, model, (x,))
+    op = graph["rnn"]
+    layers = kw.get("num_layers", 1)
+    assert [t.shape for t in op.outputs] == [(3, 7, 16), (layers, 3, 16)]
+    assert {k: p.fqn for k, p in op.params.items()} == {
+        f"{k}{n}": f"rnn.{k}{n}" for n in range(layers)
+        for k in ("weight_ih_l", "weight_hh_l", "bias_ih_l", "bias_hh_l")}
+    wanted = {"hidden_size": 16, "num_layers": layers, **attrs}
+    assert {k: v for k, v in op.attrs.items() if k != "input_shapes"} == wanted
+    assert op.fwd_flops == flops and op.bwd_flops == 2 * flops
+
+
+@pytest.mark.parametrize(("cell", "kw"), [
+    (nn.GRU, {"bidirectional": True}), (nn.RNN, {"bidirectional": True}), (nn.GRU, {"bias": False}),
+    (nn.RNN, {"num_layers": 2, "dropout": 0.5}), (nn.LSTM, {"bidirectional": True}), (nn.LSTM, {"proj_size": 8}),
+], ids=["gru-bidirectional", "rnn-bidirectional", "gru-no-bias", "rnn-dropout", "lstm-bidirectional",
+        "lstm-proj"])
+def test_recurrent_modules_outside_the_kinds_stay_opaque(cell, kw):
+    """What the recurrent kinds do not cover (bidirectional, no biases, dropout between layers in
+    training, an LSTM's projection) runs whole as an opaque op."""
+    model = RecurrentLM(cell, **kw)
+    if kw.get("proj_size"):
+        model.decoder = nn.Linear(kw["proj_size"], 50)
+    x, y = torch.randint(0, 50, (3, 7)), torch.randint(0, 50, (3, 7))
+    graph = capture(model, meta_like(x), meta_like(y), lm_loss)
+    assert graph["rnn"].kind == "opaque"
+    assert not {"lstm", "gru", "rnn"} & {op.kind for op in graph}
+
+
 def test_default_loss_flattens_sequence_logits():
     model = LSTMLM()
     graph = capture(model, torch.empty(2, 5, dtype=torch.long, device="meta"),

@@ -163,3 +163,26 @@ def test_fitted_table_reproduces_the_kernel_data(kind):
     launch_us = DEFAULT_LAUNCH_US["*"]
     errors = [abs(predict_sample_ms(s, KERNEL_FITS[kind], launch_us) - s.time_ms) / s.time_ms for s in samples]
     assert statistics.median(errors) <= KERNEL_TARGET
+
+
+def test_recurrent_cells_are_priced_by_their_gate_gemms():
+    """LSTM, GRU and plain RNN parts run the GEMMs of their gate blocks (4, 3, 1 per layer): their forward
+    GEMM FLOPs are the registry's matmul FLOPs, in the gates' ratio, for a whole op and a time chunk."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import runtime_cases as rc
+
+    from simulator.kernel_efficiency import op_gemms
+
+    forward = {}
+    for model in ("rnnlm", "grulm", "rnnlm_tanh"):
+        graph = rc.graph_of(model)
+        op = next(o for o in graph if op_def(o.kind).dims(o)[1].carried)
+        box = whole(op)
+        fwd, bwd = op_gemms(op, box)
+        forward[op.kind] = sum(g.flops for g in fwd)
+        assert bwd and forward[op.kind] == pytest.approx(op_def(op.kind).matmul_flops(op))
+        half = ((box[0]), (0, box[1][1] // 2), box[2])  # the first half of the time steps
+        assert sum(g.flops for g in op_gemms(op, half)[0]) == pytest.approx(forward[op.kind] / 2)
+    assert forward["lstm"] / 4 == pytest.approx(forward["gru"] / 3) == pytest.approx(forward["rnn"])

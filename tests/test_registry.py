@@ -8,6 +8,7 @@ plain torch reference (values and gradients, float64), and dims that cannot be s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -98,17 +99,39 @@ def _pool(case_id: str, x_shape, *, mode, kernel, stride, padding=0, dilation=1,
                        "count_include_pad": count_include_pad})
 
 
-def _lstm_case() -> Case:
-    torch.manual_seed(0)
-    module = torch.nn.LSTM(3, 6, num_layers=2, batch_first=True).to(DTYPE)
+def _recurrent_case(case_id: str, kind: str, module: torch.nn.Module, **attrs: Any) -> Case:
+    """An op of a recurrent kind (lstm, gru, rnn) with the parameters of `module` (batch first, input 3
+    features, 4 samples, 5 steps), checked against the module itself; outputs out, h_n (and c_n)."""
+    module = module.to(DTYPE)
     params = {k: v.detach().clone() for k, v in module.named_parameters()}
 
     def ref(x, **weights):
-        out, (h, c) = torch.func.functional_call(module, weights, (x,))
-        return out, h, c
+        out, state = torch.func.functional_call(module, weights, (x,))
+        return (out, *state) if isinstance(state, tuple) else (out, state)
 
-    return Case(id="lstm", kind="lstm", inputs=(_rand(4, 5, 3),), params=params, reference=ref,
-                attrs={"hidden_size": 6, "num_layers": 2})
+    return Case(id=case_id, kind=kind, inputs=(_rand(4, 5, 3),), params=params, reference=ref,
+                attrs={"hidden_size": module.hidden_size, "num_layers": module.num_layers, **attrs})
+
+
+def _lstm_case() -> Case:
+    torch.manual_seed(0)
+    return _recurrent_case("lstm", "lstm", torch.nn.LSTM(3, 6, num_layers=2, batch_first=True))
+
+
+def _gru_case() -> Case:
+    torch.manual_seed(1)
+    return _recurrent_case("gru", "gru", torch.nn.GRU(3, 6, num_layers=2, batch_first=True))
+
+
+def _rnn_case(nonlinearity: str, num_layers: int) -> Case:
+    torch.manual_seed(2)
+    module = torch.nn.RNN(3, 6, num_layers=num_layers, nonlinearity=nonlinearity, batch_first=True)
+    return _recurrent_case(f"rnn-{nonlinearity}", "rnn", module, nonlinearity=nonlinearity)
+
+
+# the recurrent cases by id (the LSTM carries (h, c), the others h)
+RECURRENT = {"lstm": _lstm_case, "gru": _gru_case, "rnn-tanh": functools.partial(_rnn_case, "tanh", 2),
+             "rnn-relu": functools.partial(_rnn_case, "relu", 1)}
 
 
 def _cases() -> list[Case]:
@@ -167,7 +190,7 @@ def _cases() -> list[Case]:
         Case(id="embedding", kind="embedding", inputs=(_ints(12, 4, 6),), params={"weight": _rand(12, 6)},
              attrs={"padding_idx": 0},
              reference=lambda idx, weight: F.embedding(idx, weight, padding_idx=0)),
-        _lstm_case(),
+        *(make() for make in RECURRENT.values()),
         Case(id="attention-causal", kind="attention",
              inputs=(_rand(2, 3, 6, 4), _rand(2, 3, 6, 4, seed=1), _rand(2, 3, 6, 4, seed=2)),
              attrs={"is_causal": True, "scale": None},
@@ -303,9 +326,9 @@ ALL_OPS = [c.op() for c in CASES] + SOURCE_OPS
 
 def test_every_kind_is_covered():
     documented = {"input", "constant", "conv2d", "linear", "matmul", "batchnorm", "layernorm", "rmsnorm",
-                  "embedding", "lstm", "attention", "pool2d", "adaptive_pool2d", "elementwise", "binary", "reduce",
-                  "concat", "stack", "split", "slice", "reshape", "expand", "repeat", "transpose", "softmax",
-                  "dropout", "loss", "opaque"}
+                  "embedding", "lstm", "gru", "rnn", "attention", "pool2d", "adaptive_pool2d", "elementwise",
+                  "binary", "reduce", "concat", "stack", "split", "slice", "reshape", "expand", "repeat",
+                  "transpose", "softmax", "dropout", "loss", "opaque"}
     assert set(REGISTRY) == documented
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():
@@ -521,7 +544,8 @@ def test_unsplittable_dims_are_refused(op, dim, degree):
 
 def test_unsplittable_dims_of_documented_kinds():
     expected = {
-        "lstm": {"seq", "hidden"}, "attention-causal": {"head_dim"}, "attention-gqa": {"head_dim"},
+        "lstm": {"seq", "hidden"}, "gru": {"seq", "hidden"}, "rnn-tanh": {"seq", "hidden"},
+        "rnn-relu": {"seq", "hidden"}, "attention-causal": {"head_dim"}, "attention-gqa": {"head_dim"},
         "rmsnorm": {"d2"}, "rmsnorm-2d-no-weight": {"d1", "d2"}, "stack": {"d1"}, "expand": set(),
         "repeat": set(), "linear-transposed": set(), "matmul-baddbmm": set(), "softmax": {"d2"},
         "softmax-log": {"d1"}, "layernorm": {"d2"}, "concat": {"d1"}, "split": {"d2"},
@@ -542,12 +566,16 @@ def _lstm_op() -> Operator:
     return next(op for op in ALL_OPS if _op_id(op) == "lstm")
 
 
-def test_lstm_chunks_have_time_regions_and_only_the_last_holds_the_final_state():
-    """Chunk k of an LSTM split 2 x 5 (sample x seq) reads and writes time [k, k + 1); h_n and c_n are
-    held by the last chunk of each sample range only; chunk k starts from chunk k - 1 of its range."""
-    op = _lstm_op()
+@pytest.mark.parametrize("case_id", list(RECURRENT))
+def test_recurrent_chunks_have_time_regions_and_only_the_last_holds_the_final_state(case_id):
+    """Chunk k of a recurrent op (LSTM, GRU, RNN) split 2 x 5 (sample x seq) reads and writes time
+    [k, k + 1); the final states (h_n, and c_n for the LSTM) are held by the last chunk of each sample
+    range only; chunk k starts from chunk k - 1 of its range, which hands it h (and c) of every layer."""
+    op = next(op for op in ALL_OPS if _op_id(op) == case_id)
     entry = op_def(op.kind)
+    layers = op.attrs["num_layers"]
     assert [d.name for d in dims_of(op) if d.carried] == ["seq"]
+    assert len(op.outputs) == (3 if op.kind == "lstm" else 2)
     boxes = _parts(op, {"sample": 2, "seq": 5})
     assert carry_sources(dims_of(op), {"sample": 2, "seq": 5}) == (None, 0, 1, 2, 3, None, 5, 6, 7, 8)
     assert carry_sources(dims_of(op), {"sample": 2}) == (None, None)
@@ -555,9 +583,10 @@ def test_lstm_chunks_have_time_regions_and_only_the_last_holds_the_final_state()
         s, k = divmod(c, 5)
         assert entry.output_region(op, box, 0) == ((2 * s, 2 * s + 2), (k, k + 1), (0, 6))
         assert entry.input_regions(op, box) == (((2 * s, 2 * s + 2), (k, k + 1), (0, 3)),)
-        final = ((0, 2), (2 * s, 2 * s + 2), (0, 6)) if k == 4 else ((0, 0), (2 * s, 2 * s + 2), (0, 6))
-        assert entry.output_region(op, box, 1) == entry.output_region(op, box, 2) == final
-        assert entry.carry_bytes(op, box) == 2 * 2 * 2 * 6 * DTYPE_BYTES[op.outputs[0].dtype]
+        final = ((0, layers), (2 * s, 2 * s + 2), (0, 6)) if k == 4 else ((0, 0), (2 * s, 2 * s + 2), (0, 6))
+        assert all(entry.output_region(op, box, i) == final for i in range(1, len(op.outputs)))
+        assert entry.carry_shapes(op, box) == ((layers, 2, 6),) * (len(op.outputs) - 1)
+        assert entry.carry_bytes(op, box) == (len(op.outputs) - 1) * layers * 2 * 6 * DTYPE_BYTES[op.outputs[0].dtype]
 
 
 def test_chunks_may_run_on_any_devices_but_not_sharded():
@@ -573,11 +602,13 @@ def test_chunks_may_run_on_any_devices_but_not_sharded():
     validate(op, ParallelConfig(degrees={"sample": 2}, devices=(0, 1), shard=2), num_devices=2)
 
 
+@pytest.mark.parametrize("case_id", list(RECURRENT))
 @pytest.mark.parametrize("degrees", [{"seq": 5}, {"sample": 2, "seq": 5}, {"sample": 4, "seq": 5}])
-def test_lstm_chunks_carrying_their_state_stitch_to_reference(degrees):
-    """Each chunk starts from the final state of the one before it (`compute_chunk`): the outputs, h_n,
-    c_n and every gradient equal the whole LSTM's; starting a chunk from zeros instead does not."""
-    case = _lstm_case()
+def test_recurrent_chunks_carrying_their_state_stitch_to_reference(degrees, case_id):
+    """Each chunk starts from the final state of the one before it (`compute_chunk`): the outputs, the
+    final states and every gradient equal the whole op's (LSTM, GRU, RNN; the whole op's equal torch's
+    module, `test_parts_match_reference`); starting a chunk from zeros instead does not."""
+    case = RECURRENT[case_id]()
     op = case.op()
     entry = op_def(op.kind)
     inputs = [_leaf(x) for x in case.inputs]
@@ -866,3 +897,28 @@ def test_saved_bytes_are_what_autograd_saves_beyond_inputs_and_outputs():
                     attrs={"hidden_size": h, "num_layers": 2, "input_shapes": [[4, 5, 3]]})
     # per step, sample and unit: 6 values in each of the 2 layers, and the first layer's output
     assert op_def("lstm").saved_bytes(lstm, ((0, 2), (0, 5), (0, h))) == (6 * 2 + 1) * 2 * 5 * h * 4
+    # GRU: r, z, n and the hidden projection of n in each layer, and the first layer's output; RNN: the
+    # first layer's output (tanh and relu read their outputs); per chunk in time, the chunk's steps
+    for kind, per_step in (("gru", 4 * 2 + 1), ("rnn", 1)):
+        rec = Operator(name=kind, kind=kind, inputs=(TensorRef(op="x0"),),
+                       outputs=(TensorSpec(shape=(4, 5, h)), TensorSpec(shape=(2, 4, h))),
+                       params={"weight_ih_l0": ParamSpec(shape=(h, 3), fqn="w")},
+                       attrs={"hidden_size": h, "num_layers": 2, "input_shapes": [[4, 5, 3]]})
+        assert op_def(kind).saved_bytes(rec, ((0, 2), (0, 5), (0, h))) == per_step * 2 * 5 * h * 4
+        chunks = _parts(rec, {"sample": 2, "seq": 5})
+        assert sum(op_def(kind).saved_bytes(rec, box) for box in chunks) == per_step * 4 * 5 * h * 4
+
+
+def test_recurrent_flops_formulas():
+    """Forward FLOPs per layer (I = H above the first): LSTM 8 N T H (I + H); GRU 6 N T H (I + H) plus
+    10 N T H of elementwise; RNN 2 N T H (I + H); backward twice the forward (they have parameters).
+    The examples: N 4, T 5, I 3, H 6."""
+    ops = {_op_id(op): op for op in ALL_OPS}
+    per_layer = [4 * 5 * 6 * (3 + 6), 4 * 5 * 6 * (6 + 6)]
+    assert op_def("lstm").flops(ops["lstm"]) == 8 * sum(per_layer)
+    assert op_def("gru").flops(ops["gru"]) == 6 * sum(per_layer) + 2 * 10 * 4 * 5 * 6
+    assert op_def("rnn").flops(ops["rnn-tanh"]) == 2 * sum(per_layer)
+    assert op_def("rnn").flops(ops["rnn-relu"]) == 2 * per_layer[0]
+    for op in (ops["gru"], ops["rnn-tanh"]):
+        fwd = op_def(op.kind).flops(op)
+        assert op_def(op.kind).backward_flops(op, fwd) == 2 * fwd

@@ -30,8 +30,8 @@ BF16 = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, precision="bf16"), verify
 ONE_F_ONE_B = TrainOptions(steps=3, setup=TrainSetup(lr=0.05, schedule="1f1b"), verify=True, dtype="float64")
 
 
-def case(label: str, strategy: Strategy, options: TrainOptions = FLOAT64) -> dict:
-    return rc.train_case(f"rnnlm/{label}", "rnnlm", strategy, rc.graph_of("rnnlm"), options=options)
+def case(label: str, strategy: Strategy, options: TrainOptions = FLOAT64, model: str = "rnnlm") -> dict:
+    return rc.train_case(f"{model}/{label}", model, strategy, rc.graph_of(model), options=options)
 
 
 def chunked_cases(count: int, nproc: int, seed: int) -> list[dict]:
@@ -45,18 +45,22 @@ def chunked_cases(count: int, nproc: int, seed: int) -> list[dict]:
 
 
 def test_the_chunked_baselines_chunk_and_run_layers_apart():
-    """`expert` and `mp` run the LSTMs of the test models (4 steps) in 4 chunks (8 asked, 4 divide),
-    `expert:chunks=2` in 2; each sample range's chunks on one device, layers on different devices."""
+    """`expert` and `mp` run the recurrent layers (LSTM, GRU, RNN) of the test models (4 steps) in 4 chunks
+    (8 asked, 4 divide), `expert:chunks=2` in 2; each sample range's chunks on one device, layers on
+    different devices (but mp's on the plain RNN LM)."""
     from search.baselines import parse_baseline
     from soap.topology import load_topology
 
-    for model in ("rnnlm", "nmt"):
+    for model in ("rnnlm", "nmt", "grulm", "rnnlm_tanh"):
         graph = rc.graph_of(model)
         for name, chunks in (("expert", 4), ("expert:chunks=2", 2), ("mp", 4)):
             strategy = parse_baseline(name)(graph, load_topology("cpu-2"))
-            lstms = [strategy[op.name] for op in graph if op.kind == "lstm"]
-            assert all(cfg.degree("seq") == chunks for cfg in lstms), (model, name)
-            assert len({cfg.devices for cfg in lstms}) == 2, (model, name)
+            layers = [strategy[op.name] for op in graph if op.kind in ("lstm", "gru", "rnn")]
+            assert len(layers) >= 2, model
+            assert all(cfg.degree("seq") == chunks for cfg in layers), (model, name)
+            # (mp balances compute: the plain RNN's two layers weigh less than its decoder, and share a block)
+            assert len({cfg.devices for cfg in layers}) == (1 if (model, name) == ("rnnlm_tanh", "mp") else 2), \
+                (model, name)
 
 
 def test_the_wavefront_plan_alternates_layers():
@@ -116,6 +120,38 @@ def test_chunks_match_single_process():
     cases += [rc.baseline_case(model, name, 2, options=FLOAT64)
               for model in ("rnnlm", "nmt") for name in ("expert", "expert:chunks=2", "mp")]
     cases += chunked_cases(8, 2, seed=1)
+    run_and_check(cases)
+
+
+def test_gru_and_rnn_chunks_match_single_process():
+    """One launch of 2 processes: the RNN LM with GRU layers and with tanh and relu RNN layers (their state is
+    h alone) against single-process training: data parallel unchunked, layers apart unchunked, both layers
+    in 4 chunks on rank 0, each layer's 4 chunks alternating ranks (0, 1, 0, 1 and 1, 0, 1, 0: h moves
+    between them, its gradient back), the wavefront of the two layers (also under 1F1B, and with 2 sample
+    ranges), and the chunked expert baseline."""
+    cases = []
+    for model, layer, kind in (("grulm", "grus", "gru"), ("rnnlm_tanh", "rnns", "rnn")):
+        graph = rc.graph_of(model)
+        assert [op.kind for op in graph if op.name.startswith(f"{layer}.")] == [kind, kind]
+        on_rank0 = Strategy({**{op.name: ParallelConfig.single(0) for op in graph},
+                             f"{layer}.0": rc.chunked(graph[f"{layer}.0"], (0,), 4),
+                             f"{layer}.1": rc.chunked(graph[f"{layer}.1"], (0,), 4)})
+        alternate = rc.wavefront_strategy(graph, 2, 4, hand_over=1)
+        assert alternate[f"{layer}.0"].devices == (0, 1, 0, 1) and alternate[f"{layer}.1"].devices == (1, 0, 1, 0)
+        cases += [
+            rc.baseline_case(model, "dp", 2, options=FLOAT64),
+            case("apart-unchunked", rc.wavefront_strategy(graph, 2, 1), model=model),
+            case("one-rank-4", on_rank0, model=model),
+            case("alternate-4", alternate, model=model),
+            case("alternate-4-f32", alternate, FLOAT32, model=model),
+            case("wavefront-4", rc.wavefront_strategy(graph, 2, 4), model=model),
+            case("wavefront-4-1f1b", rc.wavefront_strategy(graph, 2, 4), ONE_F_ONE_B, model=model),
+            case("wavefront-4x2samples", rc.wavefront_strategy(graph, 2, 4, samples=2), model=model),
+            rc.baseline_case(model, "expert", 2, options=FLOAT64),
+        ]
+    relu = rc.graph_of("rnnlm_relu")
+    cases += [case("alternate-4", rc.wavefront_strategy(relu, 2, 4, hand_over=1), model="rnnlm_relu"),
+              case("wavefront-2", rc.wavefront_strategy(relu, 2, 2), model="rnnlm_relu")]
     run_and_check(cases)
 
 

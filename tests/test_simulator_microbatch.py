@@ -509,13 +509,16 @@ def test_a_chunk_on_another_device_waits_for_the_transfer_of_its_state():
     assert plan.collectives()[0]["all_to_all"]["count"] >= 6
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_delta_equals_full_with_lstm_chunks(schedule):
-    """The LSTMs of the RNN LM in chunks half the time they are drawn (a chunk after the one it starts
-    from, its backward before), half of those with chunks on different devices (the state's transfer
-    between them), also under equal durations (ties broken by the chunks' keys), under both schedules."""
-    graph = rc.capture_workload(functools.partial(rc.zoo_build, "rnnlm", 8, hidden=16, embed=8, vocab=32, steps=4))
-    lstms = [op.name for op in graph if op.kind == "lstm"]
+@pytest.mark.parametrize(("schedule", "cell"), [("gpipe", "lstm"), ("1f1b", "lstm"), ("gpipe", "gru")])
+def test_delta_equals_full_with_lstm_chunks(schedule, cell):
+    """The LSTMs (or GRUs, whose state is h alone) of the RNN LM in chunks half the time they are drawn (a
+    chunk after the one it starts from, its backward before), half of those with chunks on different
+    devices (the state's transfer between them), also under equal durations (ties broken by the chunks'
+    keys), under both schedules."""
+    graph = rc.capture_workload(functools.partial(rc.zoo_build, "rnnlm", 8, hidden=16, embed=8, vocab=32, steps=4,
+                                                  cell=cell))
+    lstms = [op.name for op in graph if op.kind == cell]
+    assert len(lstms) == 2
     seen = moved = 0
     setup = TrainSetup(schedule=schedule)
     for topology, cost, seed in (("cpu-2", None, 3), ("p100-2x2", FixedCostModel(

@@ -2,12 +2,12 @@
 
 Grouping follows ``nn_module_stack``: every call of a standard torch.nn leaf module (`LEAF_MODULES`) whose
 aten ops reduce to one op becomes one call of that module, which the builder names by the module path (a
-second call of the same module gets ``_1``, ...); the zero initial states an LSTM module makes (factory
-ops) fold into its call. Any other aten op becomes its own call, scoped by the path of the module whose
-forward made it, which the builder names ``<scope>.<aten op name>`` (``layer1.0.add``, ``flatten``,
-``layer1.0.relu_1``), numbered in graph order, so the same model always gives the same names. The ops of
-the loss function are scoped ``loss``. ``getitem`` nodes make no call (the builder folds them into
-references), and `nn.Identity` emits no aten op and so leaves no call.
+second call of the same module gets ``_1``, ...); the zero initial states a recurrent module (LSTM, GRU,
+RNN) makes (factory ops) fold into its call. Any other aten op becomes its own call, scoped by the path of
+the module whose forward made it, which the builder names ``<scope>.<aten op name>`` (``layer1.0.add``,
+``flatten``, ``layer1.0.relu_1``), numbered in graph order, so the same model always gives the same names.
+The ops of the loss function are scoped ``loss``. ``getitem`` nodes make no call (the builder folds them
+into references), and `nn.Identity` emits no aten op and so leaves no call.
 
 Imports torch.fx, `tracing` and `nodes`; must not import `mappers` or `builder`, the simulator, the
 search, the runtime or soapflow.
@@ -24,14 +24,14 @@ from soap.capture.tracing import _MODEL, _is_leaf, _model_fqn, _Traced
 
 _LOSS_SCOPE = "loss"
 
-# aten ops that make a tensor from nothing; inside a leaf-module call they fold into it (LSTM states)
+# aten ops that make a tensor from nothing; inside a leaf-module call they fold into it (recurrent modules' states)
 _FACTORIES = {"zeros", "ones", "empty", "full"}
 
 
 @dataclasses.dataclass(slots=True)
 class _Call:
     """One operator to emit: its main aten node, the module path scoping its name, and (for a whole
-    leaf-module call) the module path and the factory nodes (LSTM zero states) folded into it."""
+    leaf-module call) the module path and the factory nodes (a recurrent module's zero states) folded into it."""
 
     node: fx.Node
     scope: str

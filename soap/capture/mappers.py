@@ -204,21 +204,42 @@ def _embedding(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                   attrs={"padding_idx": None if padding_idx < 0 else padding_idx})
 
 
-@_maps("lstm")
-def _lstm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+def _recurrent_weights(b: _Context, call: _Call, a: dict[str, Any], num_states: int) -> dict[str, fx.Node] | None:
+    """The parameters of a recurrent module's call (aten ``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``),
+    or None where the call does not fit the recurrent kinds: an activation input [N, T, I], batch first,
+    unidirectional, with biases, no projection (4 weights per layer), no dropout between layers in
+    training, and `num_states` zero initial states made inside the call."""
     x, hx, weights = a.get("input"), a.get("hx"), a.get("params")
     layers = a.get("num_layers")
-    if (not b.is_act(x) or not isinstance(hx, list | tuple) or not isinstance(weights, list | tuple)
+    states = hx if isinstance(hx, list | tuple) else [hx]
+    if (not b.is_act(x) or len(states) != num_states or not isinstance(weights, list | tuple)
             or len(_shape(x)) != 3 or not a.get("batch_first") or a.get("bidirectional")
             or not a.get("has_biases") or len(weights) != 4 * layers
             or (a.get("dropout") and a.get("train") and layers > 1)
-            or not all(h in call.factories and _aten_name(h) == "zeros" for h in hx)
+            or not all(h in call.factories and _aten_name(h) == "zeros" for h in states)
             or not all(b.is_param(w) for w in weights)):
         return None
-    params = {b.local_name(w, call.module): w for w in weights}
-    hidden = _shape(weights[1])[1]
-    return _Draft(kind="lstm", inputs=[x], params=params,
-                  attrs={"hidden_size": int(hidden), "num_layers": int(layers)})
+    return {b.local_name(w, call.module): w for w in weights}
+
+
+@_maps("lstm")
+def _lstm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    if not isinstance(a.get("hx"), list | tuple) or (params := _recurrent_weights(b, call, a, 2)) is None:
+        return None
+    hidden = _shape(a["params"][1])[1]
+    return _Draft(kind="lstm", inputs=[a["input"]], params=params,
+                  attrs={"hidden_size": int(hidden), "num_layers": int(a["num_layers"])})
+
+
+@_maps("gru", "rnn_tanh", "rnn_relu")
+def _gru_rnn(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    if isinstance(a.get("hx"), list | tuple) or (params := _recurrent_weights(b, call, a, 1)) is None:
+        return None
+    name = _aten_name(call.node)
+    attrs: dict[str, Any] = {"hidden_size": int(_shape(a["params"][1])[1]), "num_layers": int(a["num_layers"])}
+    if name != "gru":
+        attrs["nonlinearity"] = name.removeprefix("rnn_")
+    return _Draft(kind="gru" if name == "gru" else "rnn", inputs=[a["input"]], params=params, attrs=attrs)
 
 
 def _only_first_output(call: _Call) -> bool:

@@ -3,7 +3,8 @@
 - RNNTC, text classification: embedding → 4 LSTM layers → linear classifier on the last step's output
   (the paper trains it on Movie Reviews, a two-class sentiment set, hence 2 classes).
 - RNNLM, language model: embedding → 2 LSTM layers → linear over the vocabulary at every step
-  (Penn Treebank in the paper).
+  (Penn Treebank in the paper); ``cell="gru"``, ``"rnn_tanh"`` or ``"rnn_relu"`` stacks GRU or plain RNN
+  layers instead.
 - NMT, translation: 4-layer LSTM encoder, 4-layer LSTM decoder, Luong-style dot attention of every
   decoder step over all encoder outputs, linear over the target vocabulary at every step (WMT English-German
   in the paper).
@@ -34,6 +35,21 @@ def _lstm_stack(num_layers: int, input_size: int, hidden: int) -> nn.ModuleList:
         for i in range(num_layers))
 
 
+# the recurrent layers `RNNLM` can stack, by `cell`, and the name of the module list holding them
+_STACK_NAMES = {"lstm": "lstms", "gru": "grus", "rnn_tanh": "rnns", "rnn_relu": "rnns"}
+
+
+def _recurrent_stack(cell: str, num_layers: int, input_size: int, hidden: int) -> nn.ModuleList:
+    if cell == "lstm":
+        return _lstm_stack(num_layers, input_size, hidden)
+    if cell == "gru":
+        return nn.ModuleList(nn.GRU(input_size if i == 0 else hidden, hidden, batch_first=True)
+                             for i in range(num_layers))
+    nonlinearity = cell.removeprefix("rnn_")
+    return nn.ModuleList(nn.RNN(input_size if i == 0 else hidden, hidden, nonlinearity=nonlinearity, batch_first=True)
+                         for i in range(num_layers))
+
+
 def _dropouts(count: int, p: float) -> nn.ModuleList:
     return nn.ModuleList(nn.Dropout(p=p) for _ in range(count))
 
@@ -58,19 +74,27 @@ class RNNTC(nn.Module):
 
 
 class RNNLM(nn.Module):
-    """Language model: `tokens[N, T]` → next-token logits `[N, T, vocab]`."""
+    """Language model: `tokens[N, T]` → next-token logits `[N, T, vocab]`.
 
-    def __init__(self, *, vocab: int, embed: int, hidden: int, num_layers: int, dropout: float) -> None:
+    `cell` picks the recurrent layers: ``lstm`` (FlexFlow's model; the layers are ``lstms.{i}``), ``gru``
+    (``grus.{i}``), ``rnn_tanh`` or ``rnn_relu`` (``nn.RNN`` with that nonlinearity, ``rnns.{i}``).
+    """
+
+    def __init__(self, *, vocab: int, embed: int, hidden: int, num_layers: int, dropout: float,
+                 cell: str = "lstm") -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab, embed)
         self.drops = _dropouts(num_layers + 1, dropout)
-        self.lstms = _lstm_stack(num_layers, embed, hidden)
+        if cell not in _STACK_NAMES:
+            raise ValueError(f"unknown recurrent cell {cell!r}; known: {', '.join(_STACK_NAMES)}")
+        self.stack_name = _STACK_NAMES[cell]
+        self.add_module(self.stack_name, _recurrent_stack(cell, num_layers, embed, hidden))
         self.decoder = nn.Linear(hidden, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
-        for drop, lstm in zip(self.drops, self.lstms, strict=False):
-            x, _ = lstm(drop(x))
+        for drop, layer in zip(self.drops, getattr(self, self.stack_name), strict=False):
+            x, _ = layer(drop(x))
         return self.decoder(self.drops[-1](x))
 
 
@@ -132,9 +156,10 @@ def rnntc(batch_size: int = 64, *, hidden: int = 1024, embed: int = 1024, vocab:
 
 
 def rnnlm(batch_size: int = 64, *, hidden: int = 1024, embed: int = 1024, vocab: int = 32768,
-          steps: int = 40, layers: int = 2, dropout: float = 0.0) -> tuple:
-    """RNNLM on `tokens[N, steps]` with next tokens `[N, steps]` as target (`lm_cross_entropy`)."""
-    module = RNNLM(vocab=vocab, embed=embed, hidden=hidden, num_layers=layers, dropout=dropout)
+          steps: int = 40, layers: int = 2, dropout: float = 0.0, cell: str = "lstm") -> tuple:
+    """RNNLM on `tokens[N, steps]` with next tokens `[N, steps]` as target (`lm_cross_entropy`); `cell`
+    ``gru``, ``rnn_tanh`` or ``rnn_relu`` stacks those layers in place of the LSTMs (`RNNLM`)."""
+    module = RNNLM(vocab=vocab, embed=embed, hidden=hidden, num_layers=layers, dropout=dropout, cell=cell)
     return module, (_tokens(batch_size, steps), _tokens(batch_size, steps)), lm_cross_entropy
 
 
