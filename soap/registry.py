@@ -454,6 +454,15 @@ class _Recurrent(OpDef):
     # gate blocks per layer (rows of weight_ih_l{k} are gates * H) and state tensors per layer
     gates: int = 0
     num_states: int = 0
+    # values the equations keep for backward per layer, step, sample and hidden unit, the layer's own
+    # output included (the last layer's is the op's output, kept anyway): each kind says which
+    saved_per_layer: int = 0
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        (n0, n1), (t0, t1) = box[0], box[1]
+        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
+        values = self.saved_per_layer * layers - 1
+        return values * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
 
     def carry_shapes(self, op: Operator, box: Box) -> tuple[tuple[int, ...], ...]:
         (n0, n1) = box[0]
@@ -505,14 +514,9 @@ class LSTM(_Recurrent):
     gates = 4
     num_states = 2  # (h, c)
 
-    def saved_bytes(self, op: Operator, box: Box) -> int:
-        # What the LSTM equations keep for backward per layer, step, sample and hidden unit: the four
-        # gate activations, the cell state and its tanh, and (below the last layer, whose output is the
-        # op's) the layer's output. Kernels may keep more: torch's CPU kernel (oneDNN) keeps a workspace
-        # about 2.5 times this.
-        (n0, n1), (t0, t1) = box[0], box[1]
-        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
-        return (7 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+    # the four gate activations, the cell state and its tanh, and the layer's output (7 L - 1 values).
+    # Kernels may keep more: torch's CPU kernel (oneDNN) keeps a workspace about 2.5 times this.
+    saved_per_layer = 7
 
     def flops(self, op: Operator) -> float:
         # 8 N T H (I + H) per layer: 4 gates, an input and a hidden matmul per step, 2 FLOPs per
@@ -537,14 +541,9 @@ class GRU(_Recurrent):
     gates = 3
     num_states = 1  # h
 
-    def saved_bytes(self, op: Operator, box: Box) -> int:
-        # What the GRU equations keep for backward per layer, step, sample and hidden unit: the gate
-        # activations r, z and n and the hidden projection W_hn h + b_hn (r's gradient reads it), and
-        # (below the last layer, whose output is the op's) the layer's output, which is also each
-        # step's h_{t-1}: (5 L - 1) values.
-        (n0, n1), (t0, t1) = box[0], box[1]
-        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
-        return (5 * layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+    # the gate activations r, z and n, the hidden projection W_hn h + b_hn (r's gradient reads it), and
+    # the layer's output, which is also each step's h_{t-1}: 5 L - 1 values
+    saved_per_layer = 5
 
     def flops(self, op: Operator) -> float:
         # 6 N T H (I + H) per layer (3 gates, an input and a hidden matmul per step, 2 FLOPs per
@@ -574,13 +573,9 @@ class RNN(_Recurrent):
     gates = 1
     num_states = 1  # h
 
-    def saved_bytes(self, op: Operator, box: Box) -> int:
-        # What the RNN equations keep for backward per layer, step, sample and hidden unit: tanh's and
-        # relu's gradients read their output, which is the layer's output and each step's h_{t-1}; the
-        # last layer's is the op's output, so only the (L - 1) layers below it keep a value.
-        (n0, n1), (t0, t1) = box[0], box[1]
-        layers, hidden = int(op.attrs["num_layers"]), int(op.attrs["hidden_size"])
-        return (layers - 1) * (n1 - n0) * (t1 - t0) * hidden * DTYPE_BYTES[op.outputs[0].dtype]
+    # tanh's and relu's gradients read their output, which is the layer's output and each step's
+    # h_{t-1}: L - 1 values
+    saved_per_layer = 1
 
     def flops(self, op: Operator) -> float:
         # 2 N T H (I + H) per layer: an input and a hidden matmul per step, 2 FLOPs per multiply-add;
