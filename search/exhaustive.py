@@ -1,9 +1,10 @@
 """Exhaustive search over every strategy of a small graph: the optimum the MCMC search should reach.
 
 Owns `exhaustive` and `space_size`. Every op the search proposes for (`search.space.ConfigSpace.ops`)
-takes every config of its space, depth first, each change costed by the caller's `Evaluator` (delta
-simulation: one op re-timed per step), so the strategies visited are exactly those the MCMC chains can
-reach, and the best that fits is the optimum of the search's own space under the simulator. The count
+takes every config `ConfigSpace.configs` enumerates, depth first, each change costed by the caller's
+`Evaluator` (delta simulation: one op re-timed per step), and the best that fits is the optimum of that
+space under the simulator: the chains' space without its micro-batched and chunked configs (repeated
+devices), which the chains reach only through their own moves (`search.space`). The count
 is the product of the ops' config counts: `space_size` says it before anything runs, and `exhaustive`
 refuses more than `limit` strategies. Meant for tests and benchmarks on graphs of a few ops on a few
 devices. Must not import torch, the runtime or soapflow.

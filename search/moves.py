@@ -35,10 +35,11 @@ the null move), and costs it as one proposal whatever its size. The mixture, fix
 
 Every config a move gives is one of the op's configs in the space (`ConfigSpace.contains`): ops for
 which it is not (a copy whose parameters another op shares cannot shard, a neighbour's layout the space
-does not hold) are left out of the move. The single moves are symmetric; the tied, copy, propagation
-and stage moves are not (their reverse is not as likely
-as they are), so, as in FlexFlow, the chain is Metropolis-Hastings in its acceptance rule but not an
-exact sampler of exp(-beta cost): the search wants the best strategy it meets, not the distribution.
+does not hold) are left out of the move. None of the mixture is exactly symmetric: a uniform draw
+leaves a micro-batched or chunked config that only the micro-batch and chunk moves enter, and the tied,
+copy, propagation and stage moves are not as likely reversed as made; so, as in FlexFlow, the chain is
+Metropolis-Hastings in its acceptance rule but not an exact sampler of exp(-beta cost): the search wants
+the best strategy it meets, not the distribution.
 
 Must not import torch, the runtime or soapflow.
 """

@@ -79,7 +79,7 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
         # one op at a time
         for name in outliers():
             for n in near[name]:
-                cfg = carried(graph, name, current[name], current[n], num_devices)
+                cfg = carried(graph, name, current[name], current[n], num_devices, other_op=n)
                 if cfg is not None and cfg != current[name] and moved_to({name: cfg}):
                     moved = True
                     break
@@ -87,7 +87,7 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
         for group in _groups(outliers(), near):
             members = set(group)
             for n in dict.fromkeys(m for g in group for m in near[g] if m not in members):
-                changes = {g: carried(graph, g, current[g], current[n], num_devices) for g in group}
+                changes = {g: carried(graph, g, current[g], current[n], num_devices, other_op=n) for g in group}
                 changes = {g: cfg for g, cfg in changes.items() if cfg is not None and cfg != current[g]}
                 if changes and moved_to(changes):
                     moved = True

@@ -103,7 +103,8 @@ def test_finds_at_least_the_best_baseline(graph_name: str):
     idx = [h[0] for h in result.history]
     assert idx == sorted(idx) and [h[2] for h in result.history] == sorted((h[2] for h in result.history),
                                                                           reverse=True)
-    assert result.history[-1][2] == result.best_cost.time_ms
+    # the chains' last improvement, then tidied (`search.tidy`: never slower, sometimes faster)
+    assert result.history[-1][2] >= result.best_cost.time_ms
     assert {c.name for c in result.chains} >= {"dp", "expert", "random0"}
 
 
