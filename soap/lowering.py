@@ -908,11 +908,19 @@ def step_order(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep])
     live = [i for i in range(flow.num_ops) if not flow.everywhere[i]]
     if all(ops[i].num_rounds == 1 for i in live):
         fwd: list[tuple[int, int]] = [(i, 0) for i in live]
-        return tuple((FORWARD, i, r) for i, r in fwd) + tuple(
-            (BACKWARD, i, r) for i, r in reversed(fwd) if flow.needs_bwd[i])
-    after = _round_deps(flow, ops, edges, live)
-    if flow.setup.schedule == "1f1b":
-        return _one_f_one_b(flow, ops, live, after)
+    else:
+        after = _round_deps(flow, ops, edges, live)
+        if flow.setup.schedule == "1f1b":
+            return _one_f_one_b(flow, ops, live, after)
+        fwd = _gpipe_forward(ops, live, after)
+    return tuple((FORWARD, i, r) for i, r in fwd) + tuple(
+        (BACKWARD, i, r) for i, r in reversed(fwd) if flow.needs_bwd[i])
+
+
+def _gpipe_forward(ops: Sequence[OpStep], live: Sequence[int],
+                   after: Mapping[tuple[int, int], set[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """GPipe's forward (module docstring, "Order"): a topological order of the rounds that takes first the
+    ready round ending earliest in its op, then the lowest op position."""
     waiting: dict[tuple[int, int], int] = {}
     for succ in after.values():
         for n in succ:
@@ -932,8 +940,7 @@ def step_order(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep])
             if not waiting[n]:
                 heapq.heappush(ready, (key(n), n))
     assert len(fwd) == sum(ops[i].num_rounds for i in live), "the rounds of a step form a cycle"
-    return tuple((FORWARD, i, r) for i, r in fwd) + tuple(
-        (BACKWARD, i, r) for i, r in reversed(fwd) if flow.needs_bwd[i])
+    return fwd
 
 
 def _round_deps(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep], live: Sequence[int]
