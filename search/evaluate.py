@@ -100,28 +100,28 @@ class FullEvaluator:
         self._pending = None
 
 
-# A move over more ops than this is costed by one full simulation rather than op by op (`Move`): a delta
-# simulation re-times everything after the op it changes, half the step on average.
+# On an evaluator without `propose_many`, a move over more ops than this is costed by one full simulation
+# (`start`) rather than op by op: each op's proposal re-times everything after it.
 MAX_DELTA_OPS = 2
 
 
 class Move:
     """A proposal over one op or several (`search.moves`), pending on an evaluator started on `current`:
     its `cost`, then exactly one `accept()` (the changed strategy becomes the evaluator's current one) or
-    `reject()` (`current` stays). Up to `MAX_DELTA_OPS` ops it is costed op by op (all but the last made
-    current, the last proposed; a rejection undoes them op by op), beyond that by one full simulation
-    of the changed strategy: on the evaluator's spare simulator where it has one (`DeltaEvaluator.trial`:
-    accepted, the spare becomes current; rejected, nothing is simulated again), else by `start` (and,
-    rejected, a `start` of `current`)."""
+    `reject()` (`current` stays). On a `DeltaEvaluator` it is one delta simulation whatever its size
+    (`Simulator.propose_many`: every op's tasks replaced, one replay). On another evaluator, up to
+    `MAX_DELTA_OPS` ops it is costed op by op (all but the last made current, the last proposed; a
+    rejection undoes them op by op), beyond that by `start` of the changed strategy (rejected, a `start`
+    of `current`)."""
 
     def __init__(self, evaluator: Evaluator, current: Strategy, changes: Mapping[str, ParallelConfig]):
         assert changes, "a move changes at least one op"
         self._evaluator, self._current = evaluator, current
         self.strategy = current.with_configs(changes)
-        self._whole = len(changes) > MAX_DELTA_OPS
-        self._trial = self._whole and isinstance(evaluator, DeltaEvaluator)
-        if self._trial:
-            self.cost = evaluator.trial(self.strategy)
+        self._one = isinstance(evaluator, DeltaEvaluator)
+        self._whole = not self._one and len(changes) > MAX_DELTA_OPS
+        if self._one:
+            self.cost = evaluator.propose_many(changes)
             return
         if self._whole:
             self.cost = evaluator.start(self.strategy)
@@ -133,14 +133,13 @@ class Move:
         self.cost = evaluator.propose(last, last_cfg)
 
     def accept(self) -> None:
-        if self._trial:
-            self._evaluator.adopt()
-        elif not self._whole:
+        if not self._whole:
             self._evaluator.accept()
 
     def reject(self) -> None:
-        if self._trial:
-            return  # the evaluator's current simulator never left `current`
+        if self._one:
+            self._evaluator.reject()
+            return
         if self._whole:
             self._evaluator.start(self._current)
             return
@@ -158,24 +157,11 @@ def simulated_cost(sim: Simulator) -> Cost:
 
 
 class DeltaEvaluator:
-    """An `Evaluator` on the simulator's delta simulation: a proposal re-times only what it changes.
-
-    `trial(strategy)` costs a whole strategy on a spare simulator (`Simulator.twin`, sharing the plan
-    caches) while `sim` stays on the current one; `adopt()` makes the trial current (the two swap)."""
+    """An `Evaluator` on the simulator's delta simulation: a proposal re-times only what it changes;
+    `propose_many` changes several ops in one proposal (one replay)."""
 
     def __init__(self, sim: Simulator):
         self.sim = sim
-        self._spare: Simulator | None = None
-
-    def trial(self, strategy: Strategy) -> Cost:
-        if self._spare is None:
-            self._spare = self.sim.twin()
-        self._spare.full(strategy)
-        return simulated_cost(self._spare)
-
-    def adopt(self) -> None:
-        assert self._spare is not None, "adopt needs a trial"
-        self.sim, self._spare = self._spare, self.sim
 
     def start(self, strategy: Strategy) -> Cost:
         self.sim.full(strategy)
@@ -183,6 +169,10 @@ class DeltaEvaluator:
 
     def propose(self, op: str, cfg: ParallelConfig) -> Cost:
         self.sim.propose(op, cfg)
+        return simulated_cost(self.sim)
+
+    def propose_many(self, changes: Mapping[str, ParallelConfig]) -> Cost:
+        self.sim.propose_many(changes)
         return simulated_cost(self.sim)
 
     def accept(self) -> None:

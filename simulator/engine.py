@@ -1,9 +1,10 @@
 """The simulator: task graph instantiation, full and delta simulation, accept/reject, memory totals.
 
 Owns `Simulator`. It builds the tasks of a strategy from `simulator.taskgraph` plans and times them; on
-a one-op change it replaces only that op's tasks, the transfers of its edges and its update tasks, edits
-the all-reduces of its bucket (and, where devices repeat, the round order's edges that change), and
-re-times only what can have changed. Must import only `soap` (and the stdlib, numpy): never torch, the
+a change of one op (or of several in one proposal, `propose_many`: op by op) it replaces only that op's
+tasks, the transfers of its edges and its update tasks, edits the all-reduces of its bucket (and, where
+devices repeat, the round order's edges that change, once per proposal), and re-times only what can
+have changed, by one replay. Must import only `soap` (and the stdlib, numpy): never torch, the
 runtime or the search.
 
 Semantics (exact, so that delta equals full). Times are integer nanoseconds. A task's ready time is the
@@ -26,7 +27,8 @@ smallest of: the old (ready, key) of every removed task and of every surviving t
 or duration changed, and, for every new task whose predecessors are all old, (latest end of those, key).
 Every task before K0 in the old order keeps its times (its inputs are unchanged and come before it), and
 every task at or after K0 comes after it in the new order (the first task whose times change is one of
-those seeds), so replaying Kahn's algorithm from K0 -- from the resources' state at K0, over the old
+those seeds; over several ops, K0 is the smallest over all of them, old meaning before the first), so
+replaying Kahn's algorithm from K0 -- from the resources' state at K0, over the old
 suffix plus the new tasks -- gives exactly the full simulation's times. The replay is the O(tasks) part,
 proportional to the part of the iteration after the change. `propose` keeps an undo journal, so
 `reject` restores the previous state (tasks, edges, times, orders) without simulating.
@@ -136,11 +138,13 @@ class _SyncEdit(NamedTuple):
 
 
 class _Journal:
-    """What `propose` changed, for `reject` to undo it (`noop`: the proposal changed nothing)."""
+    """What `propose` changed, for `reject` to undo it (`noop`: the proposal changed nothing): per op
+    changed, a journal of its own in `steps` (its units, edges, all-reduces, memory); for the whole
+    proposal, the round order's edges and the old times and order of the replay."""
 
     __slots__ = ("noop", "op", "cfg", "plan", "params", "old_len", "mem", "moved", "iteration", "dead",
                  "removed", "gone", "synced", "cut", "added", "links", "new_syncs", "order", "end", "rk", "cuts",
-                 "res_tails", "rounds", "round_links", "round_cut", "unsorted", "flight")
+                 "res_tails", "rounds", "round_links", "round_cut", "unsorted", "flight", "steps")
 
     def __init__(self, *, noop: bool = False):
         self.noop = noop
@@ -184,18 +188,6 @@ class Simulator:
         self._sh = self._kb + _TID_BITS  # a priority is (ready << _sh) | (key << _TID_BITS) | task id
         self._configs: list[ParallelConfig] | None = None
         self._journal: _Journal | None = None
-
-    def twin(self) -> Simulator:
-        """Another simulator of the same graph, topology, cost model and setup, sharing this one's plan and
-        route caches (pure functions of those): a second state, say to try a whole strategy while this one
-        keeps the current."""
-        twin = object.__new__(Simulator)
-        for name in ("graph", "replicas", "topology", "setup", "cost_model", "flow", "keys", "comm", "planner",
-                     "num_devices", "num_resources", "capacity", "_kb", "_sh"):
-            setattr(twin, name, getattr(self, name))
-        twin._configs = None
-        twin._journal = None
-        return twin
 
     # -- public API ----------------------------------------------------------------------------------
 
@@ -251,23 +243,34 @@ class Simulator:
         Must be followed by `accept` or `reject` before the next `propose` (`StrategyError` when `cfg`
         does not fit the op or the topology).
         """
+        return self.propose_many({op: cfg})
+
+    def propose_many(self, changes: Mapping[str, ParallelConfig]) -> float:
+        """Change several ops at once (op -> config) by one delta simulation: every op's tasks are
+        replaced, then one replay re-times everything from the earliest point any of them can change.
+        Returns the new iteration time in ms; `accept` or `reject` as after `propose`. Nothing changes
+        when a config is refused (`StrategyError`) or an op is unknown (`ValueError`)."""
         self._need_state()
         if self.replicas is not None:
             raise RuntimeError("a simulator of one replica simulates whole strategies only (full)")
         if self._journal is not None:
             raise RuntimeError("a proposal is pending: accept() or reject() it first")
-        i = self.flow.index.get(op)
-        if i is None:
-            raise ValueError(f"no operator named {op!r} in graph {self.graph.name!r}")
-        try:
-            validate(self.graph.ops[i], cfg, self.num_devices)
-        except ConfigError as exc:
-            raise StrategyError(str(exc)) from None
-        if cfg == self._configs[i]:
-            self._journal = _Journal(noop=True)
+        items = []
+        for op, cfg in changes.items():
+            i = self.flow.index.get(op)
+            if i is None:
+                raise ValueError(f"no operator named {op!r} in graph {self.graph.name!r}")
+            try:
+                validate(self.graph.ops[i], cfg, self.num_devices)
+            except ConfigError as exc:
+                raise StrategyError(str(exc)) from None
+            if cfg != self._configs[i]:
+                self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
+                items.append((i, cfg))
+        if items:
+            self._delta(items)
         else:
-            self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
-            self._delta(i, cfg)
+            self._journal = _Journal(noop=True)
         return self._iteration_ns / 1e6
 
     def accept(self) -> None:
@@ -724,16 +727,87 @@ class Simulator:
 
     # -- delta ---------------------------------------------------------------------------------------
 
-    def _delta(self, i: int, cfg: ParallelConfig) -> None:
+    def _delta(self, items: list[tuple[int, ParallelConfig]]) -> None:
+        """Change op position -> config `items` one by one (`_change`), update the round order's edges
+        once, then re-time by one replay from the earliest point any of it can change (module docstring)."""
+        old_len = len(self._dur)
+        move = _Journal()
+        move.steps = []
+        k0 = _NEW
+        links: list[Link] = []  # every edge the changes add
+        for i, cfg in items:
+            j = _Journal()
+            k0 = min(k0, self._change(i, cfg, j, old_len))
+            links += j.links
+            move.steps.append(j)
+        # the round order's edges: those that changed (edges of new tasks are all new)
+        move.round_links, move.unsorted, move.flight = self._round_links, self._unsorted, self._flight
+        new_order, self._flight = self._order_links()
+        move.links = []
+        move.round_cut = []
+        if new_order or move.round_links:
+            kept_order = set(new_order)
+            move.round_cut = [link for link in move.round_links if link not in kept_order]
+            k0 = min(k0, self._unlink(move.round_cut, old_len))
+            old_order = set(move.round_links)
+            move.links = [link for link in new_order if link not in old_order]
+            self._apply(move.links)
+            links += move.links
+        self._round_links = new_order
+        self._unsorted = self._may_unsort(new_order)
+        # the earliest point anything can change: an old task with a new predecessor, a new task whose
+        # predecessors are all old
+        alive, end, rk, preds, sh, kt = self._alive, self._end, self._rk, self._preds, self._sh, self._kt
+        for _, v in links:
+            if v < old_len and rk[v] < k0:
+                k0 = rk[v]
+        for t in range(old_len, len(self._dur)):
+            if not alive[t]:
+                continue  # added by one change, taken out by a later one
+            ready = 0
+            for p in preds[t]:
+                if p >= old_len:
+                    break
+                if end[p] > ready:
+                    ready = end[p]
+            else:
+                c = (ready << sh) | kt[t]
+                if c < k0:
+                    k0 = c
+        if move.unsorted:
+            k0 = 0  # the old order may not be sorted by (ready, key): replay everything
+        self._replay(k0, old_len, move)
+        self._journal = move
+
+    def _unlink(self, pairs: list[Link], old_len: int) -> int:
+        """Cut edges `pairs` where their ends live on; returns the earliest priority a cut target may now
+        have (the replay starts no later): its old one, or its priority with the old predecessors it keeps
+        (those that replay come before it anyway, and new ones replay; the others keep their ends)."""
+        alive, preds, succs, rk, end, sh, kt = (self._alive, self._preds, self._succs, self._rk, self._end, self._sh,
+                                               self._kt)
+        k0 = _NEW
+        for a, v in pairs:
+            if alive[a]:
+                succs[a].remove(v)
+            if alive[v]:
+                preds[v].remove(a)
+                c = min(rk[v], (max((end[p] for p in preds[v] if p < old_len and alive[p]), default=0) << sh) | kt[v])
+                if c < k0:
+                    k0 = c
+        return k0
+
+    def _change(self, i: int, cfg: ParallelConfig, j: _Journal, old_len: int) -> int:
+        """Replace op `i`'s units (its tasks, the exchanges of its edges, its parameter unit's updates) and
+        edit its all-reduces for config `cfg`, recording in `j` what `_undo_change` needs; returns the
+        earliest old priority that changed (old: before the first change of the proposal, `old_len` tasks)."""
         flow = self.flow
         u = flow.unit[i]
         old_plan = self._plans[i]
         edges = flow.in_edges[i] + flow.out_edges[i]
-        old_len = len(self._dur)
-        j = _Journal()
-        j.op, j.cfg, j.plan, j.old_len = i, self._configs[i], old_plan, old_len
+        j.op, j.cfg, j.plan, j.old_len = i, self._configs[i], old_plan, len(self._dur)
         j.params = self._params[u] if u >= 0 else None
         j.mem, j.moved, j.iteration, j.dead = list(self._mem), self._moved, self._iteration_ns, self._dead
+        j.rounds = self._rounds
         self._configs[i] = cfg
         new_plan = self.planner.op_plan(i, cfg)
         new_params = self._param_plan(u) if u >= 0 else None
@@ -755,25 +829,8 @@ class Simulator:
                 if rk[t] < k0:
                     k0 = rk[t]
             gone.update(unit.tids)
-
-        end_, sh_, kt_ = self._end, self._sh, self._kt
-
-        def unlink(pairs) -> None:
-            """Cut edges `pairs` where their ends live on; the replay starts no later than a cut target, nor
-            than where the target may now come: its priority with the predecessors it keeps (those that
-            replay come before it anyway; those that do not keep their ends)."""
-            nonlocal k0
-            for a, v in pairs:
-                if alive[a]:
-                    succs[a].remove(v)
-                if alive[v]:
-                    preds[v].remove(a)
-                    c = min(rk[v], (max((end_[p] for p in preds[v] if alive[p]), default=0) << sh_) | kt_[v])
-                    if c < k0:
-                        k0 = c
-
         for _, _, unit in removed:
-            unlink(unit.links)
+            k0 = min(k0, self._unlink(unit.links, old_len))
         # the all-reduces the unit takes part in: edited in place (its edges out, its new ones in below)
         synced: list[_SyncEdit] = []
         cut: list[Link] = []
@@ -805,7 +862,6 @@ class Simulator:
         # 2. put in the new units
         self._configs[i] = cfg
         self._plans[i] = new_plan
-        j.rounds, j.round_links, j.unsorted, j.flight = self._rounds, self._round_links, self._unsorted, self._flight
         self._rounds += (new_plan.step.num_rounds > 1) - (old_plan.step.num_rounds > 1)
         links: list[Link] = []
         added = [("op", i, self._add_op_unit(i, links))]
@@ -833,41 +889,10 @@ class Simulator:
                 _, ns, _, wire = self._sync_figures(edit.sid, edit.sync.members)
                 self._dur[edit.sync.tid] = ns
                 self._nbytes[edit.sync.tid] = wire
-        # the round order's edges: those that changed (edges of the op's new tasks are all new)
-        new_order, self._flight = self._order_links()
-        if new_order or j.round_links:
-            kept_order = set(new_order)
-            j.round_cut = [link for link in j.round_links if link not in kept_order]
-            unlink(j.round_cut)
-            old_order = set(j.round_links)
-            links += [link for link in new_order if link not in old_order]
-        else:
-            j.round_cut = []
-        self._round_links = new_order
-        self._unsorted = self._may_unsort(new_order)
         j.added, j.links, j.new_syncs = added, links, new_syncs
         self._apply(links)
         self._account(new_plan, new_params, edges, sids, 1)
-        # 3. the earliest point anything can change
-        end, sh, kt = self._end, self._sh, self._kt
-        for _, v in links:
-            if v < old_len and rk[v] < k0:
-                k0 = rk[v]
-        for t in range(old_len, len(self._dur)):
-            ready = 0
-            for p in preds[t]:
-                if p >= old_len:
-                    break
-                if end[p] > ready:
-                    ready = end[p]
-            else:
-                c = (ready << sh) | kt[t]
-                if c < k0:
-                    k0 = c
-        if j.unsorted:
-            k0 = 0  # the old order may not be sorted by (ready, key): replay everything
-        self._replay(k0, old_len, j)
-        self._journal = j
+        return k0
 
     def _account(self, plan: OpPlan, params: ParamPlan | None, edges: list[int], sids: list[SyncId],
                  sign: int) -> None:
@@ -926,16 +951,40 @@ class Simulator:
                     if not c:
                         heap.append(u)
         # tasks without predecessors have ready time 0: after the cut only new ones, unless it is at time 0
-        sources = range(old_len, n) if k0 >> sh else [t for t in order[pos:] if alive[t]] + list(range(old_len, n))
+        new = [t for t in range(old_len, n) if alive[t]]
+        sources = new if k0 >> sh else [t for t in order[pos:] if alive[t]] + new
         heap += [t for t in sources if not preds[t]]
         heap = [(rdy[t] << sh) | kt[t] for t in heap]
         heapify(heap)
         self._run(heap, indeg, rdy, last_end)
         self._iteration_ns = max(last_end)
-        assert len(self._order) == len(order) - len(j.gone) + n - old_len, \
+        assert len(self._order) == sum(map(alive.__getitem__, order)) + len(new), \
             "a task of the suffix was never ready"
 
     def _undo(self, j: _Journal) -> None:
+        """Restore the state before proposal `j`: its round order's edges, each change (the last first),
+        the old times and order."""
+        succs, preds, alive = self._succs, self._preds, self._alive
+        for a, v in j.links:
+            succs[a].remove(v)
+            preds[v].remove(a)
+        for a, v in j.round_cut:
+            if alive[a]:
+                succs[a].append(v)
+            if alive[v]:
+                preds[v].append(a)
+        self._round_links, self._unsorted, self._flight = j.round_links, j.unsorted, j.flight
+        for step in reversed(j.steps):
+            self._undo_change(step)
+        self._end, self._rk, self._order = j.end, j.rk, j.order
+        res_tids = self._res_tids
+        for x, c in enumerate(j.cuts):
+            del res_tids[x][c:]
+        for x, tail in j.res_tails:
+            res_tids[x] += tail
+
+    def _undo_change(self, j: _Journal) -> None:
+        """Undo one `_change` (the proposal's later changes undone already)."""
         old_len = j.old_len
         succs, preds, alive = self._succs, self._preds, self._alive
         kept = {edit.sync.tid for edit in j.synced}  # their edge lists come back whole below
@@ -958,13 +1007,7 @@ class Simulator:
                     preds[v].append(a)
         for a, t in j.cut:  # the all-reduce's own lists come back whole below
             succs[a].append(t)
-        for a, v in j.round_cut:
-            if a not in gone:
-                succs[a].append(v)
-            if v not in gone:
-                preds[v].append(a)
-        self._rounds, self._round_links, self._unsorted, self._flight = (j.rounds, j.round_links, j.unsorted,
-                                                                         j.flight)
+        self._rounds = j.rounds
         for sid in j.new_syncs:
             del self._syncs[sid]
         for edit in j.synced:
@@ -992,12 +1035,6 @@ class Simulator:
         self._moved = j.moved
         self._iteration_ns = j.iteration
         self._dead = j.dead
-        self._end, self._rk, self._order = j.end, j.rk, j.order
-        res_tids = self._res_tids
-        for x, c in enumerate(j.cuts):
-            del res_tids[x][c:]
-        for x, tail in j.res_tails:
-            res_tids[x] += tail
 
     # -- critical path -------------------------------------------------------------------------------
 

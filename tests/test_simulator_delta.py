@@ -185,3 +185,78 @@ def test_delta_equals_full_from_random_strategies_long(topology):
     """Random starting strategies on many devices make all-to-all resharding: thousands of transfers."""
     run_chain(chain(batch=64, depth=6), load_topology(topology), proposals=60, seed=3, start="random")
     run_chain(small_cnn(), load_topology(topology), proposals=60, seed=4, start="random")
+
+
+# --------------------------------------------------------------------------- several ops in one proposal
+
+
+def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int, seed: int,
+                   setup: TrainSetup | None = None, structural: bool = False) -> int:
+    """Like `run_chain`, with proposals over several ops at once (`Simulator.propose_many`): the search's
+    moves (`structural`: tied, copy, propagation, module, stage and single moves) or 2-6 ops drawn at
+    random, half the time consecutive ones (so that changed ops share edges). Returns how many proposals
+    changed two ops or more."""
+    from search.moves import Moves
+
+    rng = random.Random(seed)
+    sim = Simulator(graph, topology, setup=setup)
+    ref = Simulator(graph, topology, setup=setup)
+    current = data_parallel(graph, tuple(range(topology.num_devices)))
+    sim.full(current)
+    space = ConfigSpace(graph, topology)
+    moves = Moves(graph, space, [current])
+    names = list(space.ops)
+    several = 0
+    for k in range(proposals):
+        if structural:
+            changes = moves.propose(rng, current)
+        else:
+            n = rng.randint(2, min(6, len(names)))
+            if rng.random() < 0.5:
+                first = rng.randrange(len(names) - n + 1)
+                picked = names[first:first + n]
+            else:
+                picked = rng.sample(names, n)
+            changes = {name: space.propose_for(name, rng, current) for name in picked}
+        several += sum(cfg != current[name] for name, cfg in changes.items()) >= 2
+        proposed = current.with_configs(changes)
+        t_ms = sim.propose_many(changes)
+        full = ref.full(proposed)
+        assert sim.strategy == proposed
+        assert t_ms == full.iteration_time_ms, f"proposal {k}: {changes}"
+        assert _state(sim) == _state(ref), f"proposal {k}: {changes}"
+        if k % CHECK_TIMES_EVERY == 0:
+            assert sim.timeline().task_times() == full.task_times(), f"proposal {k}: {changes}"
+        current = accept_or_reject(sim, ref, current, proposed, k, rng, check_times=True)
+    fresh = Simulator(graph, topology, setup=setup).full(current)
+    assert sim.timeline().task_times() == fresh.task_times()
+    return several
+
+
+@pytest.mark.parametrize(("graph_name", "topology", "proposals"), [
+    ("mlp", "cpu-2", 120), ("chain", "p100-4x4", 60), ("small_cnn", "p100-4x4", 40)])
+def test_delta_over_several_ops_equals_full(graph_name, topology, proposals):
+    several = run_many_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals, seed=proposals)
+    assert several >= proposals // 2
+
+
+def test_delta_over_several_ops_with_tied_parameters():
+    """Two ops of one parameter unit changed in one proposal re-lower the unit twice."""
+    several = run_many_chain(tied_chain(), load_topology("p100-4x4"), proposals=80, seed=5,
+                             setup=TrainSetup(optimizer="adamw", bucket_mb=0.02))
+    assert several >= 40
+
+
+@pytest.mark.parametrize(("model", "topology", "proposals"), [("rnnlm", "p100-4x4", 60),
+                                                             ("transformer", "cpu-2", 80)])
+def test_delta_of_the_search_moves_equals_full(zoo_graphs, model, topology, proposals):
+    """The search's moves (tied moves over every layer, stage moves into micro-batches, chunks)."""
+    graph = zoo_graphs[model] if model in zoo_graphs else _zoo_graph(model)
+    several = run_many_chain(graph, load_topology(topology), proposals=proposals, seed=proposals, structural=True)
+    assert several >= proposals // 8
+
+
+def _zoo_graph(name: str) -> OperatorGraph:
+    from soapflow.api import capture_model
+
+    return capture_model(name, batch_size=8)[1]
