@@ -41,7 +41,10 @@ VIEW_KINDS = frozenset({"reshape", "transpose", "slice", "split"})
 @runtime_checkable
 class CostModel(Protocol):
     """Compute times of op parts and optimizer steps, in milliseconds. A model may also have a
-    `comm_overhead` attribute (`simulator.comm.CommOverhead`); the simulator reads it with a zero default."""
+    `comm_overhead` attribute (`simulator.comm.CommOverhead`); the simulator reads it with a zero default.
+    And a `by_computation` attribute, true when it prices a part by the op's computation alone (kind,
+    shapes, attributes, parameters, FLOPs; never its name), so that copies of an op share their priced
+    plans (`simulator.taskgraph.Planner`); read with a false default."""
 
     def compute_ms(self, op: Operator, box: Box, device: Device,
                    grads: Sequence[bool] | None = None) -> tuple[float, float]:
@@ -139,6 +142,11 @@ class AnalyticalCostModel:
     update_scale: float = 1.0
     comm_overhead: CommOverhead = NO_OVERHEAD
     kernel_fits: Mapping[str, KernelFit] = field(default_factory=lambda: KERNEL_FITS)
+
+    @property
+    def by_computation(self) -> bool:
+        """A part's price follows from its op's kind, shapes, FLOPs and bytes, never the op's name."""
+        return True
 
     def __post_init__(self) -> None:
         # a device kind given efficiencies of its own (a calibrated machine profile) keeps the flat roofline
@@ -249,6 +257,11 @@ class MeasuredCostModel:
 
     __slots__ = ("db", "fallback", "hits", "misses", "overhead_ms", "scale", "solo")
 
+    @property
+    def by_computation(self) -> bool:
+        """The database is keyed by computation (`soap.costdb.part_key`): as the fallback."""
+        return bool(getattr(self.fallback, "by_computation", False))
+
     def __init__(self, db: CostDatabase, fallback: CostModel | None = None, *, overhead_ms: float = 0.0,
                  scale: float = 1.0, solo: bool = True):
         if not (overhead_ms >= 0 and math.isfinite(overhead_ms)):
@@ -309,6 +322,11 @@ class FixedCostModel:
     update_each_ms: float = 0.0
     reduce_each_ms: float = 0.0
     comm_overhead: CommOverhead = NO_OVERHEAD
+
+    @property
+    def by_computation(self) -> bool:
+        """Without per-op overrides (by name) every op costs the same."""
+        return not self.per_op_ms
 
     def __post_init__(self) -> None:
         table: dict[str, tuple[float, float]] = {}

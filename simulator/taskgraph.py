@@ -235,7 +235,11 @@ class Planner:
 
     The caches are keyed by (op, config), (edge, producer config, consumer config) and (unit, configs of
     its ops) and hold pure functions of those, so they never change a result; they are cleared when they
-    pass `cache_limit` entries to bound memory over long searches.
+    pass `cache_limit` entries to bound memory over long searches. Copies of an op (`GradFlow.op_class`:
+    the same computation, as in every layer of a transformer) share their lowering, and, under a cost
+    model that prices by computation (its `by_computation` attribute true), their priced plan: the copy's
+    plan is the first one's with its own task keys. So are copies of an edge (`GradFlow.edge_class`).
+    A search's tied move over every layer then lowers and prices each new config once.
     """
 
     def __init__(self, flow: GradFlow, topology: DeviceTopology, cost_model: CostModel, keys: KeySpace,
@@ -250,6 +254,10 @@ class Planner:
         self._ops: dict[tuple[int, ParallelConfig], OpPlan] = {}
         self._edges: dict[tuple[int, ParallelConfig, ParallelConfig], EdgePlan] = {}
         self._params: dict[tuple[int, tuple[ParallelConfig, ...]], ParamPlan] = {}
+        # per (class, config(s)): the first plan made (priced by computation) or lowering (otherwise)
+        self._share = bool(getattr(cost_model, "by_computation", False))
+        self._op_firsts: dict[tuple[int, ParallelConfig], OpPlan | OpStep] = {}
+        self._edge_firsts: dict[tuple[int, ParallelConfig, ParallelConfig], EdgePlan | EdgeStep] = {}
 
     def _cached(self, cache: dict, key, make):
         hit = cache.get(key)
@@ -265,12 +273,25 @@ class Planner:
         return self._cached(self._ops, (i, cfg), lambda: self._make_op_plan(i, cfg))
 
     def _make_op_plan(self, i: int, cfg: ParallelConfig) -> OpPlan:
-        flow, keys = self.flow, self.keys
-        step = lower_op(flow, i, cfg, self.replicas)
+        flow = self.flow
+        first_key = (flow.op_class[i], cfg)
+        first = self._op_firsts.get(first_key)
+        if isinstance(first, OpPlan):  # a copy's plan, priced by computation: only the keys differ
+            plan = OpPlan(first.step.for_op(i))
+            for name in ("fwd_ns", "bwd_ns", "mem", "transient", "carries", "carry_xfers", "moved"):
+                setattr(plan, name, getattr(first, name))
+            return self._key_op(plan, i)
+        step = first.for_op(i) if first is not None else lower_op(flow, i, cfg, self.replicas)
         plan = OpPlan(step)
-        if flow.everywhere[i]:
-            return plan
-        op = flow.ops[i]
+        if not flow.everywhere[i]:
+            self._price_op(plan, i)
+        self._keep(self._op_firsts, first_key, plan if self._share else step)
+        return self._key_op(plan, i)
+
+    def _price_op(self, plan: OpPlan, i: int) -> None:
+        """Fill in `plan`'s durations, memory and carries (task keys: `_key_op`)."""
+        step = plan.step
+        op = self.flow.ops[i]
         if step.num_rounds > MAX_ROUNDS:
             raise StrategyError(f"op {op.name!r} runs in {step.num_rounds} rounds; the simulator "
                                 f"times at most {MAX_ROUNDS}")
@@ -278,9 +299,7 @@ class Planner:
             plan.mem[d] = plan.mem.get(d, 0) + nbytes
             if extra:
                 plan.transient[d] = max(plan.transient.get(d, 0), extra)
-        fpos, bpos = keys.fwd_pos(i), keys.bwd_pos(i)
-        grads = flow.grad_inputs[i]
-        chunked = any(p is not None for p in step.carry_from)
+        grads = self.flow.grad_inputs[i]
         for c, (b, d) in enumerate(zip(step.boxes, step.devices, strict=True)):
             fwd_ms, bwd_ms = self.cost_model.compute_ms(op, b, self.topology.devices[d], grads)
             fwd_ns, bwd_ns = ms_to_ns(fwd_ms), ms_to_ns(bwd_ms)
@@ -294,22 +313,37 @@ class Planner:
                 bwd_ns += gather * (2 if step.recompute else 1)
                 bwd_ns += self.comm.collective(group, step.scatter_bytes[c], REDUCE_SCATTER)[1]
             plan.fwd_ns.append(fwd_ns)
-            plan.fwd_keys.append(keys.make(fpos, SUB_COMPUTE, 0, c, 0))
             if step.runs_bwd:
                 plan.bwd_ns.append(bwd_ns)
-                # chunks: the backward of a chunk runs before the one it starts from, so their keys count
-                # down the parts in the field before the part (keys increase along every dependency)
-                plan.bwd_keys.append(keys.make(bpos, SUB_COMPUTE, step.num_parts - 1 - c if chunked else 0, c, 0))
         moves = {c for c, _, _ in step.carry_moves}
         plan.carries = [(p, c) for c, p in enumerate(step.carry_from) if p is not None and c not in moves]
-        n, dev = step.num_parts, step.devices
+        dev = step.devices
         for c, p, nbytes in step.carry_moves:
-            fwd = self._exchange([(p, c, nbytes)], dev, dev, keys.make(fpos, SUB_COMPUTE, 0, p, 1))
-            bwd = (self._exchange([(c, p, nbytes)], dev, dev, keys.make(bpos, SUB_COMPUTE, n - 1 - c, c, 1))
-                   if step.runs_bwd else None)
+            fwd = self._exchange([(p, c, nbytes)], dev, dev, 0)
+            bwd = self._exchange([(c, p, nbytes)], dev, dev, 0) if step.runs_bwd else None
             plan.carry_xfers.append((p, c, fwd, bwd))
             plan.moved += nbytes * (2 if step.runs_bwd else 1)
+
+    def _key_op(self, plan: OpPlan, i: int) -> OpPlan:
+        """Set the keys of op `i`'s tasks in `plan` (priced for it or for a copy of it)."""
+        keys, step = self.keys, plan.step
+        fpos, bpos = keys.fwd_pos(i), keys.bwd_pos(i)
+        n = step.num_parts
+        # chunks: the backward of a chunk runs before the one it starts from, so their keys count down the
+        # parts in the field before the part (keys increase along every dependency)
+        chunked = any(p is not None for p in step.carry_from)
+        plan.fwd_keys = [keys.make(fpos, SUB_COMPUTE, 0, c, 0) for c in range(len(plan.fwd_ns))]
+        plan.bwd_keys = [keys.make(bpos, SUB_COMPUTE, n - 1 - c if chunked else 0, c, 0)
+                         for c in range(len(plan.bwd_ns))]
+        plan.carry_xfers = [(p, c, fwd._replace(key=keys.make(fpos, SUB_COMPUTE, 0, p, 1)),
+                             None if bwd is None else bwd._replace(key=keys.make(bpos, SUB_COMPUTE, n - 1 - c, c, 1)))
+                            for p, c, fwd, bwd in plan.carry_xfers]
         return plan
+
+    def _keep(self, firsts: dict, key, value) -> None:
+        if len(firsts) >= self.cache_limit:
+            firsts.clear()
+        firsts[key] = value
 
     # -- edges -----------------------------------------------------------------------------------------
 
@@ -317,35 +351,59 @@ class Planner:
         return self._cached(self._edges, (eid, pcfg, ccfg), lambda: self._make_edge_plan(eid, pcfg, ccfg))
 
     def _make_edge_plan(self, eid: int, pcfg: ParallelConfig, ccfg: ParallelConfig) -> EdgePlan:
-        keys = self.keys
-        edge = self.flow.edges[eid]
-        prod = self.op_plan(edge.src, pcfg).step
-        cons = self.op_plan(edge.dst, ccfg).step
-        step = lower_edge(self.flow, eid, prod, cons, self.replicas)
+        flow = self.flow
+        edge = flow.edges[eid]
+        first_key = (flow.edge_class[eid], pcfg, ccfg)
+        first = self._edge_firsts.get(first_key)
+        if isinstance(first, EdgePlan):  # a copy's plan: only the keys differ
+            plan = EdgePlan(first.step.for_edge(eid))
+            for name in ("fwd_dep", "fwd_xfer", "fwd_reduce", "bwd_dep", "bwd_xfer", "bwd_reduce"):
+                setattr(plan, name, getattr(first, name))
+            return self._key_edge(plan, eid)
+        if first is not None:
+            step = first.for_edge(eid)
+        else:
+            prod = self.op_plan(edge.src, pcfg).step
+            cons = self.op_plan(edge.dst, ccfg).step
+            step = lower_edge(flow, eid, prod, cons, self.replicas)
         plan = EdgePlan(step)
-        pdev, cdev = prod.devices, cons.devices
+        self._price_edge(plan, edge, self.op_plan(edge.src, pcfg).devices, self.op_plan(edge.dst, ccfg).devices)
+        self._keep(self._edge_firsts, first_key, plan if self._share else step)
+        return self._key_edge(plan, eid)
+
+    def _price_edge(self, plan: EdgePlan, edge, pdev: tuple[int, ...], cdev: tuple[int, ...]) -> None:
+        """Fill in `plan`'s dependencies, exchanges and reduces (task keys: `_key_edge`)."""
+        step = plan.step
         moving = set(step.moving)
         plan.fwd_dep = [(p, c) for k, (p, c, _, _) in enumerate(step.pieces) if k not in moving]
-        fpos = keys.fwd_pos(edge.dst)
         # (round, its pieces as (producer part, consumer part, bytes)) per exchange
-        exchanges = [(r, [(p, c, nb) for p, c, nb, _ in map(step.pieces.__getitem__, ks)])
-                     for r, _, ks in step.exchanges]
-        plan.fwd_xfer = [self._exchange(pieces, pdev, cdev, keys.make(fpos, SUB_XFER, edge.slot, r, 0))
-                         for r, pieces in exchanges]
+        exchanges = [[(p, c, nb) for p, c, nb, _ in map(step.pieces.__getitem__, ks)] for _, _, ks in step.exchanges]
+        plan.fwd_xfer = [self._exchange(pieces, pdev, cdev, 0) for pieces in exchanges]
         for c, k, nbytes in step.sums:
             dev = self.topology.devices[cdev[c]]
-            plan.fwd_reduce.append(Reduce(c, ms_to_ns(self.cost_model.reduce_ms(nbytes, k, dev)),
-                                          keys.make(fpos, SUB_REDUCE, edge.slot, c, 0), cdev[c]))
+            plan.fwd_reduce.append(Reduce(c, ms_to_ns(self.cost_model.reduce_ms(nbytes, k, dev)), 0, cdev[c]))
         if step.grad:
-            bpos = keys.bwd_pos(edge.src)
             plan.bwd_dep = [(c, p) for p, c in plan.fwd_dep]
-            plan.bwd_xfer = [self._exchange([(c, p, nb) for p, c, nb in pieces], cdev, pdev,
-                                            keys.make(bpos, SUB_XFER, edge.use, r, 0))
-                             for r, pieces in exchanges]
+            plan.bwd_xfer = [self._exchange([(c, p, nb) for p, c, nb in pieces], cdev, pdev, 0)
+                             for pieces in exchanges]
             for p, k, nbytes in step.grad_sums:
                 dev = self.topology.devices[pdev[p]]
-                plan.bwd_reduce.append(Reduce(p, ms_to_ns(self.cost_model.reduce_ms(nbytes, k, dev)),
-                                              keys.make(bpos, SUB_REDUCE, edge.use, p, 0), pdev[p]))
+                plan.bwd_reduce.append(Reduce(p, ms_to_ns(self.cost_model.reduce_ms(nbytes, k, dev)), 0, pdev[p]))
+
+    def _key_edge(self, plan: EdgePlan, eid: int) -> EdgePlan:
+        """Set the keys of edge `eid`'s tasks in `plan` (priced for it or for a copy of it)."""
+        keys, edge, step = self.keys, self.flow.edges[eid], plan.step
+        fpos = keys.fwd_pos(edge.dst)
+        rounds = [r for r, _, _ in step.exchanges]
+        plan.fwd_xfer = [x._replace(key=keys.make(fpos, SUB_XFER, edge.slot, r, 0))
+                         for x, r in zip(plan.fwd_xfer, rounds, strict=True)]
+        plan.fwd_reduce = [x._replace(key=keys.make(fpos, SUB_REDUCE, edge.slot, x.part, 0)) for x in plan.fwd_reduce]
+        if step.grad:
+            bpos = keys.bwd_pos(edge.src)
+            plan.bwd_xfer = [x._replace(key=keys.make(bpos, SUB_XFER, edge.use, r, 0))
+                             for x, r in zip(plan.bwd_xfer, rounds, strict=True)]
+            plan.bwd_reduce = [x._replace(key=keys.make(bpos, SUB_REDUCE, edge.use, x.part, 0))
+                               for x in plan.bwd_reduce]
         return plan
 
     def _exchange(self, pieces: list[tuple[int, int, int]], src_dev: tuple[int, ...], dst_dev: tuple[int, ...],

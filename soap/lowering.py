@@ -142,6 +142,7 @@ with numpy: must not import torch, the simulator, the search or the runtime.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 from collections.abc import Mapping, Sequence
@@ -296,6 +297,32 @@ class GradFlow:
         self.grad_inputs = grad_inputs
         self._units(ops)
         self._buckets(setup.bucket_bytes)
+        self.op_class, self.edge_class = self._copy_classes()
+
+    def _copy_classes(self) -> tuple[list[int], list[int]]:
+        """Per op position and per edge, a class. Two ops of one class are the same computation at the same
+        kind of place in the step: kind, attributes, input tensors (and whether each comes from the batch),
+        output tensors, parameters (shapes, dtypes, blocks, which of them share a name), FLOPs and bytes, and
+        the gradient flags; so `lower_op` lowers them alike under any config (but for `OpStep.op`) and a
+        cost model that prices by computation prices them alike (the copies of a repeated block). Two
+        edges of one class carry the same output of ops of one class into the same input slot of ops of
+        one class, so `lower_edge` lowers them alike (but for `EdgeStep.edge`)."""
+        found: dict[tuple, int] = {}
+        op_class = []
+        for i, op in enumerate(self.ops):
+            fqns = [spec.fqn for spec in op.params.values()]
+            inputs = tuple((self.ops[self.index[r.op]].outputs[r.index], self.ops[self.index[r.op]].kind == "input")
+                           for r in op.inputs)
+            params = tuple((k, spec.shape, spec.dtype, spec.offset, spec.whole_shape, fqns.index(spec.fqn))
+                           for k, spec in op.params.items())
+            key = (op.kind, repr(sorted(op.attrs.items())), inputs, tuple(op.outputs), params, op.fwd_flops,
+                   op.bwd_flops, op.fwd_bytes, op.bwd_bytes, self.everywhere[i], self.requires_grad[i],
+                   self.needs_bwd[i], tuple(self.grad_inputs[i]))
+            op_class.append(found.setdefault(key, len(found)))
+        edges: dict[tuple, int] = {}
+        edge_class = [edges.setdefault((op_class[e.src], op_class[e.dst], e.out, e.slot, e.grad, e.elem), len(edges))
+                      for e in self.edges]
+        return op_class, edge_class
 
     def _units(self, ops) -> None:
         """Parameter units: connected components of ops that share a parameter (union-find)."""
@@ -433,6 +460,12 @@ class OpStep:
     @property
     def num_parts(self) -> int:
         return len(self.devices)
+
+    def for_op(self, i: int) -> OpStep:
+        """This lowering as op position `i`'s (an op of the same `GradFlow.op_class`): a shallow copy."""
+        twin = copy.copy(self)
+        twin.op = i
+        return twin
 
     def input_overlap(self, slot: int) -> np.ndarray:
         """(P, P) bool: do parts' regions of input `slot` overlap."""
@@ -610,6 +643,12 @@ class EdgeStep:
 
     __slots__ = ("edge", "pieces", "moving", "exchanges", "ranks", "sums", "grad_sums", "recv_bytes",
                  "kept_bytes", "mem_bytes", "moved_bytes", "reduced", "grad")
+
+    def for_edge(self, eid: int) -> EdgeStep:
+        """This lowering as edge `eid`'s (an edge of the same `GradFlow.edge_class`): a shallow copy."""
+        twin = copy.copy(self)
+        twin.edge = eid
+        return twin
 
 
 def _piece_pairs(prod: OpStep, cons: OpStep, out: np.ndarray, inp: np.ndarray, same: bool
