@@ -168,7 +168,7 @@ def test_a_move_over_two_ops_with_different_configs_costs_what_it_changes_to():
 
 
 def test_a_rejected_move_over_many_ops_leaves_the_evaluator_on_its_strategy():
-    """A move over more than two ops is costed on the evaluator's spare simulator: rejected, the evaluator
+    """A move over many ops is one delta simulation (`Simulator.propose_many`): rejected, the evaluator
     still describes the current strategy (a delta from it costs what the full simulation says); accepted,
     the changed one."""
     graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
