@@ -32,13 +32,15 @@ class Cost:
 
     `time_ms` is the simulated iteration time; `peak_memory_bytes` the largest per-device peak, and
     `memory_excess_bytes` the largest amount by which a device's peak exceeds its capacity (0 when the
-    strategy fits: `feasible`).
+    strategy fits: `feasible`). Not `exact`: `time_ms` is only a lower bound, the proposal having been
+    decided without timing it (`DeltaEvaluator.propose_many`).
     """
 
     time_ms: float
     feasible: bool = True
     peak_memory_bytes: float = 0.0
     memory_excess_bytes: float = 0.0
+    exact: bool = True
 
     def __post_init__(self) -> None:
         if not self.time_ms >= 0:
@@ -114,14 +116,17 @@ class Move:
     rejection undoes them op by op), beyond that by `start` of the changed strategy (rejected, a `start`
     of `current`)."""
 
-    def __init__(self, evaluator: Evaluator, current: Strategy, changes: Mapping[str, ParallelConfig]):
+    def __init__(self, evaluator: Evaluator, current: Strategy, changes: Mapping[str, ParallelConfig],
+                 limit_ms: float = math.inf):
+        """`limit_ms`: on a `DeltaEvaluator`, what the caller will reject anyway (a strategy that does not
+        fit, or slower than `limit_ms`) may be costed inexactly (`DeltaEvaluator.propose_many`)."""
         assert changes, "a move changes at least one op"
         self._evaluator, self._current = evaluator, current
         self.strategy = current.with_configs(changes)
         self._one = isinstance(evaluator, DeltaEvaluator)
         self._whole = not self._one and len(changes) > MAX_DELTA_OPS
         if self._one:
-            self.cost = evaluator.propose_many(changes)
+            self.cost = evaluator.propose_many(changes, limit_ms)
             return
         if self._whole:
             self.cost = evaluator.start(self.strategy)
@@ -171,9 +176,20 @@ class DeltaEvaluator:
         self.sim.propose(op, cfg)
         return simulated_cost(self.sim)
 
-    def propose_many(self, changes: Mapping[str, ParallelConfig]) -> Cost:
-        self.sim.propose_many(changes)
-        return simulated_cost(self.sim)
+    def propose_many(self, changes: Mapping[str, ParallelConfig], limit_ms: float = math.inf) -> Cost:
+        """The cost of changing every op of `changes` at once. Exact when the changed strategy fits and may
+        be no slower than `limit_ms`; otherwise it is decided without timing anything: a strategy that
+        does not fit, or whose work on one device or link alone exceeds `limit_ms`
+        (`Simulator.time_bound_ms`), gets a cost that is not `exact` (its time a lower bound), and its
+        replay runs only if it is accepted all the same."""
+        sim = self.sim
+        sim.propose_many(changes, lazy=True)
+        excess = sim.memory_excess_bytes
+        bound = sim.time_bound_ms
+        if excess > 0 or bound > limit_ms:
+            return Cost(time_ms=bound, feasible=excess == 0, peak_memory_bytes=float(max(sim.peak_memory_bytes)),
+                        memory_excess_bytes=float(excess), exact=False)
+        return simulated_cost(sim)
 
     def accept(self) -> None:
         self.sim.accept()

@@ -15,11 +15,12 @@ The method:
   (`search.space`); and, beside those, moves over several ops that follow the model's
   structure (the same config for every copy of an op in repeated blocks, one block's layout for all the
   copies, a neighbour's layout for one op, one micro-batch count for a whole pipeline stage), each
-  counted as one proposal (`search.evaluate.Move`: op by
-  op, or one full simulation beyond two ops). A proposal S' is accepted with
+  counted as one proposal (`search.evaluate.Move`: one delta simulation). A proposal S' is accepted with
   min(1, exp(β·(cost(S) - cost(S')))); one that does not fit in memory is always rejected. A chain whose
   current strategy does not fit (a random start) walks downhill on the memory excess until it fits, then
-  follows the rule above.
+  follows the rule above. The rule is applied as a limit drawn before the proposal is costed (accept when
+  cost(S') <= cost(S) - ln(u)/β, u uniform): a proposal that does not fit, or whose lower bound
+  (`simulator.engine.Simulator.time_bound_ms`) exceeds the limit, is rejected without being timed.
 - β = k / cost_ref with k = `beta_scale` (default 100) and cost_ref the best feasible baseline's time
   (else the chain's first feasible cost): a proposal 1% slower than the current strategy is accepted
   with probability e^-1 ≈ 0.37, 5% slower with e^-5 ≈ 0.007, whatever the model's time scale. Every
@@ -173,11 +174,12 @@ class _Chain:
         self.num_proposals += 1
         if not changes:
             return False  # the null move: accepted, nothing to simulate
-        move = Move(self.evaluator, self.current, changes)
+        limit = self._limit()
+        move = Move(self.evaluator, self.current, changes, limit)
         cost = move.cost
         if cost.peak_memory_bytes < self.min_peak[0]:
             self.min_peak = (cost.peak_memory_bytes, self.name)
-        if not self._accept(cost):
+        if not self._accept(cost, limit):
             move.reject()
             return False
         move.accept()
@@ -190,7 +192,18 @@ class _Chain:
             return True
         return False
 
-    def _accept(self, new: Cost) -> bool:
+    def _limit(self) -> float:
+        """The slowest time a proposal from a current strategy that fits may have and be accepted, drawn
+        before the proposal is costed: Metropolis accepts a change of Δ ms with probability
+        min(1, exp(-β Δ)), i.e. when Δ <= -ln(u) / β for u uniform in [0, 1). Knowing it first lets the
+        evaluator skip timing a proposal whose lower bound already exceeds it. Infinite while the current
+        strategy does not fit (time does not decide then) or β is 0."""
+        if not self.cost.feasible or self.beta == 0.0:
+            return math.inf
+        u = self.rng.random()
+        return self.cost.time_ms - math.log(u) / self.beta if u > 0 else math.inf
+
+    def _accept(self, new: Cost, limit: float) -> bool:
         cur = self.cost
         if not cur.feasible:
             if new.feasible:
@@ -200,9 +213,7 @@ class _Chain:
             return new.memory_excess_bytes <= cur.memory_excess_bytes
         if not new.feasible:
             return False
-        if new.time_ms <= cur.time_ms:
-            return True
-        return self.rng.random() < math.exp(-self.beta * (new.time_ms - cur.time_ms))
+        return new.time_ms <= limit
 
 
 def _beta_per_ms(beta_scale: float, cost_ref_ms: float) -> float:

@@ -144,7 +144,8 @@ class _Journal:
 
     __slots__ = ("noop", "op", "cfg", "plan", "params", "old_len", "mem", "moved", "iteration", "dead",
                  "removed", "gone", "synced", "cut", "added", "links", "new_syncs", "order", "end", "rk", "cuts",
-                 "res_tails", "rounds", "round_links", "round_cut", "unsorted", "flight", "steps")
+                 "res_tails", "rounds", "round_links", "round_cut", "unsorted", "flight", "steps", "busy", "k0",
+                 "replayed")
 
     def __init__(self, *, noop: bool = False):
         self.noop = noop
@@ -200,7 +201,16 @@ class Simulator:
     @property
     def iteration_time_ms(self) -> float:
         self._need_state()
+        self._settle()
         return self._iteration_ns / 1e6
+
+    @property
+    def time_bound_ms(self) -> float:
+        """A lower bound on `iteration_time_ms` known without timing anything: the most work any one
+        resource (device or link) has, since a resource runs its tasks one at a time. Exact times of a
+        lazy proposal (`propose_many(lazy=True)`) are only timed when read."""
+        self._need_state()
+        return max(self._busy, default=0) / 1e6
 
     @property
     def peak_memory_bytes(self) -> tuple[int, ...]:
@@ -222,6 +232,7 @@ class Simulator:
     @property
     def num_tasks(self) -> int:
         self._need_state()
+        self._settle()
         return len(self._order)
 
     @property
@@ -245,11 +256,16 @@ class Simulator:
         """
         return self.propose_many({op: cfg})
 
-    def propose_many(self, changes: Mapping[str, ParallelConfig]) -> float:
+    def propose_many(self, changes: Mapping[str, ParallelConfig], *, lazy: bool = False) -> float | None:
         """Change several ops at once (op -> config) by one delta simulation: every op's tasks are
         replaced, then one replay re-times everything from the earliest point any of them can change.
         Returns the new iteration time in ms; `accept` or `reject` as after `propose`. Nothing changes
-        when a config is refused (`StrategyError`) or an op is unknown (`ValueError`)."""
+        when a config is refused (`StrategyError`) or an op is unknown (`ValueError`).
+
+        `lazy`: only replace the tasks and return None; the replay runs when a time is first read
+        (`iteration_time_ms`, `timeline`, `num_tasks`) or on `accept`, and never when the proposal is
+        rejected first. Memory (`peak_memory_bytes`, `feasible`) and `time_bound_ms` need no replay:
+        a search rejects on them alone what they already rule out."""
         self._need_state()
         if self.replicas is not None:
             raise RuntimeError("a simulator of one replica simulates whole strategies only (full)")
@@ -271,11 +287,15 @@ class Simulator:
             self._delta(items)
         else:
             self._journal = _Journal(noop=True)
+        if lazy:
+            return None
+        self._settle()
         return self._iteration_ns / 1e6
 
     def accept(self) -> None:
         if self._journal is None:
             raise RuntimeError("no pending proposal to accept")
+        self._settle()
         self._journal = None
         if self._dead > len(self._order):  # replaced tasks pile up in the arrays: compact now and then
             self._build(list(self._configs))
@@ -307,6 +327,7 @@ class Simulator:
     def timeline(self) -> Timeline:
         """The `Timeline` of the state described (the pending proposal if there is one)."""
         self._need_state()
+        self._settle()
         critical = self._critical_path()
         split = [0, 0, 0]
         for t in critical:
@@ -354,6 +375,13 @@ class Simulator:
         if self._configs is None:
             raise RuntimeError("no strategy simulated yet: call full(strategy) first")
 
+    def _settle(self) -> None:
+        """Run the replay of a lazy pending proposal (`propose_many`), if it has not run yet."""
+        j = self._journal
+        if j is not None and not j.noop and not j.replayed:
+            self._replay(j.k0, j.old_len, j)
+            j.replayed = True
+
     def _build(self, configs: list[ParallelConfig]) -> None:
         """Instantiate every task of `configs` and simulate from scratch."""
         flow, planner = self.flow, self.planner
@@ -368,6 +396,7 @@ class Simulator:
         self._alive: list[bool] = []
         self._end: list[int] = []
         self._rk: list[int] = []
+        self._busy = [0] * self.num_resources  # per resource, the durations of its live tasks
         self._dead = 0
         self._configs = configs
         self._plans: list[OpPlan] = [planner.op_plan(i, cfg) for i, cfg in enumerate(configs)]
@@ -499,6 +528,10 @@ class Simulator:
         self._alive += [True] * n
         self._end += [0] * n
         self._rk += [_NEW] * n
+        busy = self._busy
+        for d, rs in zip(durs, res, strict=True):
+            for x in rs:
+                busy[x] += d
         return list(range(t0, t0 + n))
 
     def _add_op_unit(self, i: int, links: list[Link]) -> _Unit:
@@ -733,6 +766,7 @@ class Simulator:
         old_len = len(self._dur)
         move = _Journal()
         move.steps = []
+        move.old_len, move.busy = old_len, list(self._busy)
         k0 = _NEW
         links: list[Link] = []  # every edge the changes add
         for i, cfg in items:
@@ -776,7 +810,7 @@ class Simulator:
                     k0 = c
         if move.unsorted:
             k0 = 0  # the old order may not be sorted by (ready, key): replay everything
-        self._replay(k0, old_len, move)
+        move.k0, move.replayed = k0, False  # the replay: `_settle`
         self._journal = move
 
     def _unlink(self, pairs: list[Link], old_len: int) -> int:
@@ -823,9 +857,12 @@ class Simulator:
         removed = [r for r in removed if r[2] is not None]
         k0 = _NEW
         gone: set[int] = set()
+        busy, dur, res = self._busy, self._dur, self._res
         for _, _, unit in removed:
             for t in unit.tids:
                 alive[t] = False
+                for x in res[t]:
+                    busy[x] -= dur[t]
                 if rk[t] < k0:
                     k0 = rk[t]
             gone.update(unit.tids)
@@ -855,6 +892,8 @@ class Simulator:
                     cut.append((a, t))
             if not sync.members and sid not in new_params.sync:
                 alive[t] = False
+                for x in res[t]:
+                    busy[x] -= dur[t]
                 gone.add(t)
                 del self._syncs[sid]
         self._dead += len(gone)
@@ -887,6 +926,8 @@ class Simulator:
         for edit in synced:
             if edit.sync.members:  # duration and bytes follow the membership (the key and the group do not)
                 _, ns, _, wire = self._sync_figures(edit.sid, edit.sync.members)
+                for x in res[edit.sync.tid]:
+                    busy[x] += ns - dur[edit.sync.tid]
                 self._dur[edit.sync.tid] = ns
                 self._nbytes[edit.sync.tid] = wire
         j.added, j.links, j.new_syncs = added, links, new_syncs
@@ -976,6 +1017,11 @@ class Simulator:
         self._round_links, self._unsorted, self._flight = j.round_links, j.unsorted, j.flight
         for step in reversed(j.steps):
             self._undo_change(step)
+        self._busy = j.busy
+        if not j.replayed:  # times and order never changed: only the new tasks' entries go
+            del self._end[j.old_len:]
+            del self._rk[j.old_len:]
+            return
         self._end, self._rk, self._order = j.end, j.rk, j.order
         res_tids = self._res_tids
         for x, c in enumerate(j.cuts):

@@ -216,9 +216,10 @@ def test_acceptance_follows_metropolis_hastings():
     for new_ms, expected in ((10.1, math.exp(-1)), (10.3, math.exp(-3)), (9.0, 1.0), (10.0, 1.0)):
         chain = _Chain("x", search_baseline(graph, topo, "dp"), Fixed(), Moves(graph, ConfigSpace(graph, topo)),
                        random.Random(1), beta_per_ms=100 / 10.0, beta_scale=100, max_proposals=None)
-        rate = sum(chain._accept(Cost(time_ms=new_ms)) for _ in range(4000)) / 4000
+        # the limit is drawn before the proposal is costed (`_limit`), as the chain's `step` does
+        rate = sum(chain._accept(Cost(time_ms=new_ms), chain._limit()) for _ in range(4000)) / 4000
         assert abs(rate - expected) < 0.025, (new_ms, rate, expected)
-    assert not chain._accept(Cost(time_ms=1.0, feasible=False, memory_excess_bytes=1.0))
+    assert not chain._accept(Cost(time_ms=1.0, feasible=False, memory_excess_bytes=1.0), chain._limit())
 
 
 def test_progress_is_reported():

@@ -194,8 +194,9 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
                    setup: TrainSetup | None = None, structural: bool = False) -> int:
     """Like `run_chain`, with proposals over several ops at once (`Simulator.propose_many`): the search's
     moves (`structural`: tied, copy, propagation, module, stage and single moves) or 2-6 ops drawn at
-    random, half the time consecutive ones (so that changed ops share edges). Returns how many proposals
-    changed two ops or more."""
+    random, half the time consecutive ones (so that changed ops share edges). Half the proposals are
+    lazy, and half of those are rejected before anything is timed; the time bound and memory are checked
+    before any replay. Returns how many proposals changed two ops or more."""
     from search.moves import Moves
 
     rng = random.Random(seed)
@@ -220,9 +221,24 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
             changes = {name: space.propose_for(name, rng, current) for name in picked}
         several += sum(cfg != current[name] for name, cfg in changes.items()) >= 2
         proposed = current.with_configs(changes)
-        t_ms = sim.propose_many(changes)
+        lazy = rng.random() < 0.5
+        t_ms = sim.propose_many(changes, lazy=lazy)
         full = ref.full(proposed)
         assert sim.strategy == proposed
+        # the bound and the memory are known before any replay, and equal a fresh build's
+        assert sim.time_bound_ms == ref.time_bound_ms <= full.iteration_time_ms, f"proposal {k}: {changes}"
+        assert sim.peak_memory_bytes == ref.peak_memory_bytes
+        if lazy:
+            assert t_ms is None
+            if rng.random() < 0.5:  # rejected unreplayed: the state is the current one again
+                sim.reject()
+                assert sim.strategy == current
+                ref.full(current)
+                assert _state(sim) == _state(ref) and sim.time_bound_ms == ref.time_bound_ms
+                if k % CHECK_TIMES_EVERY == 0:
+                    assert sim.timeline().task_times() == ref.timeline().task_times()
+                continue
+            t_ms = sim.iteration_time_ms
         assert t_ms == full.iteration_time_ms, f"proposal {k}: {changes}"
         assert _state(sim) == _state(ref), f"proposal {k}: {changes}"
         if k % CHECK_TIMES_EVERY == 0:
