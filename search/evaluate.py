@@ -105,13 +105,20 @@ class FullEvaluator:
 # On an evaluator without `propose_many`, a move over more ops than this is costed by one full simulation
 # (`start`) rather than op by op: each op's proposal re-times everything after it.
 MAX_DELTA_OPS = 2
+# On a `DeltaEvaluator`, a move over more than this share of the graph's ops is costed by a full simulation
+# on its spare simulator: replacing that many ops' tasks one by one costs more than building every task
+# afresh (GPT-2 medium on a100-4x8, 540 ops: 537 ops changed took 1.1-2.7 s by delta against 0.9-1.6 s in
+# full; 24 to 48 ops, 60-100 ms against 0.2-0.7 s).
+WHOLE_SHARE = 0.25
 
 
 class Move:
     """A proposal over one op or several (`search.moves`), pending on an evaluator started on `current`:
     its `cost`, then exactly one `accept()` (the changed strategy becomes the evaluator's current one) or
-    `reject()` (`current` stays). On a `DeltaEvaluator` it is one delta simulation whatever its size
-    (`Simulator.propose_many`: every op's tasks replaced, one replay). On another evaluator, up to
+    `reject()` (`current` stays). On a `DeltaEvaluator` it is one delta simulation
+    (`Simulator.propose_many`: every op's tasks replaced, one replay), or, over more than `WHOLE_SHARE`
+    of the graph's ops, a full simulation on its spare simulator (`DeltaEvaluator.trial`: accepted, the
+    spare becomes current; rejected, nothing is simulated again). On another evaluator, up to
     `MAX_DELTA_OPS` ops it is costed op by op (all but the last made current, the last proposed; a
     rejection undoes them op by op), beyond that by `start` of the changed strategy (rejected, a `start`
     of `current`)."""
@@ -123,8 +130,13 @@ class Move:
         assert changes, "a move changes at least one op"
         self._evaluator, self._current = evaluator, current
         self.strategy = current.with_configs(changes)
-        self._one = isinstance(evaluator, DeltaEvaluator)
-        self._whole = not self._one and len(changes) > MAX_DELTA_OPS
+        delta = isinstance(evaluator, DeltaEvaluator)
+        self._trial = delta and len(changes) > WHOLE_SHARE * len(evaluator.sim.graph)
+        self._one = delta and not self._trial
+        self._whole = not delta and len(changes) > MAX_DELTA_OPS
+        if self._trial:
+            self.cost = evaluator.trial(self.strategy)
+            return
         if self._one:
             self.cost = evaluator.propose_many(changes, limit_ms)
             return
@@ -138,10 +150,14 @@ class Move:
         self.cost = evaluator.propose(last, last_cfg)
 
     def accept(self) -> None:
-        if not self._whole:
+        if self._trial:
+            self._evaluator.adopt()
+        elif not self._whole:
             self._evaluator.accept()
 
     def reject(self) -> None:
+        if self._trial:
+            return  # the evaluator's current simulator never left `current`
         if self._one:
             self._evaluator.reject()
             return
@@ -163,10 +179,24 @@ def simulated_cost(sim: Simulator) -> Cost:
 
 class DeltaEvaluator:
     """An `Evaluator` on the simulator's delta simulation: a proposal re-times only what it changes;
-    `propose_many` changes several ops in one proposal (one replay)."""
+    `propose_many` changes several ops in one proposal (one replay).
+
+    `trial(strategy)` costs a whole strategy on a spare simulator (`Simulator.twin`, sharing the plan
+    caches) while `sim` stays on the current one; `adopt()` makes the trial current (the two swap)."""
 
     def __init__(self, sim: Simulator):
         self.sim = sim
+        self._spare: Simulator | None = None
+
+    def trial(self, strategy: Strategy) -> Cost:
+        if self._spare is None:
+            self._spare = self.sim.twin()
+        self._spare.full(strategy)
+        return simulated_cost(self._spare)
+
+    def adopt(self) -> None:
+        assert self._spare is not None, "adopt needs a trial"
+        self.sim, self._spare = self._spare, self.sim
 
     def start(self, strategy: Strategy) -> Cost:
         self.sim.full(strategy)

@@ -15,7 +15,8 @@ The method:
   (`search.space`); and, beside those, moves over several ops that follow the model's
   structure (the same config for every copy of an op in repeated blocks, one block's layout for all the
   copies, a neighbour's layout for one op, one micro-batch count for a whole pipeline stage), each
-  counted as one proposal (`search.evaluate.Move`: one delta simulation). A proposal S' is accepted with
+  counted as one proposal (`search.evaluate.Move`: one delta simulation, or one full simulation over more
+  than a quarter of the ops). A proposal S' is accepted with
   min(1, exp(β·(cost(S) - cost(S')))); one that does not fit in memory is always rejected. A chain whose
   current strategy does not fit (a random start) walks downhill on the memory excess until it fits, then
   follows the rule above. The rule is applied as a limit drawn before the proposal is costed (accept when

@@ -20,6 +20,8 @@ simulator's, never an estimate. Must not import torch, the runtime or soapflow.
 
 from __future__ import annotations
 
+import math
+
 from search.evaluate import Cost, Evaluator, Move
 from search.structure import carried, neighbours
 from soap.config import ParallelConfig
@@ -66,8 +68,9 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
     def moved_to(changes: dict[str, ParallelConfig]) -> bool:
         """Make `changes` where the strategy stays feasible and its time does not grow."""
         nonlocal current, cost
-        move = Move(evaluator, current, changes)
-        if not (move.cost.feasible >= cost.feasible and move.cost.time_ms <= cost.time_ms):
+        # what would be slower, or would not fit where the strategy fits, may be rejected untimed
+        move = Move(evaluator, current, changes, cost.time_ms if cost.feasible else math.inf)
+        if not (move.cost.exact and move.cost.feasible >= cost.feasible and move.cost.time_ms <= cost.time_ms):
             move.reject()
             return False
         move.accept()

@@ -190,6 +190,18 @@ class Simulator:
         self._configs: list[ParallelConfig] | None = None
         self._journal: _Journal | None = None
 
+    def twin(self) -> Simulator:
+        """Another simulator of the same graph, topology, cost model and setup, sharing this one's plan and
+        route caches (pure functions of those): a second state, say to try a whole strategy while this one
+        keeps the current."""
+        twin = object.__new__(Simulator)
+        for name in ("graph", "replicas", "topology", "setup", "cost_model", "flow", "keys", "comm", "planner",
+                     "num_devices", "num_resources", "capacity", "_kb", "_sh"):
+            setattr(twin, name, getattr(self, name))
+        twin._configs = None
+        twin._journal = None
+        return twin
+
     # -- public API ----------------------------------------------------------------------------------
 
     @property
