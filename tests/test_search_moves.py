@@ -13,7 +13,7 @@ from test_search_fixtures import GRAPHS
 from test_simulator_delta import accept_or_reject, propose_and_check
 
 from search.baselines import dp, parse_baseline, tp
-from search.evaluate import Move, SimulatorEvaluators
+from search.evaluate import WHOLE_SHARE, Move, SimulatorEvaluators
 from search.mcmc import _Chain
 from search.moves import COPY_SHARE, MODULE_SHARE, PROPAGATION_SHARE, STAGE_SHARE, TIED_SHARE, Moves, stages_of
 from search.space import MICROBATCH_COUNTS, ConfigSpace, cut_chunks, microbatched, split_microbatches
@@ -167,17 +167,22 @@ def test_a_move_over_two_ops_with_different_configs_costs_what_it_changes_to():
     assert evaluator.propose(first, start[first]).time_ms == simulate(graph, start, topo).iteration_time_ms
 
 
-def test_a_rejected_move_over_many_ops_leaves_the_evaluator_on_its_strategy():
-    """A move over many ops is one delta simulation (`Simulator.propose_many`): rejected, the evaluator
-    still describes the current strategy (a delta from it costs what the full simulation says); accepted,
-    the changed one."""
+@pytest.mark.parametrize("which", ["linears", "most ops"])
+def test_a_rejected_move_over_many_ops_leaves_the_evaluator_on_its_strategy(which):
+    """A move over many ops is one delta simulation (`Simulator.propose_many`), or, over more than
+    `WHOLE_SHARE` of the ops, a full simulation on the evaluator's spare simulator: rejected, the
+    evaluator still describes the current strategy (a delta from it costs what the full simulation says);
+    accepted, the changed one."""
     graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
     evaluator = SimulatorEvaluators()(graph, topo)
     start = dp(graph, topo)
     evaluator.start(start)
+    space = ConfigSpace(graph, topo)
     linears = [op.name for op in graph if op.kind == "linear"]
-    changes = {name: ParallelConfig.single(1) for name in linears}
+    names = linears if which == "linears" else [n for n in space.ops if space.contains(n, ParallelConfig.single(1))]
+    changes = {name: ParallelConfig.single(1) for name in names}
     assert len(changes) > 2
+    assert (len(changes) > WHOLE_SHARE * len(graph)) == (which == "most ops")
     move = Move(evaluator, start, changes)
     assert move.cost.time_ms == simulate(graph, move.strategy, topo).iteration_time_ms
     move.reject()
