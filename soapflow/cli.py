@@ -376,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _topology_arg(p)
     p.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
-                   help="wall-clock search budget (default: 60)")
+                   help="wall-clock search budget (default: 60); tidying the best strategy may take up to a "
+                        "tenth more")
     p.add_argument("--proposals", type=int, metavar="N",
                    help="also stop after N proposals (with a fixed N the result depends on --seed alone)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")

@@ -40,7 +40,7 @@ def searched() -> tuple[OperatorGraph, DeviceTopology, Strategy]:
     """The RNN language model on 4 x 4 devices: the best strategy of a short search, untidied."""
     graph, topology = rc.graph_of("rnnlm"), load_topology("p100-4x4")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mcmc, "tidy", lambda graph, strategy, evaluator, num_devices: (strategy,
+        patch.setattr(mcmc, "tidy", lambda graph, strategy, evaluator, num_devices, deadline: (strategy,
                                                                                       evaluator.start(strategy)))
         result = mcmc.search(graph, topology, evaluators=SimulatorEvaluators(), max_proposals=2000, seed=2)
     assert result.best_source.startswith("chain"), "a chain's best, which the search tidies"
@@ -82,7 +82,8 @@ def test_the_search_tidies_the_best_a_chain_found(monkeypatch):
     graph, topology, untidied = searched()
     calls = []
 
-    def spy(graph, strategy, evaluator, num_devices):
+    def spy(graph, strategy, evaluator, num_devices, deadline):
+        assert deadline is None, "under a proposal budget alone, tidying runs to the end"
         calls.append((strategy, tidy(graph, strategy, evaluator, num_devices=num_devices)))
         return calls[-1][1]
 
@@ -118,3 +119,48 @@ def test_tidy_keeps_an_outlier_where_its_neighbours_layout_is_slower_or_does_not
 
     tidied, cost = tidy(graph, messy, FullEvaluator(by_outliers), num_devices=topology.num_devices)
     assert outliers and cost.time_ms < len(outliers) and cost.time_ms == len(_outliers(graph, tidied))
+
+
+def test_tidy_tries_no_move_after_its_deadline(monkeypatch):
+    graph, topology, messy, _ = with_outlier()
+    outliers = _outliers(graph, messy)
+    costed: list[Strategy] = []
+
+    def by_outliers(strategy: Strategy) -> Cost:  # fewer outliers are faster: every try is a move
+        costed.append(strategy)
+        return Cost(time_ms=float(len(_outliers(graph, strategy))))
+
+    # a deadline already passed: the strategy as it was, with its cost
+    same, cost = tidy(graph, messy, FullEvaluator(by_outliers), num_devices=topology.num_devices, deadline=0.0)
+    assert same == messy and cost.time_ms == len(outliers) and costed == [messy]
+    # a clock that ticks once per look: tries stop at the deadline, and what moved before it stays
+    clock = iter(range(10**6))
+    monkeypatch.setattr("search.tidy.time.monotonic", lambda: next(clock))
+    costed.clear()
+    tidied, cost = tidy(graph, messy, FullEvaluator(by_outliers), num_devices=topology.num_devices, deadline=2)
+    assert len(costed) == 1 + 2, "the start, then one try per tick before the deadline"
+    assert cost.time_ms == len(_outliers(graph, tidied)) < len(outliers)
+    unlimited, _ = tidy(graph, messy, FullEvaluator(by_outliers), num_devices=topology.num_devices)
+    assert len(_outliers(graph, unlimited)) < len(_outliers(graph, tidied))
+
+
+def test_under_a_time_budget_the_search_gives_tidying_the_rest_of_it_or_a_share(monkeypatch):
+    # chains that stopped early leave tidying the rest of the budget; chains that used it all, a share more
+    assert mcmc.tidy_deadline(100.0, 50.0, 120.0) == 150.0
+    assert mcmc.tidy_deadline(100.0, 50.0, 149.0) == 149.0 + mcmc.TIDY_SHARE * 50.0
+    assert mcmc.tidy_deadline(100.0, None, 149.0) is None
+    # the search passes it: both budgets, the proposals run out first (a chain's best, as in `searched`)
+    graph, topology = rc.graph_of("rnnlm"), load_topology("p100-4x4")
+    seen = []
+
+    def spy(graph, strategy, evaluator, num_devices, deadline):
+        seen.append((deadline, mcmc.time.monotonic()))
+        return strategy, evaluator.start(strategy)
+
+    monkeypatch.setattr(mcmc, "tidy", spy)
+    start = mcmc.time.monotonic()
+    result = mcmc.search(graph, topology, evaluators=SimulatorEvaluators(), max_proposals=2000, budget_s=900.0,
+                         seed=2)
+    assert result.best_source.startswith("chain") and len(seen) == 1
+    deadline, now = seen[0]
+    assert start + 900.0 <= deadline <= now + 900.0
