@@ -37,7 +37,7 @@ from runtime.checkpoint import (
 )
 from runtime.launch import LaunchError, keep_freed_memory, launch
 from runtime.materialize import chunk_of
-from runtime.train import TrainOptions, time_strategies, train_rank
+from runtime.train import VERIFY_TOLERANCES, TrainOptions, time_strategies, train_rank
 from search.baselines import dp, tp
 from soap.setup import TrainSetup
 from soap.topology import load_topology
@@ -291,16 +291,18 @@ def test_adam_checkpoint_moves_between_strategies_and_process_counts(tmp_path):
     """AdamW state (step count and both moments) saved from 2 ranks under expert, resumed on 4 under tp,
     then on 1 process under mp. In float64: Adam divides by the root of the squared gradients, which turns
     float32 rounding noise in gradients that are zero in exact arithmetic (an attention key's bias) into
-    full-size steps."""
+    full-size steps. Within the runtime's own float64 tolerances (`VERIFY_TOLERANCES`): in float64 that
+    noise still leaves relative differences of about 1e-10 after 5 Adam steps."""
+    tol = VERIFY_TOLERANCES["float64"]
     common = dict(setup=TrainSetup(lr=0.01, optimizer="adamw"), dtype="float64", checkpoint_dir=tmp_path,
                   num_threads=1, timeout_s=60)
     first = run(SMALL_TRANSFORMER, "expert", nproc=2, steps=2, **common)
     assert first["checkpoint"] == str(checkpoint_path(tmp_path, 2))
     second = run(SMALL_TRANSFORMER, "tp", nproc=4, steps=4, resume=True, verify=True, **common)
-    assert second["first_step"] == 2 and second["verify"]["max_param_rel_diff"] < 1e-10, second["verify"]
+    assert second["first_step"] == 2 and second["verify"]["max_param_rel_diff"] < tol["rtol"], second["verify"]
     third = run(SMALL_TRANSFORMER, "mp", nproc=1, steps=5, resume=True, verify=True, **common)
-    assert third["first_step"] == 4 and third["verify"]["max_param_rel_diff"] < 1e-10, third["verify"]
-    assert third["verify"]["max_loss_rel_diff"] < 1e-10, third["verify"]
+    assert third["first_step"] == 4 and third["verify"]["max_param_rel_diff"] < tol["rtol"], third["verify"]
+    assert third["verify"]["max_loss_rel_diff"] < tol["loss_rtol"], third["verify"]
 
 
 def test_ranks_keep_freed_memory_where_the_allocator_allows():
