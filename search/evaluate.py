@@ -211,15 +211,19 @@ class DeltaEvaluator:
         be no slower than `limit_ms`; otherwise it is decided without timing anything: a strategy that
         does not fit, or whose work on one device or link alone exceeds `limit_ms`
         (`Simulator.time_bound_ms`), gets a cost that is not `exact` (its time a lower bound), and its
-        replay runs only if it is accepted all the same."""
+        replay runs only if it is accepted all the same. Else the replay runs, and stops as soon as it shows
+        the step longer than `limit_ms` (`Simulator.time_within_ms`): the cost is then not `exact` either,
+        its time a lower bound above `limit_ms`."""
         sim = self.sim
         sim.propose_many(changes, lazy=True)
         excess = sim.memory_excess_bytes
         bound = sim.time_bound_ms
-        if excess > 0 or bound > limit_ms:
-            return Cost(time_ms=bound, feasible=excess == 0, peak_memory_bytes=float(max(sim.peak_memory_bytes)),
-                        memory_excess_bytes=float(excess), exact=False)
-        return simulated_cost(sim)
+        if excess == 0 and bound <= limit_ms:
+            bound, exact = sim.time_within_ms(limit_ms)
+            if exact:
+                return simulated_cost(sim)
+        return Cost(time_ms=bound, feasible=excess == 0, peak_memory_bytes=float(max(sim.peak_memory_bytes)),
+                    memory_excess_bytes=float(excess), exact=False)
 
     def accept(self) -> None:
         self.sim.accept()

@@ -21,7 +21,9 @@ The method:
   current strategy does not fit (a random start) walks downhill on the memory excess until it fits, then
   follows the rule above. The rule is applied as a limit drawn before the proposal is costed (accept when
   cost(S') <= cost(S) - ln(u)/β, u uniform): a proposal that does not fit, or whose lower bound
-  (`simulator.engine.Simulator.time_bound_ms`) exceeds the limit, is rejected without being timed.
+  (`simulator.engine.Simulator.time_bound_ms`) exceeds the limit, is rejected without being timed, and
+  the replay of one that is timed stops as soon as it shows the step longer than the limit
+  (`Simulator.time_within_ms`).
 - β = k / cost_ref with k = `beta_scale` (default 100) and cost_ref the best feasible baseline's time
   (else the chain's first feasible cost): a proposal 1% slower than the current strategy is accepted
   with probability e^-1 ≈ 0.37, 5% slower with e^-5 ≈ 0.007, whatever the model's time scale. Every

@@ -40,11 +40,18 @@ successors of the prefix (the shorter side of the cut, about a fifth of the task
 the journal keeps whole copies of the old times and order (a list copy costs far less than the replay).
 On inception_v3 under data parallelism a random proposal replays about 80% of the tasks (everything
 after the changed op shifts), so delta beats full by skipping the task-graph build and the timeline, not
-by re-timing less: see benchmarks/simulator_speed.py.
+by re-timing less: see benchmarks/simulator_speed.py. A replay with a limit (`time_within_ms`: the
+search rejects anything slower) stops as soon as it proves the step longer: a resource runs one task
+at a time, so when a task on resource x ends at e, x ends no sooner than e plus the work x has left
+(kept per resource during the replay); past the limit, that lower bound is the answer and the times
+and order go back to before the replay, which runs again if the proposal's time is read after all.
+A proposal that makes the step slower early in the forward pass is rejected after replaying little
+more than the changed op.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Mapping
 from heapq import heapify, heappop, heappush
@@ -92,6 +99,19 @@ from soap.strategy import Strategy, StrategyError, validate_strategy
 from soap.topology import DeviceTopology
 
 _NEW = 1 << 400  # the priority of a task not yet simulated: after every real one
+
+
+def _ns_limit(limit_ms: float) -> int:
+    """The largest whole ns count whose time in ms (ns / 1e6, as `iteration_time_ms` reads it) is at most
+    `limit_ms`: a step of more ns is longer than `limit_ms` however ms round (`_NEW` for no limit)."""
+    if limit_ms == math.inf:
+        return _NEW
+    n = math.floor(limit_ms * 1e6)
+    while (n + 1) / 1e6 <= limit_ms:
+        n += 1
+    while n / 1e6 > limit_ms:
+        n -= 1
+    return n
 _TID_BITS = 28  # task ids below 2**28 (a priority carries its task id in its low bits)
 
 Link = tuple[int, int]
@@ -215,6 +235,17 @@ class Simulator:
         self._need_state()
         self._settle()
         return self._iteration_ns / 1e6
+
+    def time_within_ms(self, limit_ms: float) -> tuple[float, bool]:
+        """(`iteration_time_ms`, True) where it is at most `limit_ms`; where it is longer, either that or
+        (a lower bound above `limit_ms`, False): the replay of a lazy pending proposal stops as soon as
+        some resource's work left after its last task so far shows the step longer (`_run`), and runs
+        again when a time is read or the proposal is accepted."""
+        self._need_state()
+        stopped = self._settle(_ns_limit(limit_ms))
+        if stopped:
+            return stopped / 1e6, False
+        return self._iteration_ns / 1e6, True
 
     @property
     def time_bound_ms(self) -> float:
@@ -387,12 +418,17 @@ class Simulator:
         if self._configs is None:
             raise RuntimeError("no strategy simulated yet: call full(strategy) first")
 
-    def _settle(self) -> None:
-        """Run the replay of a lazy pending proposal (`propose_many`), if it has not run yet."""
+    def _settle(self, limit: int = _NEW) -> int:
+        """Run the replay of a lazy pending proposal (`propose_many`), if it has not run yet; 0, or where
+        it stopped, the step being longer than `limit` ns, the lower bound on the step that showed it
+        (`_replay`: the proposal stays unreplayed)."""
         j = self._journal
         if j is not None and not j.noop and not j.replayed:
-            self._replay(j.k0, j.old_len, j)
+            stopped = self._replay(j.k0, j.old_len, j, limit)
+            if stopped:
+                return stopped
             j.replayed = True
+        return 0
 
     def _build(self, configs: list[ParallelConfig]) -> None:
         """Instantiate every task of `configs` and simulate from scratch."""
@@ -726,12 +762,16 @@ class Simulator:
         heap = [kt[t] for t, c in enumerate(indeg) if not c]
         heapify(heap)
         last_end = [0] * self.num_resources
-        self._run(heap, indeg, [0] * len(preds), last_end)
+        self._run(heap, indeg, [0] * len(preds), last_end, list(self._busy))
         self._iteration_ns = max(last_end)
 
-    def _run(self, heap: list[int], indeg: list[int], rdy: list[int], last_end: list[int]) -> None:
+    def _run(self, heap: list[int], indeg: list[int], rdy: list[int], last_end: list[int], left: list[int],
+             limit: int = _NEW) -> int:
         """Kahn's algorithm from `heap` in priority order, (ready << _sh) | key-and-id (plain ints, so the
-        heap compares one int per step): the hot loop of every simulation."""
+        heap compares one int per step): the hot loop of every simulation. `left`: per resource, the work
+        of the tasks still to run on it. A resource runs one task at a time, so once a task on resource x
+        ends at e, x ends no sooner than e + left[x]; when that exceeds `limit` (ns) the run stops and
+        returns it (a lower bound on the step, above `limit`), else it runs to the end and returns 0."""
         sh = self._sh
         mask = (1 << _TID_BITS) - 1
         dur, kt, res, succs = self._dur, self._kt, self._res, self._succs
@@ -742,21 +782,30 @@ class Simulator:
             t = prio & mask
             s = prio >> sh
             rs = res[t]
+            d = dur[t]
             if len(rs) == 1:
                 x = rs[0]
                 if last_end[x] > s:
                     s = last_end[x]
-                e = s + dur[t]
+                e = s + d
                 last_end[x] = e
                 res_tids[x].append(t)
+                r = left[x] - d
+                left[x] = r
+                if e + r > limit:
+                    return e + r
             else:
                 for x in rs:
                     if last_end[x] > s:
                         s = last_end[x]
-                e = s + dur[t]
+                e = s + d
                 for x in rs:
                     last_end[x] = e
                     res_tids[x].append(t)
+                    r = left[x] - d
+                    left[x] = r
+                    if e + r > limit:
+                        return e + r
             end[t] = e
             rk[t] = prio
             order_add(t)
@@ -769,6 +818,7 @@ class Simulator:
                     indeg[u] = c - 1
                     if rdy[u] < e:
                         rdy[u] = e
+        return 0
 
     # -- delta ---------------------------------------------------------------------------------------
 
@@ -964,19 +1014,24 @@ class Simulator:
             if sync is not None:
                 self._moved += sign * self._nbytes[sync.tid]
 
-    def _replay(self, k0: int, old_len: int, j: _Journal) -> None:
+    def _replay(self, k0: int, old_len: int, j: _Journal, limit: int = _NEW) -> int:
         """Re-simulate every task at or after `k0` (old order) plus the new ones (module docstring).
 
         The old times and order are kept whole for `reject` (list copies are cheap next to the replay).
         Counting the predecessors a suffix task still waits for scans the successors of the prefix, the
-        shorter side of the cut."""
+        shorter side of the cut. Returns 0, or, where the replay shows the step longer than `limit` ns
+        before its end, the lower bound that shows it (`_run`), with the times and order as they were
+        before the replay (`j` not replayed)."""
         order, rk, end, alive, preds, succs = self._order, self._rk, self._end, self._alive, self._preds, self._succs
+        dur, res = self._dur, self._res
         rk_of = rk.__getitem__
         pos = bisect_left(order, k0, key=rk_of)
         j.order, j.end, j.rk = order, end[:old_len], rk[:old_len]
         self._order = order[:pos]
-        # the resources' state at the cut
+        # the resources' state at the cut, and the work each has left after it (every task taken out by
+        # the proposal comes after the cut: the cut is no later than its old place)
         last_end = [0] * self.num_resources
+        left = [0] * self.num_resources
         cuts = []
         res_tails = []
         for x, lst in enumerate(self._res_tids):
@@ -984,11 +1039,16 @@ class Simulator:
             cuts.append(c)
             if c < len(lst):
                 res_tails.append((x, lst[c:]))
+                left[x] = sum([dur[t] for t in lst[c:] if alive[t]])
                 del lst[c:]
             if c:
                 last_end[x] = end[lst[c - 1]]
         j.cuts, j.res_tails = cuts, res_tails
-        n = len(self._dur)
+        n = len(dur)
+        new = [t for t in range(old_len, n) if alive[t]]
+        for t in new:
+            for x in res[t]:
+                left[x] += dur[t]
         indeg = list(map(len, preds))
         rdy = [0] * n
         sh, kt = self._sh, self._kt
@@ -1004,15 +1064,28 @@ class Simulator:
                     if not c:
                         heap.append(u)
         # tasks without predecessors have ready time 0: after the cut only new ones, unless it is at time 0
-        new = [t for t in range(old_len, n) if alive[t]]
         sources = new if k0 >> sh else [t for t in order[pos:] if alive[t]] + new
         heap += [t for t in sources if not preds[t]]
         heap = [(rdy[t] << sh) | kt[t] for t in heap]
         heapify(heap)
-        self._run(heap, indeg, rdy, last_end)
+        stopped = self._run(heap, indeg, rdy, last_end, left, limit)
+        if stopped:
+            self._restore_times(j, n - old_len)
+            return stopped
         self._iteration_ns = max(last_end)
         assert len(self._order) == sum(map(alive.__getitem__, order)) + len(new), \
             "a task of the suffix was never ready"
+        return 0
+
+    def _restore_times(self, j: _Journal, num_new: int) -> None:
+        """The times and order from before the replay of proposal `j`; the `num_new` tasks it added (still
+        there) back to not simulated."""
+        self._end, self._rk, self._order = j.end + [0] * num_new, j.rk + [_NEW] * num_new, j.order
+        res_tids = self._res_tids
+        for x, c in enumerate(j.cuts):
+            del res_tids[x][c:]
+        for x, tail in j.res_tails:
+            res_tids[x] += tail
 
     def _undo(self, j: _Journal) -> None:
         """Restore the state before proposal `j`: its round order's edges, each change (the last first),
@@ -1034,12 +1107,7 @@ class Simulator:
             del self._end[j.old_len:]
             del self._rk[j.old_len:]
             return
-        self._end, self._rk, self._order = j.end, j.rk, j.order
-        res_tids = self._res_tids
-        for x, c in enumerate(j.cuts):
-            del res_tids[x][c:]
-        for x, tail in j.res_tails:
-            res_tids[x] += tail
+        self._restore_times(j, 0)
 
     def _undo_change(self, j: _Journal) -> None:
         """Undo one `_change` (the proposal's later changes undone already)."""

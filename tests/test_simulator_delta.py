@@ -11,6 +11,7 @@ captured zoo models on cpu-2, p100-4x4 and k80-16x4; `-m slow` runs a longer cha
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -196,7 +197,9 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
     moves (`structural`: tied, copy, propagation, module, stage and single moves) or 2-6 ops drawn at
     random, half the time consecutive ones (so that changed ops share edges). Half the proposals are
     lazy, and half of those are rejected before anything is timed; the time bound and memory are checked
-    before any replay. Returns how many proposals changed two ops or more."""
+    before any replay. Half the lazy ones are first timed against a limit near their time
+    (`time_within_ms`: exact, or a lower bound above the limit where the replay stopped early). Returns
+    how many proposals changed two ops or more, and how many replays stopped early."""
     from search.moves import Moves
 
     rng = random.Random(seed)
@@ -207,7 +210,7 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
     space = ConfigSpace(graph, topology)
     moves = Moves(graph, space, [current])
     names = list(space.ops)
-    several = 0
+    several = stopped = 0
     for k in range(proposals):
         if structural:
             changes = moves.propose(rng, current)
@@ -230,6 +233,15 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
         assert sim.peak_memory_bytes == ref.peak_memory_bytes
         if lazy:
             assert t_ms is None
+            if rng.random() < 0.5:  # timed against a limit: a replay may stop as soon as it shows the step longer
+                limit = full.iteration_time_ms * rng.uniform(0.9, 1.02)
+                got, exact = sim.time_within_ms(limit)
+                if exact or full.iteration_time_ms <= limit:
+                    assert exact and got == full.iteration_time_ms, f"proposal {k}: {changes}"
+                else:
+                    assert limit < got <= full.iteration_time_ms, f"proposal {k}: {changes}"
+                    stopped += 1
+                assert sim.time_bound_ms == ref.time_bound_ms and sim.peak_memory_bytes == ref.peak_memory_bytes
             if rng.random() < 0.5:  # rejected unreplayed: the state is the current one again
                 sim.reject()
                 assert sim.strategy == current
@@ -246,21 +258,22 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
         current = accept_or_reject(sim, ref, current, proposed, k, rng, check_times=True)
     fresh = Simulator(graph, topology, setup=setup).full(current)
     assert sim.timeline().task_times() == fresh.task_times()
-    return several
+    return several, stopped
 
 
 @pytest.mark.parametrize(("graph_name", "topology", "proposals"), [
     ("mlp", "cpu-2", 120), ("chain", "p100-4x4", 60), ("small_cnn", "p100-4x4", 40)])
 def test_delta_over_several_ops_equals_full(graph_name, topology, proposals):
-    several = run_many_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals, seed=proposals)
-    assert several >= proposals // 2
+    several, stopped = run_many_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals,
+                                      seed=proposals)
+    assert several >= proposals // 2 and stopped >= 3
 
 
 def test_delta_over_several_ops_with_tied_parameters():
     """Two ops of one parameter unit changed in one proposal re-lower the unit twice."""
-    several = run_many_chain(tied_chain(), load_topology("p100-4x4"), proposals=80, seed=5,
-                             setup=TrainSetup(optimizer="adamw", bucket_mb=0.02))
-    assert several >= 40
+    several, stopped = run_many_chain(tied_chain(), load_topology("p100-4x4"), proposals=80, seed=5,
+                                      setup=TrainSetup(optimizer="adamw", bucket_mb=0.02))
+    assert several >= 40 and stopped >= 3
 
 
 @pytest.mark.parametrize(("model", "topology", "proposals"), [("rnnlm", "p100-4x4", 60),
@@ -268,11 +281,21 @@ def test_delta_over_several_ops_with_tied_parameters():
 def test_delta_of_the_search_moves_equals_full(zoo_graphs, model, topology, proposals):
     """The search's moves (tied moves over every layer, stage moves into micro-batches, chunks)."""
     graph = zoo_graphs[model] if model in zoo_graphs else _zoo_graph(model)
-    several = run_many_chain(graph, load_topology(topology), proposals=proposals, seed=proposals, structural=True)
-    assert several >= proposals // 8
+    several, stopped = run_many_chain(graph, load_topology(topology), proposals=proposals, seed=proposals,
+                                      structural=True)
+    assert several >= proposals // 8 and stopped >= 3
 
 
 def _zoo_graph(name: str) -> OperatorGraph:
     from soapflow.api import capture_model
 
     return capture_model(name, batch_size=8)[1]
+
+
+def test_a_limit_in_ms_becomes_the_largest_ns_count_within_it():
+    from simulator.engine import _NEW, _ns_limit
+    rng = random.Random(0)
+    for limit in [0.0, 1e-6, 0.1 + 0.2, 810.433034, 2367.333574, 1e7 / 3] + [rng.uniform(0, 5000) for _ in range(200)]:
+        n = _ns_limit(limit)
+        assert n / 1e6 <= limit < (n + 1) / 1e6, limit
+    assert _ns_limit(math.inf) == _NEW
