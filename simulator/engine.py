@@ -99,6 +99,10 @@ from soap.strategy import Strategy, StrategyError, validate_strategy
 from soap.topology import DeviceTopology
 
 _NEW = 1 << 400  # the priority of a task not yet simulated: after every real one
+_TID_BITS = 28  # task ids below 2**28 (a priority carries its task id in its low bits)
+
+Link = tuple[int, int]
+SyncId = tuple[tuple[int, ...], int]  # (device group, bucket)
 
 
 def _ns_limit(limit_ms: float) -> int:
@@ -112,10 +116,6 @@ def _ns_limit(limit_ms: float) -> int:
     while n / 1e6 > limit_ms:
         n -= 1
     return n
-_TID_BITS = 28  # task ids below 2**28 (a priority carries its task id in its low bits)
-
-Link = tuple[int, int]
-SyncId = tuple[tuple[int, ...], int]  # (device group, bucket)
 
 
 class _Unit:
@@ -1038,8 +1038,9 @@ class Simulator:
             c = bisect_left(lst, k0, key=rk_of)
             cuts.append(c)
             if c < len(lst):
-                res_tails.append((x, lst[c:]))
-                left[x] = sum([dur[t] for t in lst[c:] if alive[t]])
+                tail = lst[c:]
+                res_tails.append((x, tail))
+                left[x] = sum([dur[t] for t in tail if alive[t]])
                 del lst[c:]
             if c:
                 last_end[x] = end[lst[c - 1]]
@@ -1073,8 +1074,8 @@ class Simulator:
             self._restore_times(j, n - old_len)
             return stopped
         self._iteration_ns = max(last_end)
-        assert len(self._order) == sum(map(alive.__getitem__, order)) + len(new), \
-            "a task of the suffix was never ready"
+        killed = sum(t < old_len for step in j.steps for t in step.gone)  # old tasks the proposal took out
+        assert len(self._order) == len(order) - killed + len(new), "a task of the suffix was never ready"
         return 0
 
     def _restore_times(self, j: _Journal, num_new: int) -> None:

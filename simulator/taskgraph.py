@@ -360,14 +360,10 @@ class Planner:
             for name in ("fwd_dep", "fwd_xfer", "fwd_reduce", "bwd_dep", "bwd_xfer", "bwd_reduce"):
                 setattr(plan, name, getattr(first, name))
             return self._key_edge(plan, eid)
-        if first is not None:
-            step = first.for_edge(eid)
-        else:
-            prod = self.op_plan(edge.src, pcfg).step
-            cons = self.op_plan(edge.dst, ccfg).step
-            step = lower_edge(flow, eid, prod, cons, self.replicas)
+        prod, cons = self.op_plan(edge.src, pcfg), self.op_plan(edge.dst, ccfg)
+        step = first.for_edge(eid) if first is not None else lower_edge(flow, eid, prod.step, cons.step, self.replicas)
         plan = EdgePlan(step)
-        self._price_edge(plan, edge, self.op_plan(edge.src, pcfg).devices, self.op_plan(edge.dst, ccfg).devices)
+        self._price_edge(plan, edge, prod.devices, cons.devices)
         self._keep(self._edge_firsts, first_key, plan if self._share else step)
         return self._key_edge(plan, eid)
 
