@@ -4,7 +4,7 @@ Owns the samples calibration collects (`OpSample`: a timed op part; `CommSample`
 collective; `StepSample`: a timed training step of a calibration workload), the least-squares fits
 (`fit_compute`, `fit_comm`, `fit_overhead`), the machine profile (`MachineProfile`, `write_profile`,
 `read_profile`) and `cost_model_for`, which turns a topology reference into the cost model to simulate
-with.
+with (for a preset, the cost databases shipped for its device kinds: `simulator.shipped`).
 
 Every fit minimizes RELATIVE residuals (a 10 us op mispredicted by 10 us weighs as much as a 100 ms op
 mispredicted by 100 ms), and every fit predicts with the simulator's own formulas - the analytical
@@ -72,6 +72,7 @@ from simulator.costmodel import (
     part_bytes,
     part_share,
 )
+from simulator.shipped import ShippedCostModel, shipped_costdb
 from soap import costdb
 from soap.graph import Operator
 from soap.opdef import Box
@@ -507,18 +508,28 @@ def _update_scale(cal: Mapping[str, Any], number: Any) -> float | None:
     return None
 
 
-def cost_model_for(topology_ref: str | os.PathLike, *, db: costdb.CostDatabase | str | None = None
-                   ) -> tuple[DeviceTopology, CostModel | None]:
-    """The topology `topology_ref` names and the cost model to simulate on it: for a machine profile its
-    calibrated model (measured parts from `db` or the profile's cost database); otherwise the measured
-    model over `db` with the default analytical fallback, or None (the simulator's default) without `db`."""
+def cost_model_for(topology_ref: str | os.PathLike, *, db: costdb.CostDatabase | str | None = None,
+                   shipped: bool = True) -> tuple[DeviceTopology, CostModel | None]:
+    """The topology `topology_ref` names and the cost model to simulate on it.
+
+    For a machine profile: its calibrated model (measured parts from `db` or the profile's cost database).
+    For a preset (``h100-1x8``), with `shipped`, when its device kinds have shipped cost databases
+    (`simulator.shipped`): the measured model over them and `db` (`db`'s measurement wins for a key both
+    hold), analytical for the rest. Otherwise (a topology file, no shipped database, or not `shipped`):
+    the measured model over `db` with the default analytical fallback, or None (the simulator's default)
+    without `db`."""
     if isinstance(db, str):
         db = costdb.load(db, missing_ok=True)
     text = os.fspath(topology_ref)
-    profile = read_profile(text) if Path(text).is_file() else None
+    is_file = Path(text).is_file()
+    profile = read_profile(text) if is_file else None
     if profile is not None:
         return profile.topology, profile.cost_model(db)
     topology = load_topology(text)
+    ship = shipped_costdb(topology) if shipped and not is_file else None
+    if ship is not None:
+        union = costdb.CostDatabase([*ship, *(db if db is not None else ())])  # later measurements win
+        return topology, ShippedCostModel(union, shipped=ship)
     return topology, (MeasuredCostModel(db) if db is not None else None)
 
 

@@ -4,7 +4,9 @@ Every command takes `--json` (one JSON object on stdout instead of tables) and e
 one-line `soapflow: error: ...` on bad input, never a traceback. Warnings print as one line each on stderr.
 Every command that simulates, searches, runs, validates or calibrates takes the training setup flags
 (`--optimizer`, `--lr`, `--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`, `--schedule`, defaults those of
-`soap.setup.TrainSetup`), built once into one `TrainSetup` (`train_setup`) and passed down.
+`soap.setup.TrainSetup`), built once into one `TrainSetup` (`train_setup`) and passed down. Every command that
+simulates on a topology (simulate, optimize, compare, validate) takes `--no-shipped-costs`, passed down as
+`shipped_costs=False` (`simulator.shipped`).
 """
 
 from __future__ import annotations
@@ -131,17 +133,20 @@ def cmd_topology(args: argparse.Namespace) -> tuple[dict, str]:
 
 def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
     from simulator.engine import simulator_of
+    from simulator.shipped import shipped_report
     from soapflow.api import capture_model, resolve_strategy
     from soapflow.optimize import topology_and_cost_model
+    from soapflow.report import shipped_costs_text
 
     setup = train_setup(args)
-    topo, cost_model = topology_and_cost_model(args.topology, args.costdb)
+    topo, cost_model = topology_and_cost_model(args.topology, args.costdb, shipped_costs=not args.no_shipped_costs)
     spec, graph = capture_model(args.model, batch_size=args.batch)
     strategy = resolve_strategy(args.strategy, graph=graph, topology=topo, setup=setup)
     # a trace shows every device's tasks: no simulation by one replica then
     sim, timeline = simulator_of(graph, strategy, topo, cost_model, setup=setup, symmetry=not args.trace)
     out = {"model": spec.name, "batch_size": graph.batch_size, "topology": topo.name, "strategy": args.strategy,
-           "setup": setup.to_dict(), **timeline.summary(), "collectives": sim.collectives()}
+           "setup": setup.to_dict(), **timeline.summary(), "collectives": sim.collectives(),
+           "shipped_costs": shipped_report(cost_model)}
     if args.trace:
         timeline.write_chrome_trace(args.trace)
         out["trace"] = args.trace
@@ -162,6 +167,9 @@ def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
              f"{out['num_tasks']} (one of {timeline.replicas} identical replicas, simulated for all)"],
         ], ["", "value"]),
     ]
+    costs = shipped_costs_text(out["shipped_costs"])
+    if costs:
+        lines.append(costs)
     for o in out.get("oom") or []:
         lines.append(f"device {o['device']} needs {_human_bytes(o['need_bytes'])} but holds "
                      f"{_human_bytes(o['capacity_bytes'])}")
@@ -236,7 +244,7 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
         out = optimize(args.model, args.topology, batch=args.batch, budget_s=args.budget, seed=args.seed,
                        jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
                        plot=args.plot, cost_model=args.costdb, measure_rounds=args.measure_rounds,
-                       confirm_runs=args.confirm_runs, setup=setup)
+                       confirm_runs=args.confirm_runs, setup=setup, shipped_costs=not args.no_shipped_costs)
     finally:
         bar.close()
     text = optimize_text(out)
@@ -254,7 +262,8 @@ def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
         raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
     setup = train_setup(args)
     out = compare(args.model, args.topology, strategies=args.strategy, batch=args.batch, measure=args.measure,
-                  steps=args.steps, repeats=args.repeats, plot=args.plot, cost_model=args.costdb, setup=setup)
+                  steps=args.steps, repeats=args.repeats, plot=args.plot, cost_model=args.costdb, setup=setup,
+                  shipped_costs=not args.no_shipped_costs)
     text = compare_text(out)
     if args.plot:
         text += f"\nbar chart written to {args.plot}"
@@ -322,6 +331,7 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict, str]:
     try:
         out = validate(args.model, args.topology, strategies=args.strategies, seed=args.seed, steps=args.steps,
                        batch=args.batch, plot=args.plot, progress=bar, costdb=args.costdb, setup=setup,
+                       shipped_costs=not args.no_shipped_costs,
                        **({} if args.timeout is None else {"timeout_s": args.timeout}))
     finally:
         bar.close()
@@ -370,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="strategy file or baseline: dp, mp, tp, expert")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace JSON of the simulated iteration")
     _costdb_arg(p)
+    _shipped_costs_arg(p)
     _setup_args(p)
 
     p = add("optimize", "search the fastest strategy that fits in memory (MCMC over per-op configs)")
@@ -392,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with -t cpu-N or a machine profile of this machine: train the best and every baseline N "
                         "times each (interleaved) and write the one that measured fastest")
     _costdb_arg(p)
+    _shipped_costs_arg(p)
     _setup_args(p)
 
     p = add("compare", "simulate the baselines and given strategies side by side (and measure them)")
@@ -407,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart of the strategies (needs matplotlib)")
     p.add_argument("--csv", metavar="FILE", help="also write the rows (those of --json) as CSV")
     _costdb_arg(p)
+    _shipped_costs_arg(p)
     _setup_args(p)
 
     p = add("run", "train a model under a strategy on real processes (torch.distributed)")
@@ -447,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="scatter plot of predicted against measured (needs matplotlib)")
     p.add_argument("--csv", metavar="FILE", help="also write the rows (those of --json) as CSV")
     _costdb_arg(p)
+    _shipped_costs_arg(p)
     _setup_args(p)
     return parser
 
@@ -483,6 +497,12 @@ def train_setup(args: argparse.Namespace) -> TrainSetup:
 
 def _costdb_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costdb", metavar="FILE", help="cost database (JSON lines) of measured op costs")
+
+
+def _shipped_costs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-shipped-costs", action="store_true",
+                   help="price op parts analytically only, ignoring the cost database measured on this preset's "
+                        "GPU kind and shipped with soapflow")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

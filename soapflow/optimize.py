@@ -15,6 +15,9 @@ one that measured fastest. The report's `confirmed` says what each measured and 
 
 Both take the training setup (`soap.setup.TrainSetup`) of the command: every simulation, the search's
 evaluators, the strategy file written (which records it) and every measured run use that one value.
+On a preset whose GPU kind has a cost database shipped with soapflow (`simulator.shipped`), both price the
+op parts it holds from it (`shipped_costs=False`: analytically only), and their reports' `shipped_costs`
+({device_kinds, num_parts}, or None) says so.
 
 `compare` simulates a list of strategies (baselines or strategy files) and, on a ``cpu-N`` topology (or a
 machine profile of this machine) with `measure`, runs each with the runtime (`soapflow.runner.run`) to set
@@ -46,6 +49,7 @@ from search.evaluate import SimulatorEvaluators
 from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, check_budgets, search
 from simulator.calibration import MachineProfile, read_profile
 from simulator.engine import simulate
+from simulator.shipped import shipped_report
 from soap import costdb
 from soap.graph import OperatorGraph
 from soap.setup import TrainSetup
@@ -65,7 +69,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
              plot: str | os.PathLike | None = None, cost_model: Any = None, delta: bool = True,
              beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
              measure_rounds: int = 0, confirm_runs: int = 0, confirm_steps: int = 10,
-             setup: TrainSetup | None = None) -> dict[str, Any]:
+             setup: TrainSetup | None = None, shipped_costs: bool = True) -> dict[str, Any]:
     """Search a strategy for `model_ref` on `topology_ref` for the training `setup` (None: `TrainSetup()`)
     and write it to `out_path`.
 
@@ -73,7 +77,9 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     clock, seconds) and `max_proposals` bound the search (either may be None, not both); only a proposal
     budget makes the result reproducible across machines. `delta=False` costs every proposal with a full
     simulation (for measuring what delta simulation buys). `cost_model`: see `topology_and_cost_model`
-    (a cost model, a cost database path, or None: a machine profile's calibration, else analytical).
+    (a cost model, a cost database path, or None: a machine profile's calibration, else analytical);
+    `shipped_costs=False` prices op parts on a preset analytically only, ignoring the cost database shipped
+    for its GPU kind (`simulator.shipped`); the report's `shipped_costs` says what that database priced.
     `progress` is called with {proposals, proposals_per_s, elapsed_s, best_ms} about twice a second.
     Bad input raises `ValueError` (one line): a budget <= 0, an unknown model or topology; a search in which
     nothing fits in memory raises `search.mcmc.NoFeasibleStrategy` (a `ValueError` naming the smallest
@@ -92,7 +98,8 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     if confirm_runs < 0 or confirm_steps < 1:
         raise ValueError(f"--confirm-runs must be >= 0 and its steps >= 1, got {confirm_runs}, {confirm_steps}")
     profile = _profile_to_measure(topology_ref, cost_model) if measure_rounds > 0 else None
-    topology, cost_model = topology_and_cost_model(topology_ref, cost_model)  # fails fast, before capture
+    topology, cost_model = topology_and_cost_model(topology_ref, cost_model,  # fails fast, before capture
+                                                   shipped_costs=shipped_costs)
     if confirm_runs > 0 and any(d.kind != "cpu" for d in topology.devices):
         raise ValueError(f"--confirm-runs trains the candidates on this machine: the topology must be cpu-N or a "
                          f"machine profile of this machine, got {topology.name!r}")
@@ -137,7 +144,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     out = {"model": spec.name, "topology": topology.name, "num_devices": topology.num_devices,
            "batch_size": graph.batch_size, "setup": setup.to_dict(), "seed": seed, "budget_s": budget_s,
            "max_proposals": max_proposals, "jobs": jobs, "delta": delta, "measured": measured,
-           "confirmed": confirmed, **out}
+           "confirmed": confirmed, "shipped_costs": shipped_report(cost_model), **out}
     if plot is not None:
         write_convergence_plot(plot, out, title=f"{spec.name} on {topology.name}")
         out["plot"] = os.fspath(plot)
@@ -233,13 +240,16 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
     }
 
 
-def topology_and_cost_model(topology_ref: str | os.PathLike, cost_model: Any = None) -> tuple[DeviceTopology, Any]:
+def topology_and_cost_model(topology_ref: str | os.PathLike, cost_model: Any = None, *,
+                            shipped_costs: bool = True) -> tuple[DeviceTopology, Any]:
     """The topology `topology_ref` names and the cost model to simulate on it.
 
     `cost_model` may be a cost model (used as is), a cost database path (JSON lines: measured op parts,
     analytical fallback), or None. For a machine profile (`soapflow calibrate`'s topology file with a
-    calibration) and no cost model object, the profile's calibrated model is used; otherwise None means
-    the simulator's analytical default.
+    calibration) and no cost model object, the profile's calibrated model is used. For a preset whose GPU
+    kind has a cost database shipped with soapflow (`simulator.shipped`), that database prices the parts
+    it holds (under the given database's), unless `shipped_costs` is False. Otherwise None means the
+    simulator's analytical default.
     """
     if cost_model is not None and not isinstance(cost_model, str | os.PathLike):
         return load_topology(topology_ref), cost_model
@@ -247,7 +257,8 @@ def topology_and_cost_model(topology_ref: str | os.PathLike, cost_model: Any = N
 
     if cost_model is not None and not Path(cost_model).is_file():
         raise ValueError(f"cost database {os.fspath(cost_model)!r} not found")
-    return cost_model_for(topology_ref, db=None if cost_model is None else os.fspath(cost_model))
+    return cost_model_for(topology_ref, db=None if cost_model is None else os.fspath(cost_model),
+                          shipped=shipped_costs)
 
 
 # ----------------------------------------------------------------------------------------------- compare
@@ -256,7 +267,7 @@ def topology_and_cost_model(topology_ref: str | os.PathLike, cost_model: Any = N
 def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | None = None,
             batch: int | None = None, measure: bool = False, steps: int = 10, repeats: int = 1,
             plot: str | os.PathLike | None = None, cost_model: Any = None, baselines: bool = True,
-            setup: TrainSetup | None = None) -> dict[str, Any]:
+            setup: TrainSetup | None = None, shipped_costs: bool = True) -> dict[str, Any]:
     """Simulate the baselines (unless `baselines` is False) and each given strategy (baseline names or
     strategy files) with the training `setup` (None: `TrainSetup()`) and, with
     `measure` on a ``cpu-N`` topology, train with it for `steps` steps in N processes (`soapflow.runner`)
@@ -267,6 +278,7 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
     Rows: `strategy`, `simulated_ms`, `measured_ms`, `error` ((simulated - measured) / measured),
     `speedup_vs_dp` (dp's time over the row's: measured when measuring, else simulated; None where dp is
     not defined or not listed), plus `simulated_speedup_vs_dp`, `measured_runs_ms`, `feasible`, `note`.
+    `cost_model` and `shipped_costs`: as for `optimize`.
     """
     refs = list(dict.fromkeys([*(BASELINES if baselines else ()), *(strategies or ())]))  # each once
     if not refs:
@@ -274,7 +286,7 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
     if plot is not None:
         require_matplotlib()
     setup = setup if setup is not None else TrainSetup()
-    topology, cost_model = topology_and_cost_model(topology_ref, cost_model)
+    topology, cost_model = topology_and_cost_model(topology_ref, cost_model, shipped_costs=shipped_costs)
     nproc = None
     if measure:
         if any(d.kind != "cpu" for d in topology.devices):
@@ -325,7 +337,7 @@ def compare(model_ref: str, topology_ref: str, *, strategies: Sequence[str] | No
         for r in rows:
             r["speedup_vs_dp"] = r["simulated_speedup_vs_dp"]
     out = {"model": spec.name, "topology": topology.name, "batch_size": graph.batch_size, "setup": setup.to_dict(),
-           "measured": measure,
+           "measured": measure, "shipped_costs": shipped_report(cost_model),
            "steps": steps if measure else None, "repeats": repeats if measure else None, "rows": rows}
     if plot is not None:
         write_compare_plot(plot, out)

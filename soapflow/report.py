@@ -4,7 +4,8 @@ Owns `strategy_summary` (what a strategy does: its ops grouped by layout, a few 
 the simulator's summary of one iteration with the caller's training setup) and the helpers that put a
 split in words (`split_words`, `split_text`, `devices_text`, `describe`), the text renderers of the
 reports `soapflow.optimize` builds (`optimize_text`, `compare_text`: tables built as pandas DataFrames,
-`compare_table`, and rendered by `soapflow.tables`), and the plot writers (`write_convergence_plot`,
+`compare_table`, and rendered by `soapflow.tables`; `shipped_costs_text`, their line on a shipped cost
+database), and the plot writers (`write_convergence_plot`,
 `write_compare_plot`, drawn with matplotlib by `soapflow.plot`). It reads reports and simulates one
 strategy; it computes nothing the reports depend on.
 
@@ -149,6 +150,9 @@ def optimize_text(out: Mapping[str, Any]) -> str:
                "peak memory": lambda b: f"{b / 1e9:.3g} GB"}
     lines.append(text_table(df if df["note"].any() else df.drop(columns="note"), formats, right=list(formats)))
     lines.append("")
+    costs = shipped_costs_text(out.get("shipped_costs"))
+    if costs:
+        lines.append(costs)
     lines.append(f"search: {out['num_proposals']:,} proposals in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
     b = out.get("lower_bound")
@@ -201,7 +205,17 @@ def compare_text(out: Mapping[str, Any]) -> str:
     ms, speedup = "{:.4g}".format, "{:.2f}x".format
     formats = {"simulated ms": ms, "measured ms": ms, "error": "{:+.1%}".format, "vs dp": speedup,
                "vs dp (measured)": speedup}
-    return title + "\n" + text_table(df, formats, right=list(formats))
+    costs = shipped_costs_text(out.get("shipped_costs"))
+    return title + "\n" + text_table(df, formats, right=list(formats)) + (f"\n{costs}" if costs else "")
+
+
+def shipped_costs_text(shipped: Mapping[str, Any] | None) -> str | None:
+    """The line that says a cost database shipped with soapflow priced op parts (a report's
+    `shipped_costs`, `simulator.shipped.shipped_report`), or None when none did."""
+    if not shipped:
+        return None
+    return (f"op costs: measured on {', '.join(shipped['device_kinds'])} (shipped database, "
+            f"{shipped['num_parts']:,} parts; analytical for the rest)")
 
 
 # -------------------------------------------------------------------------------------------------- plots
@@ -231,5 +245,5 @@ def write_compare_plot(path: str | os.PathLike, report: Mapping[str, Any]) -> No
               f"{report['topology']}", y_label="iteration ms")
 
 
-__all__ = ["compare_table", "compare_text", "describe", "devices_text", "optimize_text", "split_text", "split_words",
-           "strategy_summary", "write_compare_plot", "write_convergence_plot"]
+__all__ = ["compare_table", "compare_text", "describe", "devices_text", "optimize_text", "shipped_costs_text",
+           "split_text", "split_words", "strategy_summary", "write_compare_plot", "write_convergence_plot"]
