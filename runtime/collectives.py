@@ -112,8 +112,9 @@ class Outbox:
 
 def exchange(ranks: tuple[int, ...], group: dist.ProcessGroup | None, sends: Sequence[tuple[torch.Tensor, int]],
              recvs: Sequence[tuple[tuple[int, ...], int]], dtype: torch.dtype, log: CollectiveLog,
-             outbox: Outbox | None = None) -> list[torch.Tensor]:
-    """Send each (tensor, peer) and receive each (shape, peer) among `ranks`; returns the received tensors.
+             outbox: Outbox | None = None, device: torch.device | None = None) -> list[torch.Tensor]:
+    """Send each (tensor, peer) and receive each (shape, peer) among `ranks`; returns the received tensors
+    (on `device`, the rank's compute device: CPU when not given).
 
     Both sides list the pieces between two ranks in the same order (they derive them from the same plan),
     so the pieces travel packed in one `all_to_all_single` over the exchange's group. A collective rather
@@ -128,12 +129,13 @@ def exchange(ranks: tuple[int, ...], group: dist.ProcessGroup | None, sends: Seq
     for t, peer in sends:
         outgoing[position[peer]].append(t.reshape(-1).view(wire))
     in_splits = [sum(t.numel() for t in ts) for ts in outgoing]
-    flat_in = torch.cat([t for ts in outgoing for t in ts]) if sum(in_splits) else torch.empty(0, dtype=wire)
+    flat_in = (torch.cat([t for ts in outgoing for t in ts]) if sum(in_splits)
+               else torch.empty(0, dtype=wire, device=device))
     incoming: list[list[int]] = [[] for _ in ranks]
     for j, (_, peer) in enumerate(recvs):
         incoming[position[peer]].append(j)
     out_splits = [sum(_numel(recvs[j][0]) for j in js) for js in incoming]
-    flat_out = torch.empty(sum(out_splits), dtype=wire)
+    flat_out = torch.empty(sum(out_splits), dtype=wire, device=device)
     send_only = outbox is not None and not recvs
     work = dist.all_to_all_single(flat_out, flat_in, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                   group=group, async_op=send_only)
@@ -176,10 +178,12 @@ class EdgeMover:
     """
 
     def __init__(self, step: EdgeStep, edge: Edge, prod: OpStep, cons: OpStep, *, rank: int, dtype: torch.dtype,
-                 log: CollectiveLog, round: int = 0, outbox: Outbox | None = None):
+                 log: CollectiveLog, round: int = 0, outbox: Outbox | None = None,
+                 device: torch.device | None = None):
         self.step = step
         self.rank = rank
         self.dtype = dtype
+        self.device = device
         self.log = log
         self.outbox = outbox
         self.round = round
@@ -256,7 +260,7 @@ class EdgeMover:
             return {}
         sends = [(outputs[p][slices], peer) for p, slices, peer in self._sends]
         got = exchange(self.ranks, self.group, sends, [(shape, peer) for _, shape, peer in self._recvs],
-                       self.dtype, self.log, self.outbox)
+                       self.dtype, self.log, self.outbox, self.device)
         return {k: t for (k, _, _), t in zip(self._recvs, got, strict=True)}
 
     def assemble(self, outputs: Mapping[int, torch.Tensor], received: Mapping[int, torch.Tensor]
@@ -271,7 +275,7 @@ class EdgeMover:
             return received[k] if p is None else outputs[p][src]
         _, shape, pieces = how
         reduced = self.step.reduced
-        buf = (torch.zeros if reduced else torch.empty)(shape, dtype=self.dtype)
+        buf = (torch.zeros if reduced else torch.empty)(shape, dtype=self.dtype, device=self.device)
         for k, p, src, dst in pieces:
             piece = received[k] if p is None else outputs[p][src]
             if reduced:
@@ -295,13 +299,13 @@ class EdgeMover:
                 recvs.append((shape, peer))
                 targets.append((p, src))
                 continue
-            piece = grad[how[1]] if grad is not None else torch.zeros(how[2], dtype=self.dtype)
+            piece = grad[how[1]] if grad is not None else torch.zeros(how[2], dtype=self.dtype, device=self.device)
             if how[0] == "add":
                 accumulate(how[3], how[4], piece)
             else:
                 sends.append((piece, how[3]))
         if self.member:
-            got = exchange(self.ranks, self.group, sends, recvs, self.dtype, self.log, self.outbox)
+            got = exchange(self.ranks, self.group, sends, recvs, self.dtype, self.log, self.outbox, self.device)
             for (p, slices), buf in zip(targets, got, strict=True):
                 accumulate(p, slices, buf)
 

@@ -118,7 +118,7 @@ class Executor:
 
     def __init__(self, graph: OperatorGraph, plan: StepPlan, *, rank: int, tensors: Mapping[str, torch.Tensor],
                  module: torch.nn.Module | None = None, float_dtype: torch.dtype = torch.float32,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, device: torch.device | str = "cpu"):
         assert plan.flow.source is graph, "the plan is not the graph's"
         self.graph = graph = plan.flow.graph  # the graph as run: activations in the compute dtype
         self.plan = plan
@@ -126,10 +126,11 @@ class Executor:
         self.rank = rank
         self.module = module
         self.float_dtype = float_dtype
+        self.device = torch.device(device)
         mixed = plan.flow.setup.compute_dtype != "float32"
         self.compute_dtype = TORCH_DTYPES[plan.flow.setup.compute_dtype] if mixed else float_dtype
         recurrent = sorted({op.kind for op in graph if any(d.carried for d in op_def(op.kind).dims(op))})
-        if self.compute_dtype == torch.float16 and recurrent:
+        if self.compute_dtype == torch.float16 and recurrent and self.device.type == "cpu":
             raise ValueError(f"precision fp16 cannot run a recurrent op ({', '.join(recurrent)}) on a CPU (its "
                              "kernel has no float16 form); use bf16")
         self.where = "setup"
@@ -157,7 +158,7 @@ class Executor:
             entry = op_def(op.kind)
             if op.kind == "constant":
                 value = kernels.constant_value(op, tensors, cast=self._cast)
-                self.sources[op.name] = self._as_output(value, op).detach()
+                self.sources[op.name] = self._as_output(value, op).detach().to(self.device)
             mine = self.parts[i]
             if not mine:
                 continue
@@ -175,7 +176,7 @@ class Executor:
                     fqn = key[0]
                     if key not in self.shards:
                         value = take_piece(tensors, fqn, key[1])
-                        self.shards[key] = self._cast(value).detach().clone().requires_grad_(True)
+                        self.shards[key] = self._cast(value).detach().to(self.device, copy=True).requires_grad_(True)
                     params[name] = self.shards[key]
                 if not sharded:
                     self.op_params[(i, c)] = params
@@ -184,7 +185,8 @@ class Executor:
                     fqn = op.attrs[name]
                     key = (fqn, tuple(tuple(r) for r in region))
                     if key not in self.buffers:
-                        self.buffers[key] = self._cast(take_piece(tensors, fqn, key[1])).detach().clone()
+                        self.buffers[key] = self._cast(take_piece(tensors, fqn, key[1])).detach().to(
+                            self.device, copy=True)
                     buffers[name] = self.buffers[key]
             self.op_buffers[op.name] = buffers
         flow = self.flow
@@ -196,7 +198,7 @@ class Executor:
             dtype = self.torch_dtype(graph.tensor(e.ref).dtype)
             for r in range(plan.ops[e.dst].num_rounds):
                 self.movers[(e.id, r)] = EdgeMover(step, e, plan.ops[e.src], plan.ops[e.dst], rank=rank, dtype=dtype,
-                                                   log=self.log, round=r, outbox=self.outbox)
+                                                   log=self.log, round=r, outbox=self.outbox, device=self.device)
         self.out_refs = {op.name: tuple(TensorRef(op=op.name, index=i) for i in range(len(op.outputs)))
                          for op in graph}
         # the shape of each part here of every output a gradient flows back to, by (output, part)
@@ -294,7 +296,7 @@ class Executor:
             shape = tuple(hi - lo for lo, hi in key[1])
             numel = math.prod(shape)
             value = self._cast(take_piece(tensors, fqn, key[1], (j, size))).detach()
-            self.shards[key] = value.clone().requires_grad_(True)
+            self.shards[key] = value.to(self.device, copy=True).requires_grad_(True)
             self.chunks[key] = (j, size)
             layout.append((name, key, numel, chunk_numel(numel, size), shape))
         self.gathers[i] = (group, layout)
@@ -306,7 +308,7 @@ class Executor:
         group, layout = self.gathers[i]
         dtype = self.float_dtype if self.op_buffers[op.name] else self.compute_dtype
         flat = torch.cat([self.shards[key].detach().to(dtype) for _, key, _, _, _ in layout])
-        out = torch.empty(len(group) * flat.numel(), dtype=dtype)
+        out = torch.empty(len(group) * flat.numel(), dtype=dtype, device=self.device)
         dist.all_gather_single(out, flat, group=self.groups[group])
         self.log.record(ALL_GATHER, out.numel() * out.element_size())
         rows = out.view(len(group), flat.numel())
@@ -349,7 +351,7 @@ class Executor:
     def _release(self, i: int) -> None:
         """Free a sharded part's gathered parameters (autograd keeps the tensors, not their data)."""
         for w in self.op_params[(i, self.parts[i][0])].values():
-            w.data = torch.empty(0, dtype=w.dtype)
+            w.data = torch.empty(0, dtype=w.dtype, device=self.device)
             w.grad = None
 
     def _scatter_grads(self, i: int, grads: dict[str, torch.Tensor | None]) -> None:
@@ -363,7 +365,7 @@ class Executor:
         if single is not None and single.dtype == self.float_dtype and single.is_contiguous():
             buf = single.view(size, total)  # one parameter and no padding: its gradient is the input
         else:
-            buf = torch.empty(size, total, dtype=self.float_dtype)
+            buf = torch.empty(size, total, dtype=self.float_dtype, device=self.device)
             offset = 0
             for name, _, numel, chunk, _ in layout:
                 dst = buf[:, offset:offset + chunk]
@@ -382,7 +384,7 @@ class Executor:
                     dst[full + 1:].zero_()
         del single
         grads.clear()
-        out = torch.empty(total, dtype=self.float_dtype)
+        out = torch.empty(total, dtype=self.float_dtype, device=self.device)
         dist.reduce_scatter_single(out, buf.view(-1), group=self.groups[group])
         self.log.record(REDUCE_SCATTER, buf.numel() * buf.element_size())
         del buf
@@ -534,7 +536,7 @@ class Executor:
         for op in self.graph:
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
-                self.sources[op.name] = self._as_output(batch[int(op.attrs["position"])], op)
+                self.sources[op.name] = self._as_output(batch[int(op.attrs["position"])].to(self.device), op)
         last = len(self.graph.ops) - 1
         losses: list[torch.Tensor] = []
         order = self.plan.order
@@ -566,7 +568,7 @@ class Executor:
         self.carry_back.clear()
         self.where = "step"
         if not losses:
-            return torch.zeros((), dtype=self.float_dtype)
+            return torch.zeros((), dtype=self.float_dtype, device=self.device)
         total = losses[0]
         for part in losses[1:]:
             total = total + part
@@ -595,10 +597,10 @@ class Executor:
         dtype = self.torch_dtype(self.graph.ops[i].outputs[0].dtype)
         if self.rank == src:
             sends = [(x.detach(), dst) for x in self.carry[(i, p)][1]]
-            exchange(ranks, self.groups[ranks], sends, [], dtype, self.log, self.outbox)
+            exchange(ranks, self.groups[ranks], sends, [], dtype, self.log, self.outbox, self.device)
         else:
             got = exchange(ranks, self.groups[ranks], [], [(shape, src) for shape in shapes], dtype, self.log,
-                           self.outbox)
+                           self.outbox, self.device)
             self.carry_in[(i, c)] = tuple(got)
 
     def _move_state_grad(self, i: int, c: int, p: int, src: int, dst: int, shapes: tuple[tuple[int, ...], ...]
@@ -610,12 +612,12 @@ class Executor:
         if self.rank == dst:
             self.carry_in.pop((i, c), None)
             grads = self.carry_back.pop((i, c), (None,) * len(shapes))
-            sends = [(g if g is not None else torch.zeros(shape, dtype=dtype), src)
+            sends = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device), src)
                      for g, shape in zip(grads, shapes, strict=True)]
-            exchange(ranks, self.groups[ranks], sends, [], dtype, self.log, self.outbox)
+            exchange(ranks, self.groups[ranks], sends, [], dtype, self.log, self.outbox, self.device)
         else:
             got = exchange(ranks, self.groups[ranks], [], [(shape, dst) for shape in shapes], dtype, self.log,
-                           self.outbox)
+                           self.outbox, self.device)
             self.carry_grads[(i, p)] = tuple(got)
 
     def _where(self, i: int, r: int, phase: int) -> str:
@@ -635,7 +637,7 @@ class Executor:
                 # It is a gradient buffer nothing else reads (a leaf's .grad or a received buffer).
                 self.grads[key] = piece
                 return
-            buf = self.grads[key] = torch.zeros(shape, dtype=piece.dtype)
+            buf = self.grads[key] = torch.zeros(shape, dtype=piece.dtype, device=piece.device)
         buf[slices].add_(piece)
 
     def _release_outputs(self, j: int) -> None:
@@ -711,7 +713,7 @@ class Executor:
         if e.region is not None:
             shard = self.shards[(e.fqn, e.region)]
             return shard.grad if shard.grad is not None else torch.zeros_like(shard)
-        full = torch.zeros(self.param_shapes[e.fqn], dtype=self.float_dtype)
+        full = torch.zeros(self.param_shapes[e.fqn], dtype=self.float_dtype, device=self.device)
         for (fqn, region), shard in self.shards.items():
             if fqn == e.fqn and shard.grad is not None:
                 full[as_slices(region)].add_(shard.grad)

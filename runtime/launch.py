@@ -77,9 +77,40 @@ def torchrun_env() -> tuple[int, int] | None:
     return None
 
 
+def rank_device(kind: str, rank: int) -> torch.device:
+    """The device rank `rank` computes on: the CPU, or for `kind` "cuda" one GPU per local rank (torchrun's
+    LOCAL_RANK, else the rank, modulo the GPUs visible), made the current CUDA device.
+
+    On a GPU, float32 means IEEE float32, as on a CPU: TF32 tensor-core math is switched off for matrix
+    products and cuDNN convolutions, so a float32 run computes what single-process training on a CPU does
+    and the costs measured for float32 are those of float32 kernels (bf16 is the tensor-core precision)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"unknown device kind {kind!r}; known: cpu, cuda")
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA GPU is visible to this process (the nccl backend computes on GPUs; use gloo "
+                         "on CPUs)")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    exact_float32()
+    return device
+
+
+def exact_float32() -> None:
+    """No TF32 math on GPUs in this process: float32 matrix products and cuDNN convolutions compute in
+    IEEE float32 (`rank_device`)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def init_distributed(*, rank: int, world_size: int, backend: str = "gloo", init_method: str = "env://",
                      timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Initialize the default process group with a timeout (every blocking call fails after it)."""
+    """Initialize the default process group with a timeout (every blocking call fails after it); under
+    nccl each rank first takes its GPU (`rank_device`)."""
+    if backend == "nccl":
+        rank_device("cuda", rank)
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from runtime import kernels
 from runtime.executor import TORCH_DTYPES
-from runtime.launch import keep_freed_memory
+from runtime.launch import exact_float32, keep_freed_memory
 from soap import costdb
 from soap.config import parts
 from soap.graph import Operator, OperatorGraph
@@ -112,26 +112,34 @@ def _inputs(job: PartJob, op: Operator, gen: torch.Generator) -> list[torch.Tens
             continue
         shape = tuple(hi - lo for lo, hi in region)
         if dtype in _INT_DTYPES:
-            out.append(torch.randint(0, max(1, high), shape, generator=gen, dtype=TORCH_DTYPES[dtype]))
+            out.append(torch.randint(0, max(1, high), shape, generator=gen, dtype=TORCH_DTYPES[dtype],
+                                     device=gen.device))
         elif dtype == "bool":
-            out.append(torch.randint(0, 2, shape, generator=gen).bool())
+            out.append(torch.randint(0, 2, shape, generator=gen, device=gen.device).bool())
         else:
-            x = torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
+            x = torch.randn(shape, generator=gen, device=gen.device).to(TORCH_DTYPES[dtype])
             out.append(x.requires_grad_(grad))
     return out
 
 
 def _params(op: Operator, box: Box, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Random parameters and buffers of the part. An op of a mixed-precision step (outputs in a 16-bit
+    float dtype) computes with its float32 parameters cast to that dtype, as the executor runs it, unless
+    it keeps running statistics (batch norm keeps float32 weights)."""
     entry = op_def(op.kind)
     params = {}
+    buffer_regions = entry.buffer_regions(op, box)
+    compute = op.outputs[0].dtype if op.outputs and op.outputs[0].dtype in ("bfloat16", "float16") else None
     for name, region in entry.param_regions(op, box).items():
         shape = tuple(hi - lo for lo, hi in region)
         dtype = TORCH_DTYPES[op.params[name].dtype]
-        params[name] = (torch.randn(shape, generator=gen) * 0.1).to(dtype).requires_grad_(True)
+        if compute is not None and not buffer_regions and dtype == torch.float32:
+            dtype = TORCH_DTYPES[compute]
+        params[name] = (torch.randn(shape, generator=gen, device=gen.device) * 0.1).to(dtype).requires_grad_(True)
     buffers = {}
-    for name, region in entry.buffer_regions(op, box).items():
+    for name, region in buffer_regions.items():
         shape = tuple(hi - lo for lo, hi in region)
-        buffers[name] = torch.ones(shape) if "var" in name else torch.zeros(shape)
+        buffers[name] = (torch.ones if "var" in name else torch.zeros)(shape, device=gen.device)
     return params, buffers
 
 
@@ -146,32 +154,33 @@ def time_part(job: PartJob, *, warmup: int = 2, repeats: int = 7, max_s: float =
     """(forward ms, backward ms, repeats done) of one part on `device`: `warmup` untimed passes, then the
     medians of up to `repeats` timed ones (fewer when they would take longer than `max_s`, at least 3).
 
-    On a CUDA device every timestamp waits for the device (`torch.cuda.synchronize`), so a time is the
-    kernels' time, not the launch's."""
+    On a CUDA device a time is that of `burst` passes queued back to back, as a step queues its ops, up to
+    the device's end (`_time_queued`): what the part adds to a step whether its kernels or their launches
+    set the pace, without an idle device between passes."""
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        exact_float32()  # as every rank computes
     op = job.operator()
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # the part's tensors drawn where they are used
     inputs = [_on(x, device) for x in _inputs(job, op, gen)]
     params, buffers = _params(op, job.box, gen)
     params = {k: _on(v, device) for k, v in params.items()}
     buffers = {k: v.to(device) for k, v in buffers.items()}
     leaves = [x for x in (*inputs, *params.values()) if x is not None and x.requires_grad]
+    if device.type == "cuda":
+        return _time_queued(op, job.box, inputs, params, buffers, leaves, device, warmup=warmup, repeats=repeats,
+                            max_s=max_s)
     fwd: list[float] = []
     bwd: list[float] = []
     start_all = time.perf_counter()
     for i in range(warmup + repeats):
-        sync()
         t0 = time.perf_counter()
         outs = kernels.compute_part(op, job.box, inputs, params, training=True, buffers=buffers, step=i)
-        sync()
         t1 = time.perf_counter()
         pairs = [(o, torch.ones_like(o)) for o in outs if o.requires_grad]
-        sync()
         t2 = time.perf_counter()
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        sync()
         t3 = time.perf_counter()
         for x in leaves:
             x.grad = None
@@ -181,6 +190,43 @@ def time_part(job: PartJob, *, warmup: int = 2, repeats: int = 7, max_s: float =
             if len(fwd) >= 3 and time.perf_counter() - start_all > max_s:
                 break
     return statistics.median(fwd), statistics.median(bwd), len(fwd)
+
+
+def _time_queued(op: Operator, box: Box, inputs: list[torch.Tensor | None], params: dict[str, torch.Tensor],
+                 buffers: dict[str, torch.Tensor], leaves: list[torch.Tensor], device: torch.device, *,
+                 warmup: int, repeats: int, max_s: float, burst: int = 5) -> tuple[float, float, int]:
+    """`time_part` on a GPU: each repeat times `burst` forwards queued back to back, then `burst` forward
+    and backward pairs, from a synchronized start to the device's end; the backward is the difference."""
+    def forward(i: int) -> tuple[torch.Tensor, ...]:
+        return kernels.compute_part(op, box, inputs, params, training=True, buffers=buffers, step=i)
+
+    def pair(i: int) -> None:
+        outs = [o for o in forward(i) if o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        for x in leaves:
+            x.grad = None
+
+    def queued_ms(fn: Callable[[int], Any]) -> float:
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for i in range(burst):
+            fn(i)
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) * 1e3 / burst
+
+    for i in range(warmup):
+        pair(i)
+    fwd: list[float] = []
+    both: list[float] = []
+    start_all = time.perf_counter()
+    for _ in range(repeats):
+        fwd.append(queued_ms(forward))
+        both.append(queued_ms(pair))
+        if len(fwd) >= 3 and time.perf_counter() - start_all > max_s:
+            break
+    f = statistics.median(fwd)
+    return f, max(0.0, statistics.median(both) - f), len(fwd)
 
 
 def measurement(job: PartJob, fwd_ms: float, bwd_ms: float, *, device_kind: str, repeats: int,

@@ -92,6 +92,8 @@ class _PeakTracker:
         assert held is not None, "a track_peak context is entered once"
         device = self._device
         if device.type == "cuda":
+            if device.index is None:  # "cuda": the current GPU, as tensors name it (cuda:N)
+                device = self._device = torch.device("cuda", torch.cuda.current_device())
             self._base = _storage_bytes(t for t in _held_tensors(held) if t.device == device)
             del held
             torch.cuda.synchronize(device)

@@ -55,6 +55,7 @@ from runtime.checkpoint import (
     saved_tensors,
 )
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices, pieces_needed
+from runtime.launch import rank_device
 from runtime.materialize import MaterializeError, install_buffers, record, replay
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
@@ -91,6 +92,8 @@ class TrainOptions:
     the parameters on rank 0 and compares losses and parameters with single-process training.
     `checkpoint_dir` receives a checkpoint every `checkpoint_every` steps (0: only after the last step);
     `resume_from` is a checkpoint directory to continue from (its step count is the first step run).
+    `device` is where every rank computes: "cpu", or "cuda" for one GPU per local rank
+    (`runtime.launch.rank_device`; the backend is then nccl).
     `fault` = (kind, rank, step) is a test hook: at the start of that step that rank raises inside its first
     op's forward (`"raise"`) or SIGKILLs itself (`"kill"`).
     """
@@ -105,8 +108,11 @@ class TrainOptions:
     checkpoint_every: int = 0
     resume_from: str | None = None
     fault: tuple[str, int, int] | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be non-negative, got {self.checkpoint_every}")
         if self.fault is not None and self.fault[0] not in FAULTS:
@@ -155,8 +161,9 @@ def integer_highs(graph: OperatorGraph, module: nn.Module | None = None) -> dict
 
 
 def synthetic_batch(example: Sequence[torch.Tensor], *, step: int, seed: int, highs: Mapping[int, int],
-                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """The full global batch of `step`: one real tensor per example tensor (same shape and dtype)."""
+                    dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> list[torch.Tensor]:
+    """The full global batch of `step`: one real tensor per example tensor (same shape and dtype), drawn
+    on the CPU (the same values everywhere) and placed on `device` when given."""
     out = []
     for position, t in enumerate(example):
         g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + position)
@@ -167,7 +174,20 @@ def synthetic_batch(example: Sequence[torch.Tensor], *, step: int, seed: int, hi
             out.append(torch.randint(0, 2, shape, generator=g).bool())
         else:
             out.append(torch.randint(0, highs.get(position, 2), shape, generator=g, dtype=t.dtype))
-    return out
+    return out if device is None else [t.to(device) for t in out]
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """A clock for timing steps on `device` (seconds): on a GPU it first waits for the kernels queued so
+    far, so that a step's time is its kernels' and not their launch's."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 # ---------------------------------------------------------------------- distributed training
@@ -218,7 +238,7 @@ def merge_chunks(items: Sequence[tuple]) -> list[tuple]:
 
 def _gather_params(executor: Executor, plan: StepPlan, rank: int) -> tuple[dict[str, torch.Tensor], float] | None:
     """Full parameters on rank 0 from every rank's shards, and the largest difference between replicas."""
-    items = [(fqn, region, t.detach().clone(), chunk) for fqn, region, t, chunk in executor.shard_items()]
+    items = [(fqn, region, t.detach().to("cpu", copy=True), chunk) for fqn, region, t, chunk in executor.shard_items()]
     gathered: list[Any] = [None] * plan.num_devices if rank == 0 else None
     if plan.num_devices > 1:
         dist.gather_object(items, gathered, dst=0)
@@ -258,7 +278,8 @@ class LossScaler:
         """Divide the gradients of `params` by the scale and return True, or return False (the step is to
         be skipped) when any rank found a non-finite gradient; updates the scale."""
         grads = [p.grad for p in params if p.grad is not None]
-        bad = torch.tensor(0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0)
+        bad = torch.tensor(0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0,
+                           device=grads[0].device if grads else None)
         if self.across_ranks and dist.is_available() and dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
@@ -377,17 +398,20 @@ def build_rank(build: Callable[[], Workload], plan: StepPlan, rank: int, *, seed
     return workload, pieces, None
 
 
-def _executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[str, Mapping[str, Any]],
+def build_executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[str, Mapping[str, Any]],
               build: Callable[[], Workload], options: TrainOptions
               ) -> tuple[StepPlan, Executor, torch.optim.Optimizer | None, Workload, str | None]:
     """This rank's plan, executor over the pieces of the model it holds, optimizer (None where the rank
     holds no parameter: every op with weights placed elsewhere), workload (its module on the meta device
     unless built whole) and why it was built whole (None: it was not)."""
     plan = lower(g, strategy_from_configs(strategy), options.setup, world_size)
+    device = rank_device(options.device, rank)
     workload, tensors, whole = build_rank(build, plan, rank, seed=options.seed)
     module = workload.module.to(TORCH_DTYPES[options.dtype])
+    if device.type != "cpu":  # the real tensors opaque ops read (buffers; all of a model built whole)
+        module._apply(lambda t: t if t.is_meta else t.to(device))
     executor = Executor(g, plan, rank=rank, tensors=tensors, module=module,
-                        float_dtype=TORCH_DTYPES[options.dtype], timeout_s=options.timeout_s)
+                        float_dtype=TORCH_DTYPES[options.dtype], timeout_s=options.timeout_s, device=device)
     optimizer = make_optimizer(executor.parameters(), options.setup) if executor.parameters() else None
     return plan, executor, optimizer, workload, whole
 
@@ -416,7 +440,7 @@ def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload]
     g = OperatorGraph.from_dict(graph)
     runs = {}
     for name, configs in strategies.items():
-        _, executor, optimizer, workload, _ = _executor(rank, world_size, g, configs, build, options)
+        _, executor, optimizer, workload, _ = build_executor(rank, world_size, g, configs, build, options)
         runs[name] = (workload, executor, optimizer, loss_scaler(options.setup))
     highs = integer_highs(g, next(iter(runs.values()))[0].module) if runs else {}
     mine: dict[str, list[list[float]]] = {name: [] for name in runs}
@@ -426,13 +450,14 @@ def time_strategies(rank: int, world_size: int, *, build: Callable[[], Workload]
             times_ms = []
             for _ in range(steps + 1):
                 batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs,
-                                        dtype=TORCH_DTYPES[options.dtype])
+                                        dtype=TORCH_DTYPES[options.dtype], device=executor.device)
+                clock = device_clock(executor.device)
                 try:
                     if world_size > 1:
                         dist.barrier()
-                    start = time.perf_counter()
+                    start = clock()
                     local = train_step(executor, optimizer, batch, step=step, scaler=scaler)
-                    times_ms.append((time.perf_counter() - start) * 1e3)
+                    times_ms.append((clock() - start) * 1e3)
                     executor.all_reduce_loss(local)
                 except Exception as exc:  # named by strategy: the runs of all of them interleave in one job
                     raise StrategyFailed(f"strategy {name!r}, step {step}: {type(exc).__name__}: {exc}") from exc
@@ -477,7 +502,10 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
     `options.verify`, `verify` (`max_loss_rel_diff`, `max_param_rel_diff`, ...).
     """
     g = OperatorGraph.from_dict(graph)
-    plan, executor, optimizer, workload, built_whole = _executor(rank, world_size, g, strategy, build, options)
+    if options.verify and options.device == "cuda":
+        # the same convolution algorithms on both sides of the comparison, run after run
+        torch.backends.cudnn.deterministic = True
+    plan, executor, optimizer, workload, built_whole = build_executor(rank, world_size, g, strategy, build, options)
     module = executor.module
     meta = {"graph": g.name, "fingerprint": g.fingerprint, "seed": options.seed, "num_devices": world_size}
     first_step, history = 0, []  # history: the losses of the steps before the first (the checkpoint's)
@@ -489,16 +517,18 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
     highs = integer_highs(g, module)
     losses: list[float] = []
     times_ms: list[float] = []
+    clock = device_clock(executor.device)
     for step in range(first_step, options.steps):
-        batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
+        batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype,
+                                device=executor.device)
         fault = options.fault is not None and options.fault[1:] == (rank, step)
         if fault and options.fault[0] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if world_size > 1:
             dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         local = train_step(executor, optimizer, batch, step=step, fail=fault, scaler=scaler)
-        times_ms.append((time.perf_counter() - start) * 1e3)
+        times_ms.append((clock() - start) * 1e3)
         losses.append(executor.all_reduce_loss(local))
         done = step + 1
         if options.checkpoint_dir is not None and (
@@ -524,7 +554,7 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         if gathered is not None:
             params, replica_diff = gathered
             params = _with_ties(params, module)
-            ref_losses, ref_params, initial = reference_train(build, g, strategy, options)
+            ref_losses, ref_params, initial = reference_train(build, g, strategy, options, device=executor.device)
             result["verify"] = compare(losses, params, ref_losses[first_step:], ref_params, initial,
                                        dtype=verify_dtype(options)) | {"max_replica_abs_diff": replica_diff}
     return result
@@ -552,15 +582,18 @@ def _batchnorm_module(graph: OperatorGraph, name: str) -> str:
 
 
 def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
-                    strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions
+                    strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions,
+                    device: torch.device | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Single-process training of `build()`'s module on the same batches (under mixed precision with
-    torch.autocast to the compute dtype, and fp16's loss scaling); returns the losses, the final
-    parameters and the initial ones (by fully qualified name)."""
+    torch.autocast to the compute dtype, and fp16's loss scaling) on `device` (the CPU when None; the
+    verifying rank's GPU on GPUs, so that both sides run the same kernels); returns the losses, the final
+    parameters and the initial ones (by fully qualified name, on the CPU)."""
     dtype = TORCH_DTYPES[options.dtype]
+    device = device if device is not None else torch.device("cpu")
     torch.manual_seed(options.seed)
     workload = build()
-    module = workload.module.to(dtype)
+    module = workload.module.to(dtype=dtype, device=device)
     module.train()
     for op in graph:
         if op.kind == "batchnorm":
@@ -568,7 +601,7 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
             if degree > 1:
                 _chunked_batchnorm(module.get_submodule(_batchnorm_module(graph, op.name)), degree)
     params = [p for p in module.parameters() if p.requires_grad]
-    initial = {name: p.detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
+    initial = {name: p.detach().to("cpu", copy=True) for name, p in module.named_parameters(remove_duplicate=False)}
     optimizer = make_optimizer(params, options.setup) if params else None  # None: nothing to train, as a rank
     highs = integer_highs(graph, module)
     n_inputs = len(workload.inputs)
@@ -576,8 +609,9 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
     scaler = loss_scaler(options.setup, across_ranks=False)
     compute = options.setup.compute_dtype
     for step in range(options.steps):
-        batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype)
-        with torch.autocast("cpu", dtype=TORCH_DTYPES[compute], enabled=compute != "float32"):
+        batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype,
+                                device=device)
+        with torch.autocast(device.type, dtype=TORCH_DTYPES[compute], enabled=compute != "float32"):
             loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).to(dtype)
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
@@ -585,7 +619,7 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
             if scaler is None or scaler.unscale(params):
                 optimizer.step()
         losses.append(float(loss.detach()))
-    final = {name: p.detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
+    final = {name: p.detach().to("cpu", copy=True) for name, p in module.named_parameters(remove_duplicate=False)}
     return losses, final, initial
 
 

@@ -289,7 +289,7 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
             raise CommandError("--resume needs --checkpoint-dir")
         extra["resume"] = True
     out = run(args.model, args.strategy, nproc=args.nproc, steps=args.steps, backend=args.backend,
-              verify=args.verify, batch=args.batch, setup=setup, seed=args.seed, **extra)
+              verify=args.verify, batch=args.batch, setup=setup, seed=args.seed, dtype=args.dtype, **extra)
     lines = [f"{out['model']} (batch {out['batch_size']}) with {out['strategy']} on {out['nproc']} "
              f"process(es), {out['backend']}: {out['steps']} steps"]
     rows = [[i, f"{loss:.6f}"] for i, loss in enumerate(out["losses"], start=out.get("first_step", 0))]
@@ -432,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="default: gloo")
     p.add_argument("--verify", action="store_true",
                    help="also train the unpartitioned model in one process and report the differences")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                   help="dtype of the weights and of float32 computation (default: float32; float64 makes "
+                        "--verify tight where float32 rounding grows over the steps)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic batches")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps")

@@ -104,8 +104,8 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    if backend == "nccl":
-        raise ValueError("backend nccl is not supported: the runtime computes on CPU tensors (use gloo)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend nccl computes on CUDA GPUs and none is visible here; use gloo on CPUs")
     if checkpoint_dir is None and (checkpoint_every or resume):
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
     if checkpoint_dir is not None and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
@@ -123,11 +123,15 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
             resume_from = str(found)
     options = TrainOptions(steps=steps, setup=setup, seed=seed, dtype=dtype, verify=verify, timeout_s=timeout_s,
                            checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
-                           checkpoint_every=checkpoint_every, resume_from=resume_from, fault=_fault_hook())
+                           checkpoint_every=checkpoint_every, resume_from=resume_from, fault=_fault_hook(),
+                           device="cuda" if backend == "nccl" else "cpu")
     env = torchrun_env()
     world = env[1] if env is not None else _num_devices(strategy_ref, nproc)
     if env is not None and nproc is not None and nproc != world:
         raise ValueError(f"--nproc {nproc} disagrees with torchrun's WORLD_SIZE {world}")
+    if backend == "nccl" and env is None and world > torch.cuda.device_count():
+        raise ValueError(f"backend nccl runs one process per GPU: {world} processes need {world} GPUs, this "
+                         f"machine has {torch.cuda.device_count()}")
     spec, graph = capture_model(model_ref, batch_size=batch)
     if resume_from is not None:
         check_resumable(resume_from, read_info(resume_from), graph=graph.name, fingerprint=graph.fingerprint,
