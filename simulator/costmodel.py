@@ -103,7 +103,10 @@ DEFAULT_EFFICIENCY: Mapping[str, Mapping[str, float]] = _frozen({
 # Fraction of the datasheet memory bandwidth a streaming kernel reaches (STREAM-like), by device kind.
 DEFAULT_BANDWIDTH_EFFICIENCY: Mapping[str, float] = MappingProxyType({"*": 0.8, "cpu": 0.7})
 # Fixed cost per kernel launch and framework dispatch, microseconds, by device kind.
-DEFAULT_LAUNCH_US: Mapping[str, float] = MappingProxyType({"*": 5.0, "cpu": 10.0})
+# Per kernel launched. On the H100 it is fitted with that kind's kernel constants to measured op parts
+# (`simulator.kernel_efficiency.KERNEL_FITS`): what an eager framework spends on the host per kernel,
+# which a small kernel pays in full; other GPU kinds keep the bare launch.
+DEFAULT_LAUNCH_US: Mapping[str, float] = MappingProxyType({"*": 5.0, "cpu": 10.0, "h100": 66.0})
 
 
 def _merge(defaults: Mapping[str, Mapping[str, float]],
@@ -128,7 +131,8 @@ class AnalyticalCostModel:
     `update_scale` (1 by default; calibration fits it from timed optimizer steps).
 
     On a GPU kind with a row in `kernel_fits` (default `simulator.kernel_efficiency.KERNEL_FITS`: p100,
-    v100, k80) and ops of the fitted dtype, the efficiency depends on the kernel: the parts of linear,
+    v100, k80, h100; a row keyed ``kind:dtype`` holds that kind's fit for another dtype, h100's bfloat16)
+    and ops of the fitted dtype, the efficiency depends on the kernel: the parts of linear,
     matmul, conv2d, recurrent (lstm, gru, rnn) and attention ops are priced by the GEMMs they run
     (forward; data and weight gradients in backward), by waves of tiles over the SMs at the sustained
     clock, one launch per GEMM (per time step of a recurrence); other ops by the roofline at the sustained
@@ -150,7 +154,7 @@ class AnalyticalCostModel:
 
     def __post_init__(self) -> None:
         # a device kind given efficiencies of its own (a calibrated machine profile) keeps the flat roofline
-        fits = {k: v for k, v in self.kernel_fits.items() if k not in self.efficiency}
+        fits = {k: v for k, v in self.kernel_fits.items() if k.partition(":")[0] not in self.efficiency}
         object.__setattr__(self, "kernel_fits", MappingProxyType(fits))
         eff = _merge(DEFAULT_EFFICIENCY, self.efficiency)
         bad = {f"{d}/{o}": v for d, t in eff.items() for o, v in t.items() if not 0 < v <= 1}
@@ -187,7 +191,7 @@ class AnalyticalCostModel:
     def kernel_device(self, op: Operator, device: Device) -> tuple[KernelDevice, KernelFit] | None:
         """The device as the kernel model sees it, with its fitted constants, when its kind has a fit
         for the op's dtype and its SM count is known (`simulator.kernel_efficiency`); else None."""
-        fit = self.kernel_fits.get(device.kind)
+        fit = self.kernel_fits.get(f"{device.kind}:{op.outputs[0].dtype}") or self.kernel_fits.get(device.kind)
         spec = DEVICE_SPECS.get(device.kind)
         peak = device.peak_flops.get(op.outputs[0].dtype)
         if fit is None or spec is None or spec.num_sms <= 0 or peak is None or op.outputs[0].dtype != fit.dtype:

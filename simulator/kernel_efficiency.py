@@ -30,7 +30,9 @@ is fitted per device kind, `c`, `k0` and `conv_scale` once over all kinds, by
 measurements in `benchmarks/data/kernels_*.csv` (each file cites its source); `benchmarks/preset_fidelity.py`
 reports the fit's error per kind and the whole-model throughput it predicts against published figures.
 A device kind without a row in `KERNEL_FITS` (or a dtype other than the one fitted) keeps the flat
-roofline of `simulator.costmodel`.
+roofline of `simulator.costmodel`. A row keyed ``kind:dtype`` is a kind's fit for a second dtype (the
+H100's bfloat16 beside its float32); the H100's rows come from this project's own measurements of op parts
+on that GPU (`benchmarks/gpu_accuracy.py`), not from a public kernel table.
 
 Imports only `soap`.
 """
@@ -84,6 +86,12 @@ KERNEL_FITS: Mapping[str, KernelFit] = MappingProxyType({
     "p100": KernelFit(eff_max=0.812, tile_c=14.7, k0=24.9, conv_scale=1.0),
     "v100": KernelFit(eff_max=0.956, tile_c=14.7, k0=24.9, conv_scale=1.0),
     "k80": KernelFit(eff_max=0.575, tile_c=14.7, k0=24.9, conv_scale=1.0),
+    # Fitted by `python benchmarks/gpu_accuracy.py report` to the op parts (linear, matmul, conv2d,
+    # attention, LSTM; forward and backward) this project timed on an H100 SXM with the runtime's own
+    # kernels (benchmarks/results/gpu_measurements.json, simulator/costdbs/h100.jsonl), every constant
+    # per dtype, with the launch cost `simulator.costmodel.DEFAULT_LAUNCH_US["h100"]` fitted beside them.
+    "h100": KernelFit(eff_max=0.869, tile_c=34.0, k0=27.6, conv_scale=0.888),
+    "h100:bfloat16": KernelFit(eff_max=0.648, tile_c=512.0, k0=339.0, conv_scale=1.0, dtype="bfloat16"),
 })
 
 

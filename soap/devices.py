@@ -143,8 +143,11 @@ _DEVICE_ROWS = (
         peak_tflops={"float64": 67, "float32": 67, "tf32": 989 / 2, "bfloat16": 1979 / 2,
                      "float16": 1979 / 2},
         memory_bandwidth_gbps=3350, memory_gb=80, nvlink_links=18,
+        num_sms=132, boost_clock_mhz=1980, sustained_clock_mhz=1980,
         source="NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM column; tensor figures quoted with "
-               "sparsity, halved"),
+               "sparsity, halved; SMs and clock: NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), "
+               "132 SMs on the SXM5 board, GPU Boost 1980 MHz (held under load: an H100 SXM measured by this "
+               "project ran its matrix products at its maximum clock)"),
     DeviceSpec(
         kind="h200", model="NVIDIA H200 SXM 141 GB",
         peak_tflops={"float64": 67, "float32": 67, "tf32": 989 / 2, "bfloat16": 1979 / 2,

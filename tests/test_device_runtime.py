@@ -1,6 +1,6 @@
-"""The runtime's devices: a rank's device, batches placed on it, part timing of mixed-precision parts.
-The CUDA tests run where a GPU is visible and say why they skip elsewhere (the CPU paths are checked on
-every machine)."""
+"""The runtime's devices: a rank's device, batches placed on it, part timing of mixed-precision parts;
+and the kernel fits of a second dtype (the H100's bfloat16). The CUDA tests run where a GPU is visible and
+say why they skip elsewhere (the CPU paths are checked on every machine)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from runtime.launch import rank_device
 from runtime.measure import part_jobs, time_part
 from runtime.train import TrainOptions, synthetic_batch
 from search.baselines import dp
+from simulator.costmodel import AnalyticalCostModel
+from simulator.kernel_efficiency import KERNEL_FITS, KernelFit
 from soap.lowering import run_graph
 from soap.setup import TrainSetup
 from soap.topology import load_topology
@@ -52,6 +54,21 @@ def test_a_mixed_precision_linear_part_is_timed_with_weights_in_its_compute_dtyp
     assert jobs and all(j.input_dtypes[0] == "bfloat16" for j in jobs)
     fwd, bwd, repeats = time_part(jobs[0], warmup=1, repeats=3)
     assert fwd > 0 and bwd > 0 and repeats == 3
+
+
+def test_a_kernel_fit_keyed_by_kind_and_dtype_prices_that_dtype_only():
+    _, graph = capture_model("mlp", batch_size=64)
+    op = next(o for o in run_graph(graph, TrainSetup(precision="bf16")) if o.kind == "linear")
+    box = tuple((0, n) for n in (*op.outputs[0].shape, op.params["weight"].shape[1]))
+    device = load_topology("h100-1x1").devices[0]
+    slow = KernelFit(eff_max=0.05, tile_c=14.7, k0=24.9, conv_scale=1.0, dtype="bfloat16")
+    fits = {"h100": KERNEL_FITS["h100"], "h100:bfloat16": slow}
+    with_slow = AnalyticalCostModel(kernel_fits=fits).compute_ms(op, box, device)
+    shipped = AnalyticalCostModel().compute_ms(op, box, device)
+    assert with_slow[0] > shipped[0] and with_slow[1] > shipped[1]
+    # a kind given efficiencies of its own (a calibrated profile) keeps the flat roofline for every dtype
+    flat = AnalyticalCostModel(kernel_fits=fits, efficiency={"h100": {"*": 0.5}})
+    assert "h100:bfloat16" not in flat.kernel_fits and flat.kernel_device(op, device) is None
 
 
 @CUDA
