@@ -1,6 +1,11 @@
 """The simulator on a real GPU: measured op costs, step times and peak memory against the predictions.
 
-Two phases, so that the GPU is needed only for the first:
+Two phases, so that the GPU is needed only for the first (and a third that prepares it):
+
+``graphs --out DIR`` (anywhere) captures the models with this machine's torch and writes them as
+``DIR/MODEL.json``; ``measure --graphs DIR`` then times the parts of those graphs and trains them, so that
+the parts' keys are those the report's own capture looks up, whatever torch the GPU machine has (torch
+2.11 captures `nn.LSTM`'s hidden state with an extra axis, which soapflow, pinned to 2.13, does not read).
 
 ``measure`` (on a machine with one CUDA GPU) writes, under ``--out``:
 
@@ -26,7 +31,8 @@ preset (``<kind>-1x1``) twice: with the analytical model alone and with the meas
 (+ ``.json``). Goals: median step-time error <= 10% with the cost database and <= 25% analytical; memory
 error <= 10%.
 
-    python benchmarks/gpu_accuracy.py measure --out DIR [--models ...] [--precisions fp32 bf16]
+    python benchmarks/gpu_accuracy.py graphs --out GRAPHS
+    python benchmarks/gpu_accuracy.py measure --out DIR --graphs GRAPHS [--models ...] [--precisions fp32 bf16]
     python benchmarks/gpu_accuracy.py report [--measurements benchmarks/results/gpu_measurements.json]
 """
 
@@ -218,6 +224,19 @@ def measure_model(ref: str, batch: int, precision: str, *, kind: str, db_path: s
     return row
 
 
+def write_graphs(out: str) -> int:
+    """Capture every model of `MODELS` at its batch and write it as ``out/MODEL.json``."""
+    from soapflow.api import capture_model
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    for ref, batch in MODELS.items():
+        _, graph = capture_model(ref, batch_size=batch)
+        (folder / f"{_file_name(ref)}.json").write_text(json.dumps(graph.to_dict()))
+        print(f"{_file_name(ref)}: {len(graph.ops)} ops")
+    return 0
+
+
 def run_cli(ref: str, batch: int, dtype: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "soapflow", "run", ref, "-s", "dp", "--nproc", "1", "--backend", "nccl",
            "--verify", "--batch", str(batch), "--steps", "3", "--dtype", dtype]
@@ -298,12 +317,16 @@ def main(argv: list[str] | None = None) -> int:
                                     "place of capturing here")
     m.add_argument("--steps", type=int, default=5)
     m.add_argument("--rounds", type=int, default=3)
+    c = sub.add_parser("graphs", help="capture the models here for the measure phase's --graphs")
+    c.add_argument("--out", required=True)
     r = sub.add_parser("report", help="predict the measured rows and write the tables")
     r.add_argument("--measurements", default=os.fspath(RESULTS / "gpu_measurements.json"))
     r.add_argument("--costdb", default=os.fspath(ROOT / "simulator" / "costdbs" / "h100.jsonl"))
     args = p.parse_args(argv)
     if args.phase == "measure":
         return measure(args)
+    if args.phase == "graphs":
+        return write_graphs(args.out)
     return report(args)
 
 
