@@ -1,9 +1,10 @@
 """The training loop of one rank, synthetic batches, optimizers, and verification against one process.
 
-Owns `Workload` (what a model builder returns to the runtime), `TrainOptions`, `train_rank` (the function
-every rank runs: build, shard, optionally resume from a checkpoint, train K steps, time them, save
-checkpoints, optionally gather and verify), `train_step` (one step, what is timed), `synthetic_batch`,
-`integer_highs`, `reference_train` and `compare`. Imports `soap`, torch and the other `runtime` modules
+Owns `Workload` (what a model builder returns to the runtime), `TrainOptions`, `build_executor` (a rank's
+plan, executor and optimizer on its device), `train_rank` (the function every rank runs: build, shard,
+optionally resume from a checkpoint, train K steps, time them, save checkpoints, optionally gather and
+verify), `train_step` (one step, what is timed), `device_clock`, `synthetic_batch`, `integer_highs`,
+`reference_train` and `compare`. Imports `soap`, torch and the other `runtime` modules
 only (no simulator, no search, no soapflow: the caller passes a picklable `build` function instead).
 
 Checkpoints (`runtime.checkpoint`, through torch.distributed.checkpoint): every rank saves the pieces it
@@ -399,8 +400,8 @@ def build_rank(build: Callable[[], Workload], plan: StepPlan, rank: int, *, seed
 
 
 def build_executor(rank: int, world_size: int, g: OperatorGraph, strategy: Mapping[str, Mapping[str, Any]],
-              build: Callable[[], Workload], options: TrainOptions
-              ) -> tuple[StepPlan, Executor, torch.optim.Optimizer | None, Workload, str | None]:
+                   build: Callable[[], Workload], options: TrainOptions
+                   ) -> tuple[StepPlan, Executor, torch.optim.Optimizer | None, Workload, str | None]:
     """This rank's plan, executor over the pieces of the model it holds, optimizer (None where the rank
     holds no parameter: every op with weights placed elsewhere), workload (its module on the meta device
     unless built whole) and why it was built whole (None: it was not)."""
