@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import json
 import os
@@ -160,6 +161,26 @@ def time_kernels(dtype: torch.dtype, repeats: int = 20, warmup: int = 5) -> list
     return out
 
 
+def load_graph(ref: str, batch: int, graphs: str | None):
+    """The model's graph from `graphs` (``MODEL.json``, written by the ``graphs`` phase) where it is there,
+    else captured here (another torch version's capture may differ: the module docstring)."""
+    from soap.graph import OperatorGraph
+
+    saved = Path(graphs or "") / f"{_file_name(ref)}.json"
+    if graphs and saved.exists():
+        return OperatorGraph.from_dict(json.loads(saved.read_text()))
+    return captured(ref, batch)
+
+
+@functools.cache
+def captured(ref: str, batch: int):
+    """The model captured here at `batch`, once per process (the report predicts and fits from the same
+    graphs)."""
+    from soapflow.api import capture_model
+
+    return capture_model(ref, batch_size=batch)[1]
+
+
 def _file_name(ref: str) -> str:
     return ref.rpartition(":")[2]
 
@@ -177,18 +198,12 @@ def measure_model(ref: str, batch: int, precision: str, *, kind: str, db_path: s
         time_strategies,
         train_step,
     )
-    from soap.graph import OperatorGraph
     from soap.lowering import run_graph
-    from soapflow.api import capture_model
     from soapflow.runner import build_workload
 
     row: dict[str, Any] = {"model": ref, "batch": batch, "precision": precision}
     t0 = time.perf_counter()
-    saved = Path(graphs or "") / f"{_file_name(ref)}.json"
-    if graphs and saved.exists():  # captured elsewhere (another torch version's capture may differ)
-        graph = OperatorGraph.from_dict(json.loads(saved.read_text()))
-    else:
-        _, graph = capture_model(ref, batch_size=batch)
+    graph = load_graph(ref, batch, graphs)
     setup = setup_of(precision)
     single, dp = single_and_dp(graph, kind, setup)
     jobs = part_jobs(run_graph(graph, setup), [single, dp], device_kind=kind)
@@ -225,22 +240,17 @@ def measure_model(ref: str, batch: int, precision: str, *, kind: str, db_path: s
     return row
 
 
-def measure_host(ref: str, batch: int, precision: str, *, graphs: str | None, steps: int = 5) -> dict[str, Any]:
+def measure_host(ref: str, batch: int, precision: str, *, kind: str, graphs: str | None, steps: int = 5
+                 ) -> dict[str, Any]:
     """How long the host takes to issue a training step (from a synchronized start until `train_step`
     returns, the device still working) beside the whole step (until the device is done): where the two
     are close, the host sets the step's pace."""
     from runtime.train import TrainOptions, build_executor, integer_highs, loss_scaler, synthetic_batch, train_step
-    from soap.graph import OperatorGraph
-    from soapflow.api import capture_model
     from soapflow.runner import build_workload
 
-    saved = Path(graphs or "") / f"{_file_name(ref)}.json"
-    if graphs and saved.exists():
-        graph = OperatorGraph.from_dict(json.loads(saved.read_text()))
-    else:
-        _, graph = capture_model(ref, batch_size=batch)
+    graph = load_graph(ref, batch, graphs)
     setup = setup_of(precision)
-    single, _ = single_and_dp(graph, "h100", setup)
+    single, _ = single_and_dp(graph, kind, setup)
     options = TrainOptions(setup=setup, device="cuda", timeout_s=600.0)
     build = functools.partial(build_workload, ref, batch)
     _, executor, optimizer, workload, _ = build_executor(0, 1, graph, {n: c.to_dict() for n, c in single.items()},
@@ -267,12 +277,11 @@ def measure_host(ref: str, batch: int, precision: str, *, graphs: str | None, st
 
 def write_graphs(out: str) -> int:
     """Capture every model of `MODELS` at its batch and write it as ``out/MODEL.json``."""
-    from soapflow.api import capture_model
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     for ref, batch in MODELS.items():
-        _, graph = capture_model(ref, batch_size=batch)
+        graph = captured(ref, batch)
         (folder / f"{_file_name(ref)}.json").write_text(json.dumps(graph.to_dict()))
         print(f"{_file_name(ref)}: {len(graph.ops)} ops")
     return 0
@@ -333,7 +342,7 @@ def measure(args: argparse.Namespace) -> int:
         report["host"] = []
         for ref in args.models:
             for precision in args.precisions:
-                report["host"].append(measure_host(ref, MODELS[ref], precision, graphs=args.graphs))
+                report["host"].append(measure_host(ref, MODELS[ref], precision, kind=kind, graphs=args.graphs))
                 save()
                 print(json.dumps(report["host"][-1]), flush=True)
     if "run" in args.stages:
@@ -401,7 +410,6 @@ def predict_rows(measured: dict[str, Any], db_path: Path) -> list[dict[str, Any]
     from simulator.engine import simulate
     from soap import costdb
     from soap.topology import load_topology
-    from soapflow.api import capture_model
 
     kind = measured["device"]["kind"]
     topology = load_topology(f"{kind}-1x1")
@@ -411,7 +419,7 @@ def predict_rows(measured: dict[str, Any], db_path: Path) -> list[dict[str, Any]
         if "error" in row:
             out.append({"model": row["model"], "precision": row["precision"], "failed": row["error"]})
             continue
-        _, graph = capture_model(row["model"], batch_size=row["batch"])
+        graph = captured(row["model"], row["batch"])
         setup = setup_of(row["precision"])
         single, _ = single_and_dp(graph, kind, setup)
         analytical = simulate(graph, single, topology, AnalyticalCostModel(), setup=setup).summary()
@@ -458,7 +466,7 @@ def kernel_samples(measured: dict[str, Any]) -> dict[str, list]:
     """The measured kernel table as `simulator.kernel_efficiency.KernelSample`s per dtype, on the device
     as the cost model sees it (`soap.devices`: SM count, the datasheet peak of the dtype at the sustained
     clock, the memory bandwidth)."""
-    from simulator.kernel_efficiency import Gemm, KernelDevice, KernelSample
+    from simulator.kernel_efficiency import KernelDevice, KernelSample, table_gemm
     from soap.devices import DEVICE_SPECS
 
     kind = measured["device"]["kind"]
@@ -469,50 +477,9 @@ def kernel_samples(measured: dict[str, Any]) -> dict[str, list]:
         peak = spec.peak_tflops[dtype] * 1e12 * spec.sustained_fraction
         device = KernelDevice(num_sms=spec.num_sms, sm_flops_per_ms=peak / spec.num_sms / 1e3,
                               bytes_per_ms=spec.memory_bandwidth_gbps * 1e6)
-        samples = []
-        for row in rows:
-            if row["family"] == "gemm":
-                g = Gemm(int(row["m"]), int(row["n"]), int(row["k"]))
-            else:
-                n, c, h, w = (int(row[x]) for x in ("n", "c", "h", "w"))
-                k, r, s_ = int(row["k"]), int(row["r"]), int(row["s"])
-                ph, pw, sh, sw = (int(row[x]) for x in ("pad_h", "pad_w", "stride_h", "stride_w"))
-                ho, wo = (h + 2 * ph - r) // sh + 1, (w + 2 * pw - s_) // sw + 1
-                g = Gemm(n * ho * wo, k, c * r * s_, conv=True, nbytes=n * c * h * w + k * c * r * s_ + n * k * ho * wo)
-            samples.append(KernelSample(device_kind=kind, family=row["family"], label=row["label"], gemm=g,
-                                        time_ms=float(row["time_ms"]), device=device))
-        out[dtype] = samples
+        out[dtype] = [KernelSample(device_kind=kind, family=row["family"], label=row["label"], gemm=table_gemm(row),
+                                   time_ms=float(row["time_ms"]), device=device) for row in rows]
     return out
-
-
-def refit(samples: list, shared) -> tuple[Any, list[float], list[float]]:
-    """`eff_max` and `conv_scale` of one kind and dtype fitted to its kernels (scipy least squares on log
-    time, soft-L1, as `benchmarks/fit_kernel_efficiency.py`), the tile constants kept at the shared
-    fit's; returns the fit and the errors per kernel with it and with `shared` (the preset's before)."""
-    import math
-
-    import numpy as np
-    from scipy.optimize import least_squares
-
-    from simulator.costmodel import DEFAULT_LAUNCH_US
-    from simulator.kernel_efficiency import KernelFit, predict_sample_ms
-
-    launch = DEFAULT_LAUNCH_US["*"]
-    dtype = "float32" if samples[0].device.sm_flops_per_ms < 1e9 else "bfloat16"
-
-    def fit_of(x: np.ndarray) -> KernelFit:
-        return KernelFit(eff_max=float(x[0]), tile_c=shared.tile_c, k0=shared.k0, conv_scale=float(x[1]), dtype=dtype)
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        f = fit_of(x)
-        return np.array([math.log(predict_sample_ms(s, f, launch) / s.time_ms) for s in samples])
-
-    result = least_squares(residuals, np.array([0.8, 0.8]), bounds=([0.05, 0.05], [1.0, 1.0]), loss="soft_l1",
-                           f_scale=0.2, diff_step=1e-3)
-    fitted = fit_of(result.x)
-    errors = [(predict_sample_ms(s, fitted, launch) - s.time_ms) / s.time_ms for s in samples]
-    before = [(predict_sample_ms(s, shared, launch) - s.time_ms) / s.time_ms for s in samples]
-    return fitted, errors, before
 
 
 KERNEL_COLUMNS = ["dtype", "part passes", "before: median / max |error|", "fitted: median / max |error|", "kernels",
@@ -527,7 +494,6 @@ def part_samples(measured: dict[str, Any], db) -> dict[str, list[tuple]]:
     from runtime.measure import part_jobs
     from soap.costdb import part_key
     from soap.lowering import run_graph
-    from soapflow.api import capture_model
 
     kind = measured["device"]["kind"]
     out: dict[str, list[tuple]] = {}
@@ -535,7 +501,7 @@ def part_samples(measured: dict[str, Any], db) -> dict[str, list[tuple]]:
     for row in measured["rows"]:
         if "error" in row:
             continue
-        _, graph = capture_model(row["model"], batch_size=row["batch"])
+        graph = captured(row["model"], row["batch"])
         setup = setup_of(row["precision"])
         for job in part_jobs(run_graph(graph, setup), single_and_dp(graph, kind, setup), device_kind=kind):
             op = job.operator()
@@ -554,7 +520,6 @@ def fit_parts(by_dtype: dict[str, list[tuple]], device, start) -> tuple[dict[str
     least squares on the log of the forward and backward times, soft-L1, as
     `benchmarks/fit_kernel_efficiency.py`. Returns the fits, the launch cost, and per dtype the errors per
     part pass with them and with `start` (the constants before, at the default launch cost)."""
-    import dataclasses
     import math
 
     import numpy as np
@@ -648,15 +613,9 @@ def kernels_report(measured: dict[str, Any], db_path: Path) -> tuple[str, dict[s
         "(tiles up to 128 x 128). Hopper's bfloat16 kernels use larger tiles and asynchronous warpgroup "
         "instructions; the bfloat16 fit drives `tile_c` to its bound and still leaves a median part error "
         "near a quarter, where float32 (no tensor cores) fits better.", ""])
-    data = {"launch_us": launch, "fits": {dt: dataclass_dict(f) for dt, f in fits.items()},
+    data = {"launch_us": launch, "fits": {dt: dataclasses.asdict(f) for dt, f in fits.items()},
             "errors_before": before, "errors_after": after, "kernel_table_errors": table_errors}
     return md, data
-
-
-def dataclass_dict(value: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(value)
 
 
 def runtime_report(measured: dict[str, Any]) -> str:

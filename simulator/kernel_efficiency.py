@@ -260,6 +260,20 @@ class KernelSample:
     device: KernelDevice
 
 
+def table_gemm(row: Mapping[str, str]) -> Gemm:
+    """The GEMM of one kernel-table row: `family` gemm (columns m, n, k) or conv (columns n, c, h, w, k, r,
+    s, pad_h, pad_w, stride_h, stride_w: a forward convolution, as its implicit GEMM)."""
+    if row["family"] == "gemm":
+        return Gemm(int(row["m"]), int(row["n"]), int(row["k"]))
+    if row["family"] != "conv":
+        raise ValueError(f"unknown kernel family {row['family']!r}")
+    n, c, h, w = (int(row[x]) for x in ("n", "c", "h", "w"))
+    k, r, s = int(row["k"]), int(row["r"]), int(row["s"])
+    ph, pw, sh, sw = (int(row[x]) for x in ("pad_h", "pad_w", "stride_h", "stride_w"))
+    ho, wo = (h + 2 * ph - r) // sh + 1, (w + 2 * pw - s) // sw + 1
+    return Gemm(n * ho * wo, k, c * r * s, conv=True, nbytes=n * c * h * w + k * c * r * s + n * k * ho * wo)
+
+
 def load_kernel_table(path: str | Path) -> list[KernelSample]:
     """Read a kernel table: comment lines start with '#'; one line `# device: kind=K num_sms=S
     clock_mhz=C flops_per_sm_per_clock=F bandwidth_gbps=B` says what the kernels ran on; then CSV rows
@@ -282,16 +296,10 @@ def load_kernel_table(path: str | Path) -> list[KernelSample]:
         bytes_per_ms=float(meta["bandwidth_gbps"]) * 1e6)
     out = []
     for row in csv.DictReader(rows):
-        if row["family"] == "gemm":
-            g = Gemm(int(row["m"]), int(row["n"]), int(row["k"]))
-        elif row["family"] == "conv":
-            n, c, h, w = (int(row[x]) for x in ("n", "c", "h", "w"))
-            k, r, s = int(row["k"]), int(row["r"]), int(row["s"])
-            ph, pw, sh, sw = (int(row[x]) for x in ("pad_h", "pad_w", "stride_h", "stride_w"))
-            ho, wo = (h + 2 * ph - r) // sh + 1, (w + 2 * pw - s) // sw + 1
-            g = Gemm(n * ho * wo, k, c * r * s, conv=True, nbytes=n * c * h * w + k * c * r * s + n * k * ho * wo)
-        else:
-            raise ValueError(f"{path}: unknown kernel family {row['family']!r}")
+        try:
+            g = table_gemm(row)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         # the published TFLOP/s carry more digits than the published times: the time follows from them
         tflops = row.get("tflops") or ""
         time_ms = g.flops / (float(tflops) * 1e9) if tflops.strip() else float(row["time_ms"])
@@ -306,4 +314,4 @@ def predict_sample_ms(sample: KernelSample, fit: KernelFit, launch_us: float) ->
 
 
 __all__ = ["KERNEL_FITS", "Gemm", "KernelDevice", "KernelFit", "KernelSample", "efficiency", "gemm_ms",
-           "load_kernel_table", "op_gemms", "predict_sample_ms", "tile_efficiency", "wave_ms"]
+           "load_kernel_table", "op_gemms", "predict_sample_ms", "table_gemm", "tile_efficiency", "wave_ms"]
