@@ -5,7 +5,7 @@ one-line `soapflow: error: ...` on bad input, never a traceback. Warnings print 
 Every command that simulates, searches, runs, validates or calibrates takes the training setup flags
 (`--optimizer`, `--lr`, `--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`, `--schedule`, defaults those of
 `soap.setup.TrainSetup`), built once into one `TrainSetup` (`train_setup`) and passed down. Every command that
-simulates on a topology (simulate, optimize, compare, validate) takes `--no-shipped-costs`, passed down as
+simulates on a preset (simulate, optimize, compare) takes `--no-shipped-costs`, passed down as
 `shipped_costs=False` (`simulator.shipped`).
 """
 
@@ -331,7 +331,6 @@ def cmd_validate(args: argparse.Namespace) -> tuple[dict, str]:
     try:
         out = validate(args.model, args.topology, strategies=args.strategies, seed=args.seed, steps=args.steps,
                        batch=args.batch, plot=args.plot, progress=bar, costdb=args.costdb, setup=setup,
-                       shipped_costs=not args.no_shipped_costs,
                        **({} if args.timeout is None else {"timeout_s": args.timeout}))
     finally:
         bar.close()
@@ -463,7 +462,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="scatter plot of predicted against measured (needs matplotlib)")
     p.add_argument("--csv", metavar="FILE", help="also write the rows (those of --json) as CSV")
     _costdb_arg(p)
-    _shipped_costs_arg(p)
     _setup_args(p)
     return parser
 

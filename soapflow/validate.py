@@ -39,14 +39,12 @@ from search.mcmc import search
 from search.space import ConfigSpace
 from simulator.calibration import cost_model_for, read_profile
 from simulator.engine import simulate
-from simulator.shipped import shipped_report
 from soap.graph import OperatorGraph
 from soap.setup import TrainSetup
 from soap.strategy import Strategy, validate_strategy
 from soap.topology import DeviceTopology
 from soapflow.api import capture_model
 from soapflow.plot import require_matplotlib, scatter_chart
-from soapflow.report import shipped_costs_text
 from soapflow.runner import build_workload, killed_message
 from soapflow.tables import frame, text_table
 
@@ -178,7 +176,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
              progress: Callable[[Mapping[str, Any]], None] | None = None, costdb: str | None = None,
              search_budget_s: float | None = DEFAULT_SEARCH_BUDGET_S, extra: Mapping[str, str] | None = None,
              rounds: int = 3, timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
-             setup: TrainSetup | None = None, shipped_costs: bool = True) -> dict[str, Any]:
+             setup: TrainSetup | None = None) -> dict[str, Any]:
     """Predict and measure `strategies` strategies per model on `topology_ref` (a ``cpu-N`` preset or a
     machine profile of this machine; see the module docstring), training with `setup` (None:
     `TrainSetup()`). The strategies train in one job per model,
@@ -187,9 +185,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
     cost database. There is no limit on the whole job: `timeout_s` bounds each training step (and every
     wait for another process), and a step over it fails with a `LaunchError` naming the strategy.
     `progress` receives a dict per stage of each model (capture, strategies, op parts, run) and per
-    strategy's turn in the runs. `shipped_costs=False` ignores a cost database shipped for a preset's
-    device kind (`simulator.shipped`; the report's `shipped_costs` says whether one priced the prediction).
-    Bad input raises `ValueError`."""
+    strategy's turn in the runs. Bad input raises `ValueError`."""
     if not models:
         raise ValueError("validate needs at least one model")
     if strategies < 1 or steps < 1 or rounds < 1:
@@ -204,13 +200,13 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
     profile = read_profile(topology_ref) if os.path.isfile(topology_ref) else None
     if db_path is None and profile is not None:
         db_path = profile.costdb
-    topology, cost_model = cost_model_for(topology_ref, shipped=shipped_costs)
+    topology, _ = cost_model_for(topology_ref)
     if any(d.kind != "cpu" for d in topology.devices):
         raise ValueError(f"validate runs the strategies on this machine: {topology.name!r} must be a cpu-N "
                          f"preset or a machine profile of this machine (it has {topology.devices[0].kind} "
                          "devices)")
     nproc = topology.num_devices
-    others = {name: cost_model_for(ref, shipped=shipped_costs) for name, ref in (extra or {}).items()}
+    others = {name: cost_model_for(ref) for name, ref in (extra or {}).items()}
     rows: list[dict[str, Any]] = []
 
     def report(stage: str, **info: Any) -> None:
@@ -220,7 +216,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
     for model_ref in models:
         report("capture", model=model_ref)
         spec, graph = capture_model(model_ref, batch_size=batch)
-        _, cost_model = cost_model_for(topology_ref, db=db_path or None, shipped=shipped_costs)
+        _, cost_model = cost_model_for(topology_ref, db=db_path) if db_path else cost_model_for(topology_ref)
         report("strategies", model=model_ref, count=strategies)
         picked = pick_strategies(graph, topology, count=strategies, setup=setup, seed=seed, cost_model=cost_model,
                                  search_budget_s=search_budget_s)
@@ -230,7 +226,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
                                   timeout_s=timeout_s, source="validate",
                                   progress=lambda done, total, m=model_ref: report("op parts", model=m,
                                                                                   done=done, total=total))
-            _, cost_model = cost_model_for(topology_ref, db=db, shipped=shipped_costs)
+            _, cost_model = cost_model_for(topology_ref, db=db)
         # Rounds over all strategies rather than all steps of one strategy at once: a change of the
         # machine's load during the runs then spreads over the strategies instead of favouring some.
         report("run", model=model_ref, strategies=len(picked), rounds=rounds)
@@ -249,7 +245,7 @@ def validate(models: Sequence[str], topology_ref: str, *, strategies: int = 8, s
             rows.append(row)
     out: dict[str, Any] = {"topology": topology.name, "topology_ref": os.fspath(topology_ref),
                            "calibrated": profile is not None, "nproc": nproc, "steps": steps, "rounds": rounds,
-                           "seed": seed, "setup": setup.to_dict(), "shipped_costs": shipped_report(cost_model),
+                           "seed": seed, "setup": setup.to_dict(),
                            "rows": rows, **_summary(rows, "predicted_ms")}
     if extra:
         out["extra"] = {name: _summary(rows, f"{name}_ms") for name in extra}
@@ -284,9 +280,6 @@ def validate_text(report: Mapping[str, Any]) -> str:
              f"{'calibrated' if report.get('calibrated') else 'uncalibrated'}), median of "
              f"{report.get('rounds', 1)} x {report['steps']} steps",
              "", text_table(df, formats, right=list(formats)), ""]
-    costs = shipped_costs_text(report.get("shipped_costs"))
-    if costs:
-        lines[1:1] = [costs]
 
     def fmt(m: Mapping[str, Any]) -> str:
         rho = m["spearman"]

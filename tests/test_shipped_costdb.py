@@ -164,8 +164,7 @@ def test_an_explicit_database_wins_over_the_shipped_one(folder: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("argv", [["simulate", "mlp", "-t", "h100-1x2", "-s", "dp"],
-                                  ["optimize", "mlp", "-t", "h100-1x2"], ["compare", "mlp", "-t", "h100-1x2"],
-                                  ["validate", "mlp", "-t", "cpu-2"]])
+                                  ["optimize", "mlp", "-t", "h100-1x2"], ["compare", "mlp", "-t", "h100-1x2"]])
 def test_every_command_that_simulates_takes_the_switch(argv: list[str]) -> None:
     parser = build_parser()
     assert parser.parse_args(argv).no_shipped_costs is False
@@ -173,8 +172,7 @@ def test_every_command_that_simulates_takes_the_switch(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("command", "module", "function"), [("optimize", "soapflow.optimize", "optimize"),
-                                                             ("compare", "soapflow.optimize", "compare"),
-                                                             ("validate", "soapflow.validate", "validate")])
+                                                             ("compare", "soapflow.optimize", "compare")])
 def test_the_switch_reaches_the_api(monkeypatch: pytest.MonkeyPatch, capsys, command, module, function) -> None:
     import importlib
 
@@ -185,9 +183,8 @@ def test_the_switch_reaches_the_api(monkeypatch: pytest.MonkeyPatch, capsys, com
         raise ValueError("stop here")
 
     monkeypatch.setattr(importlib.import_module(module), function, fake)
-    topology = "cpu-2" if command == "validate" else "h100-1x2"
-    assert main([command, "mlp", "-t", topology]) == 1
-    assert main([command, "mlp", "-t", topology, "--no-shipped-costs"]) == 1
+    assert main([command, "mlp", "-t", "h100-1x2"]) == 1
+    assert main([command, "mlp", "-t", "h100-1x2", "--no-shipped-costs"]) == 1
     assert seen == [True, False]
     assert "stop here" in capsys.readouterr().err
 
