@@ -57,6 +57,18 @@ chunk dim) change its chunk count (to 1, removing them, or another count), keepi
 micro-batches; the micro-batch move and the recompute and shard redraw keep the chunks, and
 `search.moves`' propagation carries a chunked layout from an LSTM to a dropout and back.
 
+*Replicas* (`ConfigSpace(..., replicas=Replicas(count=R, size=m))`, the search of replicas): only the configs
+that lay an op out as R identical replicas of m devices (`soap.lowering.repeats`): the degrees of a config
+on m devices (replica 0) with the op's first sample dim split R times more (it must come first among the
+split dims and divide), the device sets replica 0's (contiguous or node-aligned within one replica)
+repeated in every replica, the shards those whose every chunk all-reduce has a device in replica 0;
+micro-batches and chunks where the result is still replicas. Every op that computes needs a sample dim
+(`ValueError` otherwise).
+
+Ops alike (same kind, attributes, tensors, parameters: the copies of a repeated block) share their
+degree options, shard options and weights, found once (`ConfigSpace._kind`), and the answers of
+`contains` and of the option lists for a config (`_per_kind`).
+
 Ops whose output exists on every device for free (`OpDef.everywhere`: the batch, constants) and ops with a
 single config (on one device: ops that cannot recompute) are not proposal targets. Must not import torch,
 the runtime or soapflow.
@@ -65,6 +77,7 @@ the runtime or soapflow.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import random
 from collections import Counter
@@ -76,6 +89,7 @@ import numpy as np
 from simulator.taskgraph import MAX_ROUNDS
 from soap.config import ConfigError, ParallelConfig, param_replicas, recompute_refusal, validate
 from soap.graph import Operator, OperatorGraph
+from soap.lowering import Replicas, repeats
 from soap.opdef import DimKind
 from soap.registry import dims_of, op_def
 from soap.strategy import Strategy
@@ -99,19 +113,54 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+_MISSING = object()
+MEMO_LIMIT = 200_000  # entries `_per_kind` keeps before it starts afresh
+
+
+def _per_kind(method):
+    """`method(self, op_name, cfg)` remembered per (the op's `ConfigSpace._kind`, cfg): it is a pure function
+    of both, asked again and again by the moves (a stage move asks it of every op of a stage)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def remembered(self: ConfigSpace, op_name: str, cfg: ParallelConfig):
+        key = (name, self._kind(op_name), cfg)
+        found = self._memo.get(key, _MISSING)
+        if found is _MISSING:
+            if len(self._memo) >= MEMO_LIMIT:
+                self._memo.clear()
+            found = self._memo[key] = method(self, op_name, cfg)
+        return found
+
+    return remembered
+
+
 class ConfigSpace:
     """The valid configs of the ops of `graph` on `topology` (see the module docstring)."""
 
-    def __init__(self, graph: OperatorGraph, topology: DeviceTopology):
+    def __init__(self, graph: OperatorGraph, topology: DeviceTopology, replicas: Replicas | None = None):
+        """`replicas`: only the configs that lay each op out as those replicas (module docstring)."""
         self.graph = graph
         self.topology = topology
         self.num_devices = topology.num_devices
+        self.replicas = replicas
         self._node_grid = _node_grid(topology)
+        if replicas is not None:
+            if replicas.count * replicas.size != self.num_devices or replicas.count < 2:
+                raise ValueError(f"{replicas.count} replicas of {replicas.size} devices do not make the topology's "
+                                 f"{self.num_devices} devices")
+            self._node_grid = _replica_grid(self._node_grid, replicas.size)
+            bare = [op.name for op in graph if not op_def(op.kind).everywhere and sample_dim(op) is None]
+            if bare:
+                raise ValueError(f"no replicas of {graph.name or 'the model'}: op {bare[0]!r} has no sample dim "
+                                 "to split among them")
         self._degrees: dict[str, tuple[Degrees, ...]] = {}
         self._cumulative: dict[str, list[int]] = {}
         self._device_sets: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._recompute: dict[str, tuple[bool, ...]] = {}
-        self._shards: dict[tuple[str, Degrees], tuple[int, ...]] = {}
+        self._shards: dict[tuple[tuple, Degrees], tuple[int, ...]] = {}
+        self._kinds: dict[str, tuple] = {}  # op name -> `_kind`
+        self._memo: dict[tuple, object] = {}  # `_per_kind`
         self._shared = graph.shared_params()
         recurrent = any(d.carried for op in graph for d in dims_of(op))
         self._chunk_dims = {op.name: dim for op in graph if (dim := chunk_dim(op, recurrent=recurrent)) is not None}
@@ -123,17 +172,30 @@ class ConfigSpace:
 
     def degree_options(self, op_name: str) -> tuple[Degrees, ...]:
         """Every allowed degree combination of the op (the unsplit one first), in a fixed order."""
-        found = self._degrees.get(op_name)
+        kind = self._kind(op_name)
+        found = self._degrees.get(kind)
         if found is None:
-            found = tuple(_enumerate_degrees(self.graph[op_name], self.num_devices))
-            self._degrees[op_name] = found
+            op = self.graph[op_name]
+            if self.replicas is None:
+                found = tuple(_enumerate_degrees(op, self.num_devices))
+            else:
+                found = tuple(d for d in map(lambda d: _lifted(op, d, self.replicas.count),
+                                              _enumerate_degrees(op, self.replicas.size))
+                              if d is not None)
+            self._degrees[kind] = found
         return found
 
     def device_sets(self, num_parts: int) -> tuple[tuple[int, ...], ...]:
         """The placements of `num_parts` parts: contiguous blocks, then node-aligned sets."""
         found = self._device_sets.get(num_parts)
         if found is None:
-            found = tuple(_device_sets(num_parts, self.num_devices, self._node_grid))
+            rep = self.replicas
+            if rep is None:
+                found = tuple(_device_sets(num_parts, self.num_devices, self._node_grid))
+            else:  # replica 0's placements, each repeated in every replica
+                found = tuple(tuple(d + g * rep.size for g in range(rep.count) for d in first) for first in
+                              _device_sets(num_parts // rep.count, rep.size, self._node_grid)) \
+                    if num_parts % rep.count == 0 else ()
             self._device_sets[num_parts] = found
         return found
 
@@ -147,7 +209,8 @@ class ConfigSpace:
     def shard_options(self, op_name: str, degrees: Degrees) -> tuple[int, ...]:
         """The shard degrees of the op under `degrees`: the divisors of its parameters' replica count
         (only 1 for an op without parameters or with a parameter another op shares)."""
-        found = self._shards.get((op_name, degrees))
+        kind = self._kind(op_name)
+        found = self._shards.get((kind, degrees))
         if found is None:
             op = self.graph[op_name]
             if not op.params or any(p.key in self._shared for p in op.params.values()):
@@ -156,7 +219,10 @@ class ConfigSpace:
                 n = math.prod(g for _, g in degrees)
                 found = tuple(_divisors(param_replicas(op, ParallelConfig(degrees=dict(degrees),
                                                                           devices=tuple(range(n))))))
-            self._shards[(op_name, degrees)] = found
+                if self.replicas is not None:  # (which shards the replicas allow does not depend on the devices)
+                    found = tuple(k for k in found if repeats(op, ParallelConfig(
+                        degrees=dict(degrees), devices=self.device_sets(n)[0], shard=k), self.replicas))
+            self._shards[(kind, degrees)] = found
         return found
 
     def num_configs(self, op_name: str) -> int:
@@ -171,11 +237,12 @@ class ConfigSpace:
                         yield ParallelConfig(degrees=dict(degrees), devices=devices, recompute=recompute,
                                              shard=shard)
 
+    @_per_kind
     def contains(self, op_name: str, cfg: ParallelConfig) -> bool:
         """Whether `cfg` is one of the op's configs in this space (micro-batched ones included)."""
         op = self.graph[op_name]
         dims = [d.name for d in dims_of(op)]
-        if any(name not in dims for name in cfg.degrees):
+        if any(name not in dims for name in cfg.degrees) or not self._replicated(op, cfg):
             return False
         chunks = self.split_chunks(op_name, cfg)
         if chunks.count > 1:
@@ -240,6 +307,7 @@ class ConfigSpace:
                     return options[rng.randrange(len(options))]
         return self.sample(op_name, rng)
 
+    @_per_kind
     def memory_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
         """`cfg` with each of the op's (recompute, shard) choices under its degrees (those of its base,
         where it has micro-batches or chunks, keeping them: only the choices `soap.config.validate`
@@ -255,8 +323,9 @@ class ConfigSpace:
         options = [cfg.replace(recompute=recompute, shard=shard) for recompute in self.recompute_options(op_name)
                    for shard in self.shard_options(op_name, degrees)]
         plain = split.count == 1 and chunks.count == 1
-        return tuple(o for o in options if plain or _accepts(op, o, self.num_devices))
+        return tuple(o for o in options if plain or _accepts(op, o, self.num_devices) and self._replicated(op, o))
 
+    @_per_kind
     def microbatch_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
         """The configs a micro-batch move gives the op from `cfg`: its base without micro-batches (where
         `cfg` has them), then the base in each other count of `MICROBATCH_COUNTS` that `soap.config.validate`
@@ -277,10 +346,12 @@ class ConfigSpace:
                        if count != split.count and count * chunks.count <= MAX_ROUNDS]
         options = []
         for candidate in map(rechunked, candidates):
-            if len(set(candidate.devices)) == candidate.num_parts or _accepts(op, candidate, self.num_devices):
+            if (len(set(candidate.devices)) == candidate.num_parts or _accepts(op, candidate, self.num_devices)) \
+                    and self._replicated(op, candidate):
                 options.append(candidate)
         return tuple(options)
 
+    @_per_kind
     def microbatch_count(self, op_name: str, cfg: ParallelConfig) -> int | None:
         """How many micro-batches `cfg` runs (1: none), its chunks aside; None where its devices repeat
         other than as micro-batches and chunks."""
@@ -315,6 +386,7 @@ class ConfigSpace:
         dim = self.chunk_dim(op_name)
         return Chunks(rest=cfg, dim=None, count=1) if dim is None else split_chunks(self.graph[op_name], cfg, dim)
 
+    @_per_kind
     def chunk_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:
         """The configs a chunk move gives the op from `cfg`: `cfg` without its chunks (where it has them),
         then in each other count of `chunk_counts` that `soap.config.validate` accepts, within `MAX_ROUNDS`
@@ -330,7 +402,7 @@ class ConfigSpace:
         for count in self.chunk_counts(op_name):
             if count != chunks.count and rounds * count <= MAX_ROUNDS:
                 candidate = cut_chunks(op, chunks.rest, chunks.dim, count)
-                if _accepts(op, candidate, self.num_devices):
+                if _accepts(op, candidate, self.num_devices) and self._replicated(op, candidate):
                     options.append(candidate)
         return tuple(options)
 
@@ -342,9 +414,33 @@ class ConfigSpace:
             configs[name] = self.sample(name, rng)
         return Strategy({op.name: configs[op.name] for op in self.graph})
 
+    def _kind(self, op_name: str) -> tuple:
+        """What the op's configs depend on: ops alike in it (the copies of a repeated block) have the same
+        degree options, device sets and shard options, found once for all of them."""
+        found = self._kinds.get(op_name)
+        if found is None:
+            op = self.graph[op_name]
+            found = self._kinds[op_name] = (
+                op.kind, repr(sorted(op.attrs.items())), tuple(op.outputs),
+                tuple(self.graph.tensor(r) for r in op.inputs),
+                tuple((k, p.shape, p.dtype, p.offset, p.whole_shape) for k, p in op.params.items()),
+                any(p.key in self._shared for p in op.params.values()), recompute_refusal(op) is None)
+        return found
+
+    def holds(self, strategy: Strategy) -> bool:
+        """Whether every op of `strategy` that computes is laid out as the space's replicas (always, without
+        them): a chain of the space may start from it."""
+        return self.replicas is None or all(self._replicated(op, strategy[op.name]) for op in self.graph
+                                            if not op_def(op.kind).everywhere)
+
+    def _replicated(self, op: Operator, cfg: ParallelConfig) -> bool:
+        """Whether `cfg` lays `op` out as the space's replicas (always, without them)."""
+        return self.replicas is None or repeats(op, cfg, self.replicas)
+
     def _weights(self, op_name: str) -> list[int]:
         """Cumulative config counts over the op's degree options (the last entry is the total)."""
-        found = self._cumulative.get(op_name)
+        kind = self._kind(op_name)
+        found = self._cumulative.get(kind)
         if found is None:
             total, found = 0, []
             variants = len(self.recompute_options(op_name))
@@ -352,7 +448,7 @@ class ConfigSpace:
                 total += (len(self.device_sets(math.prod(g for _, g in degrees))) * variants
                           * len(self.shard_options(op_name, degrees)))
                 found.append(total)
-            self._cumulative[op_name] = found
+            self._cumulative[kind] = found
         return found
 
 
@@ -517,6 +613,32 @@ def _enumerate_degrees(op: Operator, num_devices: int) -> Iterator[Degrees]:
             yield from rec(i + 1, budget // g, chosen + [(dims[i].name, g)] if g > 1 else chosen)
 
     yield from rec(0, num_devices, [])
+
+
+def _lifted(op: Operator, degrees: Degrees, count: int) -> Degrees | None:
+    """The degrees of replica 0's `degrees` (on its own devices) in `count` replicas: the op's first sample
+    dim split `count` times more, which must come first among the split dims and divide; None where the
+    op refuses that."""
+    sample = sample_dim(op)
+    names = [d.name for d in dims_of(op)]
+    lifted = dict(degrees)
+    lifted[sample] = lifted.get(sample, 1) * count
+    out = tuple(sorted(lifted.items(), key=lambda kv: names.index(kv[0])))
+    size = next(d.size for d in dims_of(op) if d.name == sample)
+    if out[0][0] != sample or size % out[0][1] or op_def(op.kind).check(op, dict(out)) is not None:
+        return None
+    return out
+
+
+def _replica_grid(grid: tuple[int, int] | None, size: int) -> tuple[int, int] | None:
+    """The node grid (nodes, devices per node) of one replica of `size` devices, as `_node_grid` gives
+    it (None: not regular)."""
+    if grid is None:
+        return None
+    per_node = grid[1]
+    if size % per_node == 0:
+        return size // per_node, per_node
+    return (1, size) if per_node % size == 0 else None
 
 
 def _node_grid(topology: DeviceTopology) -> tuple[int, int] | None:

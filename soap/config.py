@@ -48,6 +48,7 @@ class ParallelConfig:
     devices: tuple[int, ...]
     recompute: bool = False
     shard: int = 1
+    _key: tuple = dataclasses.field(init=False, repr=False, compare=False)  # `key()`, made once
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute, bool):
@@ -65,6 +66,8 @@ class ParallelConfig:
         if len(self.devices) != self.num_parts:
             raise ValueError(f"degrees {dict(self.degrees)} make {self.num_parts} parts "
                              f"but {len(self.devices)} devices are listed")
+        object.__setattr__(self, "_key", (tuple(sorted(self.degrees.items())), self.devices, self.recompute,
+                                          self.shard))
 
     @property
     def num_parts(self) -> int:
@@ -75,13 +78,13 @@ class ParallelConfig:
 
     def key(self) -> tuple:
         """A hashable identity (the mapping is not hashable)."""
-        return (tuple(sorted(self.degrees.items())), self.devices, self.recompute, self.shard)
+        return self._key
 
     def __hash__(self) -> int:
-        return hash(self.key())
+        return hash(self._key)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ParallelConfig) and self.key() == other.key()
+        return isinstance(other, ParallelConfig) and self._key == other._key
 
     def to_dict(self) -> dict:
         return {"degrees": dict(self.degrees), "devices": list(self.devices), "recompute": self.recompute,

@@ -152,7 +152,7 @@ from math import gcd
 import numpy as np
 
 from soap.config import ParallelConfig, param_keys, param_pieces, parts
-from soap.graph import DTYPE_BYTES, OperatorGraph, TensorRef
+from soap.graph import DTYPE_BYTES, Operator, OperatorGraph, TensorRef
 from soap.opdef import DimKind, Region, carry_sources, intersect, region_numel
 from soap.registry import dims_of, op_def
 from soap.setup import TrainSetup
@@ -196,30 +196,63 @@ def find_replicas(graph: OperatorGraph, strategy: Strategy, num_devices: int) ->
     """The largest `Replicas` that `strategy` is (module docstring), None when it is not one of two or
     more: every op that computes splits a dim of kind sample that comes first among its split dims, its
     part p + g x (parts / R) runs on device(p) + g x (devices / R) and replica 0 runs on devices below
-    devices / R."""
+    devices / R (`repeats`)."""
     count = 0
-    configs = []
+    ops = []
     for op in graph:
         if op_def(op.kind).everywhere:
             continue
         cfg = strategy[op.name]
-        split = [d for d in dims_of(op) if cfg.degree(d.name) > 1]
-        if not split or split[0].kind != DimKind.SAMPLE or split[0].size % cfg.degree(split[0].name):
-            return None  # (uneven sample chunks make replicas of different sizes)
-        count = gcd(count, cfg.degree(split[0].name))
-        configs.append(cfg)
+        first = _first_split(op, cfg)
+        if first is None:
+            return None
+        count = gcd(count, cfg.degree(first.name))
+        ops.append((op, cfg))
     for r in range(count, 1, -1):  # every divisor of the common count, the largest first
-        if count % r == 0 and num_devices % r == 0 and all(_repeats(cfg, r, num_devices // r) for cfg in configs):
-            return Replicas(count=r, size=num_devices // r)
+        if count % r == 0 and num_devices % r == 0:
+            replicas = Replicas(count=r, size=num_devices // r)
+            if all(repeats(op, cfg, replicas) for op, cfg in ops):
+                return replicas
     return None
 
 
-def _repeats(cfg: ParallelConfig, count: int, size: int) -> bool:
+def repeats(op: Operator, cfg: ParallelConfig, replicas: Replicas) -> bool:
+    """Whether `cfg` lays `op` out as `replicas` (module docstring): its first split dim is of kind sample,
+    split evenly into a multiple of `replicas.count` chunks, part p + g x (parts / R) runs on
+    device(p) + g x size, replica 0 on devices below size, and, where it shards its parameters, every
+    chunk's all-reduce has a device in replica 0."""
+    first = _first_split(op, cfg)
+    if first is None or cfg.degree(first.name) % replicas.count:
+        return False
     devices = cfg.devices
-    per = len(devices) // count
-    first = devices[:per]
-    return all(d < size for d in first) and all(
-        devices[g * per + p] == first[p] + g * size for g in range(1, count) for p in range(per))
+    per = len(devices) // replicas.count
+    head = devices[:per]
+    if not (all(d < replicas.size for d in head) and all(
+            devices[g * per + p] == head[p] + g * replicas.size for g in range(1, replicas.count) for p in range(per))):
+        return False
+    if cfg.shard == 1 or not op.params:
+        return True
+    holders: dict[tuple, list[int]] = {}
+    for box, d in parts(op, cfg, per):
+        holders.setdefault(param_keys(op, box), []).append(d)
+    return not _orphan_chunks([replicas.expand(v) for v in holders.values()], cfg.shard, replicas)
+
+
+def _orphan_chunks(holders, shard: int, replicas: Replicas) -> bool:
+    """Whether, among the holders (every replica's, sorted) of each parameter region sharded over `shard`
+    of them, some chunk's all-reduce among its holders (a cross group) has no device in replica 0, which
+    replica 0's plan would leave out."""
+    return any(len(v[r::shard]) > 1 and all(d >= replicas.size for d in v[r::shard])
+               for v in holders for r in range(shard))
+
+
+def _first_split(op: Operator, cfg: ParallelConfig):
+    """The op's first dim that `cfg` splits where it is of kind sample and split evenly, else None
+    (uneven sample chunks make replicas of different sizes)."""
+    split = [d for d in dims_of(op) if cfg.degree(d.name) > 1]
+    if not split or split[0].kind != DimKind.SAMPLE or split[0].size % cfg.degree(split[0].name):
+        return None
+    return split[0]
 
 
 class Edge:
@@ -603,9 +636,7 @@ def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int, replicas: Replic
         holders.setdefault(k, []).append(d)
     if replicas is not None:
         holders = {k: list(replicas.expand(v)) for k, v in holders.items()}
-        # every chunk's all-reduce among its holders (a cross group) must have a device in replica 0
-        if any(len(v[r::shard]) > 1 and all(d >= replicas.size for d in v[r::shard])
-               for v in holders.values() for r in range(shard)):
+        if _orphan_chunks(holders.values(), shard, replicas):
             raise NotReplicable(f"{op.name}: a chunk held by no device of replica 0")
     shard_groups, cross_groups, gather, scatter = [], [], [], []
     compute = DTYPE_BYTES[flow.setup.compute_dtype]
@@ -1335,4 +1366,4 @@ __all__ = ["ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AllReduce", "BACKWARD", "E
            "FORWARD", "GradFlow", "Item", "NotReplicable", "OpStep", "ParamStep", "REDUCE_SCATTER", "Replicas",
            "StepPlan", "SyncEntry", "all_reduces", "carry_order", "chunk_numel", "find_replicas", "flight_savings",
            "lower", "lower_edge", "lower_op", "lower_params", "part_rounds", "pipeline_caps", "recompute_points",
-           "run_graph", "step_order"]
+           "repeats", "run_graph", "step_order"]

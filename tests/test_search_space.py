@@ -149,7 +149,7 @@ def test_space_is_lazy():
     space = ConfigSpace(graph, topo)
     assert space.ops and not space._degrees and not space._device_sets
     space.sample("fc1", random.Random(0))
-    assert set(space._degrees) == {"fc1"}
+    assert list(space._degrees) == [space._kind("fc1")] and set(space._kinds) == {"fc1"}
 
 
 @pytest.mark.parametrize("topology", ["cpu-2", "p100-4x4", "k80-16x4"])
@@ -508,3 +508,55 @@ def test_chunked_baselines_of_the_zoo_lie_in_the_space(model: str, topology: str
                 if graph[name].kind != "lstm":
                     followers.add(name)
     assert followers or topology == "cpu-3" or model == "rnnlm" and topology == "cpu-2"
+
+
+@pytest.mark.parametrize(("model", "topology", "count", "reference"), [
+    ("transformer", "a100-2x4", 2, "hybrid:tp=2"), ("transformer", "a100-2x4", 4, "hybrid:tp=2"),
+    ("rnnlm", "p100-2x2", 2, "dp"), ("mlp", "p100-4x4", 4, "hybrid:tp=4")])
+def test_a_space_of_replicas_holds_only_and_every_layout_of_its_replicas(model, topology, count, reference):
+    """Every config the space of replicas draws or offers (micro-batch, memory, chunk options) lays the op
+    out as those replicas and is valid; every config of the space without replicas that does so (and
+    whose replica 0 is laid out as the space lays it out) is in it; references made of the replicas lie in
+    it."""
+    from soap.lowering import Replicas, repeats
+
+    graph, topo = rc.graph_of(model), load_topology(topology)
+    replicas = Replicas(count=count, size=topo.num_devices // count)
+    space, every = ConfigSpace(graph, topo, replicas), ConfigSpace(graph, topo)
+    rng = random.Random(f"replica-space/{model}")
+    for name in space.ops:
+        op = graph[name]
+        for _ in range(5):
+            cfg = space.sample(name, rng)
+            assert repeats(op, cfg, replicas) and space.contains(name, cfg), (name, cfg)
+            validate(op, cfg, topo.num_devices)
+            offered = (space.microbatch_options(name, cfg) + space.memory_options(name, cfg)
+                       + space.chunk_options(name, cfg))
+            for other in offered:
+                assert repeats(op, other, replicas) and space.contains(name, other), (name, other)
+                validate(op, other, topo.num_devices)
+        for cfg in itertools.islice(every.configs(name), 400):
+            inside = repeats(op, cfg, replicas) and cfg.devices[:cfg.num_parts // count] in \
+                [s[:len(s) // count] for s in space.device_sets(cfg.num_parts)]
+            assert space.contains(name, cfg) == inside, (name, cfg)
+    ref = parse_baseline(reference)(graph, topo)
+    assert space.holds(ref) and all(space.contains(n, ref[n]) for n in space.ops)
+    assert not space.holds(parse_baseline("mp")(graph, topo))
+
+
+def test_ops_alike_share_their_options():
+    graph, topo = rc.graph_of("transformer"), load_topology("a100-2x4")
+    space = ConfigSpace(graph, topo)
+    linears = [op.name for op in graph if op.kind == "linear"]
+    kinds = {space._kind(name) for name in linears}
+    for name in linears:
+        space.num_configs(name)
+    assert len(space._degrees) == len(space._cumulative) == len(kinds) < len(linears)
+
+
+def test_a_space_of_replicas_needs_a_sample_dim_everywhere_and_replicas_that_make_the_devices():
+    from soap.lowering import Replicas
+
+    graph, topo = rc.graph_of("mlp"), load_topology("p100-2x2")
+    with pytest.raises(ValueError, match="do not make the topology's 4 devices"):
+        ConfigSpace(graph, topo, Replicas(count=3, size=1))

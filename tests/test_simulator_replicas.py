@@ -68,13 +68,20 @@ def _falls_back(graph, strategy, topo, replicas: Replicas, reason: str) -> None:
     assert timeline.num_tasks == plain.num_tasks and timeline.iteration_time_ms == plain.iteration_time_ms
 
 
-def test_replicas_whose_collectives_leave_replica_0_fall_back_to_the_plain_simulation():
-    """hybrid:tp=2,shard=2 on a100-2x4 (4 replicas of 2 devices): the chunks of a sharded layer are
-    all-reduced among devices of other replicas only, which replica 0's plan would leave out: the
-    simulation is the plain one."""
+def test_sharded_chunks_that_would_leave_replica_0_make_fewer_replicas():
+    """hybrid:tp=2,shard=2 on a100-2x4: as 4 replicas of 2 devices, the chunks of a sharded layer would be
+    all-reduced among devices of other replicas only, which replica 0's plan would leave out (a simulator
+    of 4 replicas refuses it); it is 2 replicas of 4 devices, timed exactly."""
     graph, topo = rc.graph_of("mlp"), load_topology("a100-2x4")
     strategy = parse_baseline("hybrid:tp=2,shard=2")(graph, topo)
-    _falls_back(graph, strategy, topo, Replicas(count=4, size=2), "held by no device of replica 0")
+    with pytest.raises(NotReplicable, match="held by no device of replica 0"):
+        Simulator(graph, topo, replicas=Replicas(count=4, size=2)).full(strategy)
+    assert find_replicas(graph, strategy, topo.num_devices) == Replicas(count=2, size=4)
+    timeline = simulate(graph, strategy, topo)
+    plain = simulate(graph, strategy, topo, symmetry=False)
+    assert timeline.replicas == 2 and timeline.num_tasks < plain.num_tasks
+    assert timeline.iteration_time_ms == plain.iteration_time_ms
+    assert timeline.peak_memory_bytes == plain.peak_memory_bytes
 
 
 def test_a_replica_simulator_makes_no_delta_proposals():
