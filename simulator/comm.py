@@ -208,6 +208,10 @@ class Comm:
             self._pairs[(src, dst)] = hit
         return hit
 
+    def link_gbps(self, resource: int) -> float:
+        """The bandwidth (GB/s) of link resource `resource` (as `route` names it)."""
+        return self._cap_gbps[resource - self.num_devices]
+
     def transfer(self, src: int, dst: int, nbytes: int) -> tuple[tuple[int, ...], int]:
         """(resources, duration ns) of sending `nbytes` from device `src` to device `dst` (src != dst)."""
         res, latency_ns, bandwidth = self.route(src, dst)

@@ -47,6 +47,12 @@ at a time, so when a task on resource x ends at e, x ends no sooner than e plus 
 and order go back to before the replay, which runs again if the proposal's time is read after all.
 A proposal that makes the step slower early in the forward pass is rejected after replaying little
 more than the changed op.
+
+Replicas. A simulator of one replica (`replicas`, `simulate`'s symmetry) times replica 0 of a strategy
+made of identical replicas; its delta proposals must keep the strategy so (`_check_replica_change`,
+before anything changes: the configs, the lowered edges and parameter units, the all-reduce groups, and
+once a topology that repeats itself replica by replica, `_replica_routes`), else `NotReplicable`. Bytes
+moved count every replica's.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ from soap.lowering import (
     find_replicas,
     flight_savings,
     lower,
+    repeats,
     step_order,
 )
 from soap.setup import TrainSetup
@@ -209,6 +216,7 @@ class Simulator:
         self._sh = self._kb + _TID_BITS  # a priority is (ready << _sh) | (key << _TID_BITS) | task id
         self._configs: list[ParallelConfig] | None = None
         self._journal: _Journal | None = None
+        self._routes_refusal: str | None = None  # `_replica_routes`, once known
 
     def twin(self) -> Simulator:
         """Another simulator of the same graph, topology, cost model and setup, sharing this one's plan and
@@ -216,7 +224,7 @@ class Simulator:
         keeps the current."""
         twin = object.__new__(Simulator)
         for name in ("graph", "replicas", "topology", "setup", "cost_model", "flow", "keys", "comm", "planner",
-                     "num_devices", "num_resources", "capacity", "_kb", "_sh"):
+                     "num_devices", "num_resources", "capacity", "_kb", "_sh", "_routes_refusal"):
             setattr(twin, name, getattr(self, name))
         twin._configs = None
         twin._journal = None
@@ -285,11 +293,16 @@ class Simulator:
     def full(self, strategy: Strategy, *, validated: bool = False) -> Timeline:
         """Simulate `strategy` from scratch; it becomes the current state (a pending proposal is dropped).
         `validated`: the caller has checked the strategy (`validate_strategy`) already."""
+        self.build(strategy, validated=validated)
+        return self.timeline()
+
+    def build(self, strategy: Strategy, *, validated: bool = False) -> None:
+        """`full` without making its `Timeline` (the critical path and the task lists): what a search that
+        only reads the cost needs."""
         if not validated:
             validate_strategy(self.graph, strategy, self.num_devices)
         self._journal = None
         self._build([strategy[op.name] for op in self.graph.ops])
-        return self.timeline()
 
     def propose(self, op: str, cfg: ParallelConfig) -> float:
         """Change `op` to `cfg` by delta simulation; returns the new iteration time in ms.
@@ -308,10 +321,12 @@ class Simulator:
         `lazy`: only replace the tasks and return None; the replay runs when a time is first read
         (`iteration_time_ms`, `timeline`, `num_tasks`) or on `accept`, and never when the proposal is
         rejected first. Memory (`peak_memory_bytes`, `feasible`) and `time_bound_ms` need no replay:
-        a search rejects on them alone what they already rule out."""
+        a search rejects on them alone what they already rule out.
+
+        Under `replicas` the changed strategy must still be those replicas (`NotReplicable`, nothing
+        changed, where it is not, or where the topology does not repeat itself replica by replica:
+        `_check_replica_change`)."""
         self._need_state()
-        if self.replicas is not None:
-            raise RuntimeError("a simulator of one replica simulates whole strategies only (full)")
         if self._journal is not None:
             raise RuntimeError("a proposal is pending: accept() or reject() it first")
         items = []
@@ -324,8 +339,13 @@ class Simulator:
             except ConfigError as exc:
                 raise StrategyError(str(exc)) from None
             if cfg != self._configs[i]:
+                rep = self.replicas
+                if rep is not None and not self.flow.everywhere[i] and not repeats(self.flow.ops[i], cfg, rep):
+                    raise NotReplicable(f"{op}: the config is not {rep.count} replicas of {rep.size} devices")
                 self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
                 items.append((i, cfg))
+        if items and self.replicas is not None:
+            self._check_replica_change(items)
         if items:
             self._delta(items)
         else:
@@ -502,6 +522,10 @@ class Simulator:
         for group, _ in self._syncs:
             if {(d + rep.size) % n for d in group} != set(group):
                 raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
+        if self._routes_refusal is None:
+            self._routes_refusal = self._replica_routes()
+        if not self._routes_refusal:
+            return  # every exchange among a replica's devices is exact on such a topology (`_replica_routes`)
         owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it
         passes = []
         for e, edge in enumerate(self.flow.edges):
@@ -526,6 +550,70 @@ class Simulator:
                 for r in res:
                     if r >= n and owner.setdefault(r, g) != g:
                         raise NotReplicable("two replicas' exchanges share a link")
+
+    def _check_replica_change(self, items: list[tuple[int, ParallelConfig]]) -> None:
+        """Raise `NotReplicable`, changing nothing, unless timing replica 0 alone stays exact with op
+        position -> config `items` changed (each laid out as the replicas: `propose_many` checks that
+        first, `soap.lowering.repeats`): the edges and parameter units the change touches lower as replicas
+        (their plans, cached, are what `_change` uses next) with every all-reduce group its own shift, and
+        the topology is one that repeats itself replica by replica (`_replica_routes`, checked once):
+        then every exchange of any strategy of replicas is exact, which `_check_replicas` checks one by
+        one after a full build."""
+        rep, flow = self.replicas, self.flow
+        if self._routes_refusal is None:
+            self._routes_refusal = self._replica_routes()
+        if self._routes_refusal:
+            raise NotReplicable(self._routes_refusal)
+        saved = [(i, self._configs[i]) for i, _ in items]
+        try:
+            for i, cfg in items:
+                self._configs[i] = cfg
+            for i, _ in items:
+                for e in flow.in_edges[i] + flow.out_edges[i]:
+                    self._edge_plan(e)
+                u = flow.unit[i]
+                if u >= 0:
+                    for group, _ in self._param_plan(u).sync:
+                        if {(d + rep.size) % self.num_devices for d in group} != set(group):
+                            raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
+        finally:
+            for i, cfg in saved:
+                self._configs[i] = cfg
+
+    def _replica_routes(self) -> str:
+        """Why the topology does not repeat itself replica by replica ('' where it does): every device of
+        replica g is the same device as its counterpart in replica 0, and the shift by g replicas maps the
+        routes among replica 0's devices link for link onto those among replica g's (one map per g, onto
+        links of the same bandwidth), with no link on the routes of two replicas. An exchange among a
+        replica's devices (the only kind `soap.lowering` lowers under replicas) then takes as long in
+        every replica, on links no other replica's exchanges use."""
+        rep, n, devices, comm = self.replicas, self.num_devices, self.topology.devices, self.comm
+        for d in range(n):
+            a, b = devices[d], devices[d % rep.size]
+            if (a.kind, dict(a.peak_flops), a.memory_bandwidth_gbps, a.memory_bytes) != (
+                    b.kind, dict(b.peak_flops), b.memory_bandwidth_gbps, b.memory_bytes):
+                return f"device {d} differs from device {d % rep.size}"
+        owner: dict[int, int] = {}  # link resource -> the replica whose routes use it
+        for g in range(rep.count):
+            shift = g * rep.size
+            onto: dict[int, int] = {}
+            for a in range(rep.size):
+                for b in range(rep.size):
+                    if a == b:
+                        continue
+                    res0, lat0, bw0 = comm.route(a, b)
+                    res, lat, bw = comm.route(a + shift, b + shift)
+                    if len(res) != len(res0) or lat != lat0 or bw != bw0:
+                        return f"the route {a + shift} -> {b + shift} differs from {a} -> {b}"
+                    for r0, r in zip(res0, res, strict=True):
+                        if r0 < n:
+                            if r != r0 + shift:
+                                return f"the route {a + shift} -> {b + shift} differs from {a} -> {b}"
+                        elif onto.setdefault(r0, r) != r or comm.link_gbps(r0) != comm.link_gbps(r):
+                            return f"the route {a + shift} -> {b + shift} differs from {a} -> {b}"
+                        elif owner.setdefault(r, g) != g:
+                            return f"replicas {owner[r]} and {g} share a link"
+        return ""
 
     def _apply(self, links: list[Link]) -> None:
         succs, preds = self._succs, self._preds
@@ -1000,15 +1088,16 @@ class Simulator:
     def _account(self, plan: OpPlan, params: ParamPlan | None, edges: list[int], sids: list[SyncId],
                  sign: int) -> None:
         """Add (`sign` 1) or take out (-1) the memory and bytes of an op's units and its unit's all-reduces."""
+        copies = sign * (1 if self.replicas is None else self.replicas.count)  # (bytes of every replica)
         self._add_mem(plan.mem, sign)
         self._add_transient(plan.transient, sign)
-        self._moved += sign * plan.moved
+        self._moved += copies * plan.moved
         if params is not None:
             self._add_mem(params.mem, sign)
         for e in edges:
             ep = self._edge_plan(e)
             self._add_mem(ep.recv, sign)
-            self._moved += sign * ep.moved
+            self._moved += copies * ep.moved
         for sid in sids:
             sync = self._syncs.get(sid)
             if sync is not None:

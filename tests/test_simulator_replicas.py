@@ -4,6 +4,8 @@ memory, bytes moved and collectives as the plain simulation of every device, or 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import runtime_cases as rc
 
@@ -84,13 +86,57 @@ def test_sharded_chunks_that_would_leave_replica_0_make_fewer_replicas():
     assert timeline.peak_memory_bytes == plain.peak_memory_bytes
 
 
-def test_a_replica_simulator_makes_no_delta_proposals():
+REPLICA_DELTA_CASES = [("transformer", "p100-2x2", 2, "dp", 40), ("transformer", "a100-2x4", 2, "hybrid:tp=2", 40),
+                       ("mlp", "a100-2x4", 4, "hybrid:tp=2", 40), ("llama", "p100-2x2", 2, "hybrid:tp=2", 30),
+                       ("rescnn", "p100-2x2", 2, "dp", 30), ("rnnlm", "p100-2x2", 2, "dp", 30)]
+
+
+@pytest.mark.parametrize(("model", "topology", "count", "start", "proposals"), REPLICA_DELTA_CASES)
+def test_delta_on_one_replica_equals_the_plain_full_simulation(model, topology, count, start, proposals):
+    """A chain of the replica space's proposals (`search.moves` over `ConfigSpace(replicas=...)`), each
+    simulated by delta on one replica and, for comparison, in full on every device: the same iteration
+    time, memory per device and bytes moved; rejected proposals leave the state as it was."""
+    from search.moves import Moves
+    from search.space import ConfigSpace
+
+    graph, topo = rc.graph_of(model), load_topology(topology)
+    replicas = Replicas(count=count, size=topo.num_devices // count)
+    current = parse_baseline(start)(graph, topo)
+    moves = Moves(graph, ConfigSpace(graph, topo, replicas), [current])
+    sim, plain = Simulator(graph, topo, replicas=replicas), Simulator(graph, topo)
+    sim.full(current)
+    rng = random.Random(f"replica-delta/{model}/{topology}")
+    simulated = 0
+    for k in range(proposals):
+        changes = moves.propose(rng, current)
+        if not changes:
+            continue
+        proposed = current.with_configs(changes)
+        assert find_replicas(graph, proposed, topo.num_devices) is not None
+        t_ms = sim.propose_many(changes)
+        full = plain.full(proposed)
+        simulated += 1
+        assert t_ms == full.iteration_time_ms, f"proposal {k}: {changes}"
+        assert tuple(sim.peak_memory_bytes) == tuple(full.peak_memory_bytes), f"proposal {k}"
+        assert sim.timeline().bytes_moved == full.bytes_moved, f"proposal {k}"
+        if rng.random() < 0.5:
+            sim.accept()
+            current = proposed
+        else:
+            sim.reject()
+            assert sim.strategy == current
+            assert sim.iteration_time_ms == plain.full(current).iteration_time_ms
+    assert simulated >= proposals // 3
+
+
+def test_a_replica_simulator_refuses_proposals_that_leave_its_replicas():
     graph, topo = rc.graph_of("mlp"), load_topology("cpu-4")
     strategy = parse_baseline("dp")(graph, topo)
     sim = Simulator(graph, topo, replicas=find_replicas(graph, strategy, 4))
-    sim.full(strategy)
-    with pytest.raises(RuntimeError, match="whole strategies only"):
+    before = sim.full(strategy).iteration_time_ms
+    with pytest.raises(NotReplicable, match="not 4 replicas"):
         sim.propose(graph.ops[2].name, ParallelConfig.single(0))
+    assert not sim.pending and sim.strategy == strategy and sim.iteration_time_ms == before
 
 
 def test_replicas_whose_exchanges_share_a_link_fall_back_to_the_plain_simulation(tmp_path):
@@ -109,3 +155,10 @@ def test_replicas_whose_exchanges_share_a_link_fall_back_to_the_plain_simulation
     graph, topo = rc.graph_of("mlp"), load_topology(str(path))
     strategy = parse_baseline("hybrid:tp=2")(graph, topo)
     _falls_back(graph, strategy, topo, Replicas(count=2, size=2), "share a link")
+    # nor does a replica simulator make delta proposals there, whatever they change
+    dp = parse_baseline("dp")(graph, topo)
+    sim = Simulator(graph, topo, replicas=Replicas(count=2, size=2))
+    sim.full(dp)
+    op = next(op for op in graph if op.kind == "linear")
+    with pytest.raises(NotReplicable, match="share a link"):
+        sim.propose(op.name, dp[op.name].replace(recompute=not dp[op.name].recompute))
