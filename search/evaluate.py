@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from simulator.engine import Simulator
-from soap.config import ParallelConfig
+from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import OperatorGraph
+from soap.lowering import Replicas
 from soap.setup import TrainSetup
-from soap.strategy import Strategy
+from soap.strategy import Strategy, StrategyError
 from soap.topology import DeviceTopology
 
 
@@ -71,9 +72,11 @@ class Evaluator(Protocol):
 
 
 class EvaluatorFactory(Protocol):
-    """Builds one evaluator per chain; must pickle (chains run in worker processes with `jobs` > 1)."""
+    """Builds one evaluator per chain; must pickle (chains run in worker processes with `jobs` > 1). A
+    search of replicas (`search.mcmc.search`'s `replicas`) asks for evaluators of one replica by passing
+    `replicas`; a factory that cannot simulate that way need not take it."""
 
-    def __call__(self, graph: OperatorGraph, topology: DeviceTopology) -> Evaluator: ...
+    def __call__(self, graph: OperatorGraph, topology: DeviceTopology, **kwargs: Any) -> Evaluator: ...
 
 
 class FullEvaluator:
@@ -135,7 +138,7 @@ class Move:
         self._one = delta and not self._trial
         self._whole = not delta and len(changes) > MAX_DELTA_OPS
         if self._trial:
-            self.cost = evaluator.trial(self.strategy)
+            self.cost = evaluator.trial(self.strategy, changes)
             return
         if self._one:
             self.cost = evaluator.propose_many(changes, limit_ms)
@@ -188,10 +191,19 @@ class DeltaEvaluator:
         self.sim = sim
         self._spare: Simulator | None = None
 
-    def trial(self, strategy: Strategy) -> Cost:
+    def trial(self, strategy: Strategy, changes: Mapping[str, ParallelConfig] | None = None) -> Cost:
+        """The cost of `strategy`; `changes`: it is the current strategy with those changed (only they are
+        validated, as by `propose_many`)."""
         if self._spare is None:
             self._spare = self.sim.twin()
-        self._spare.full(strategy)
+        if changes is not None:
+            graph, n = self.sim.graph, self.sim.num_devices
+            for name, cfg in changes.items():
+                try:
+                    validate(graph[name], cfg, n)
+                except ConfigError as exc:
+                    raise StrategyError(str(exc)) from None
+        self._spare.build(strategy, validated=changes is not None)
         return simulated_cost(self._spare)
 
     def adopt(self) -> None:
@@ -199,7 +211,7 @@ class DeltaEvaluator:
         self.sim, self._spare = self._spare, self.sim
 
     def start(self, strategy: Strategy) -> Cost:
-        self.sim.full(strategy)
+        self.sim.build(strategy)
         return simulated_cost(self.sim)
 
     def propose(self, op: str, cfg: ParallelConfig) -> Cost:
@@ -242,8 +254,11 @@ class SimulatorEvaluators:
     delta: bool = True
     setup: TrainSetup | None = None
 
-    def __call__(self, graph: OperatorGraph, topology: DeviceTopology) -> Evaluator:
-        sim = Simulator(graph, topology, self.cost_model, setup=self.setup)
+    def __call__(self, graph: OperatorGraph, topology: DeviceTopology, *,
+                 replicas: Replicas | None = None) -> Evaluator:
+        """`replicas`: a simulator of replica 0 of strategies made of those replicas (`Simulator`'s); its
+        proposals raise `NotReplicable` where they leave them."""
+        sim = Simulator(graph, topology, self.cost_model, setup=self.setup, replicas=replicas)
         if self.delta:
             return DeltaEvaluator(sim)
 

@@ -66,6 +66,14 @@ The method:
   time budget, tidying tries no move after the budget's end or, when the chains used it all,
   `TIDY_SHARE` of the budget after they stopped (so a search takes at most about 1.1 times its
   budget); under a proposal budget alone it runs to the end (the result depends on the seed alone).
+- `replicas` R: the chains search only strategies made of R identical replicas of devices / R devices
+  each (`soap.lowering.repeats`; `search.space.ConfigSpace`'s `replicas`), and every chain's evaluator
+  simulates one replica (`evaluators(..., replicas=...)`; `simulator.engine.Simulator`'s delta under
+  replicas), a fraction of the tasks. The baselines are still simulated and still seed the best; a
+  chain starts only from a start made of those replicas (dp, a reference of `hybrid:tp=T` with T within
+  a replica, the recomputing starts likewise), the random chain draws its configs from that space, and
+  a proposal the simulator refuses (`NotReplicable`: an exchange or all-reduce that would leave replica
+  0) is rejected. The best is tidied within the replicas too.
 - every chain costs proposals with its own `Evaluator` (delta simulation: only the changed op's tasks
   are re-timed). Each baseline is simulated by an evaluator of its own; with `jobs` 1 a chain that
   starts from a baseline takes over that evaluator instead of simulating its start again.
@@ -91,6 +99,7 @@ from search.space import ConfigSpace
 from search.tidy import tidy
 from search.workers import ChainSpec, Progress, WorkerJob, from_plain, run_workers, to_plain
 from soap.graph import OperatorGraph
+from soap.lowering import NotReplicable, Replicas
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
@@ -136,6 +145,7 @@ class SearchResult:
     search_s: float
     beta_per_ms: float
     history: tuple[tuple[int, float, float], ...]
+    replicas: int = 1  # the chains searched strategies of this many replicas (`search`'s `replicas`)
 
     @property
     def proposals_per_s(self) -> float:
@@ -182,7 +192,10 @@ class _Chain:
         if not changes:
             return False  # the null move: accepted, nothing to simulate
         limit = self._limit()
-        move = Move(self.evaluator, self.current, changes, limit)
+        try:
+            move = Move(self.evaluator, self.current, changes, limit)
+        except NotReplicable:
+            return False  # the replicas' simulator leaves out what they do not make: rejected, unchanged
         cost = move.cost
         if cost.peak_memory_bytes < self.min_peak[0]:
             self.min_peak = (cost.peak_memory_bytes, self.name)
@@ -241,7 +254,7 @@ def _closeness(cost: Cost) -> tuple[int, float]:
 def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -> dict[str, Any]:
     """Step the job's chains round-robin until each has stopped; the worker's part of the result."""
     t0 = time.monotonic()
-    moves = Moves(graph, ConfigSpace(graph, job.topology), [from_plain(r) for r in job.references])
+    moves = Moves(graph, ConfigSpace(graph, job.topology, job.replicas), [from_plain(r) for r in job.references])
     chains = []
     events: list[tuple[int, float, float]] = []  # (worker proposals, elapsed_s, chain best ms)
     total = 0
@@ -253,9 +266,9 @@ def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -
             unstarted.append(ChainReport(name=spec.name, start_ms=math.inf, best_ms=math.inf, num_proposals=0,
                                          num_accepted=0, stop="not started: time"))
             continue
-        chain = _Chain(spec.name, from_plain(spec.start), evaluator or job.evaluators(graph, job.topology), moves,
-                       random.Random(spec.seed), job.beta_per_ms, job.beta_scale, spec.max_proposals,
-                       start_cost=cost)
+        evaluator = evaluator or _evaluator(job.evaluators, graph, job.topology, job.replicas)
+        chain = _Chain(spec.name, from_plain(spec.start), evaluator, moves, random.Random(spec.seed), job.beta_per_ms,
+                       job.beta_scale, spec.max_proposals, start_cost=cost)
         events.append((total, job.offset_s + time.monotonic() - t0, chain.best_cost.value))
         chains.append(chain)
     best_ms = min((c.best_cost.value for c in chains), default=math.inf)
@@ -329,12 +342,14 @@ def check_budgets(*, budget_s: float | None, max_proposals: int | None, jobs: in
 
 def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: EvaluatorFactory,
            budget_s: float | None = None, max_proposals: int | None = None, seed: int = 0, jobs: int = 1,
-           beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
+           beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1, replicas: int | None = None,
            progress: Progress | None = None) -> SearchResult:
     """Find a fast strategy for `graph` on `topology` that fits in memory (see the module docstring).
 
     At least one budget is needed; `ValueError` for a budget <= 0, `jobs` < 1 or `random_chains` < 0,
-    `NoFeasibleStrategy` when nothing the search saw fits in memory. `progress` (optional) is called
+    `NoFeasibleStrategy` when nothing the search saw fits in memory. `replicas`: the chains search only
+    strategies made of that many replicas (module docstring; `ValueError` where the graph or the topology
+    has none). `progress` (optional) is called
     with {proposals, proposals_per_s, elapsed_s, best_ms} once the baselines are simulated (proposals 0,
     best_ms the best baseline's, inf if none fits), then on improvements and about twice a second.
     """
@@ -344,6 +359,8 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     if not beta_scale > 0:
         raise ValueError(f"beta_scale must be > 0, got {beta_scale}")
     t0 = time.monotonic()
+    rep = replica_layout(topology, replicas)
+    space = ConfigSpace(graph, topology, rep)
 
     # Baselines, simulated in full: they seed the best and the chains.
     strategies: dict[str, Strategy] = {}
@@ -356,8 +373,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
         except BaselineNotApplicable as exc:
             costs[name], errors[name] = None, str(exc)
             continue
-        probe = evaluators(graph, topology)
-        costs[name] = probe.start(strategies[name])
+        probe, costs[name] = _probe(evaluators, graph, topology, strategies[name], space)
         probes[name] = (probe, costs[name])
     feasible = {n: c for n, c in costs.items() if c is not None and c.feasible}
     best_baseline = min(feasible, key=lambda n: feasible[n].time_ms) if feasible else None
@@ -379,9 +395,8 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     for name, strategy in ([] if feasible else recompute_starts(graph, topology)):
         if budget_s is not None and time.monotonic() - t0 >= budget_s:
             break
-        probe = evaluators(graph, topology)
         recomputing[name] = strategy
-        probes[name] = (probe, probe.start(strategy))
+        probes[name] = _probe(evaluators, graph, topology, strategy, space)
     closest_recomputing = min(recomputing, key=lambda n: _closeness(probes[n][1]), default=None)
     closest_baseline = min((_closeness(c) for c in costs.values() if c is not None), default=(1, math.inf))
     if closest_recomputing is not None and _closeness(probes[closest_recomputing][1]) < closest_baseline:
@@ -389,11 +404,10 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     strategies_and_starts = strategies | recomputing
     named: list[tuple[str, Strategy]] = []
     for name in starts:
-        if all(strategies_and_starts[name] != s for _, s in named):
+        if all(strategies_and_starts[name] != s for _, s in named) and space.holds(strategies_and_starts[name]):
             named.append((name, strategies_and_starts[name]))
     rng = random.Random(f"soapflow.search/{seed}/random-starts")
-    space = ConfigSpace(graph, topology)
-    base = strategies["expert"]
+    base = strategies["expert"]  # (a random start redraws every op it does not leave out: `space.ops`)
     named += [(f"random{i}", space.random_strategy(rng, base)) for i in range(random_chains)]
     per_chain = [None] * len(named)
     if max_proposals is not None:
@@ -415,7 +429,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
                        budget_s=left, stall_s=None if budget_s is None else budget_s / 2, offset_s=offset,
                        beta_per_ms=beta, beta_scale=beta_scale,
                        best_ms=feasible[best_baseline].time_ms if best_baseline else math.inf,
-                       plain=jobs > 1, references=references) for g in groups]
+                       plain=jobs > 1, references=references, replicas=rep) for g in groups]
     if jobs == 1:  # the baselines' evaluators cannot cross a process boundary, but in process they can
         work[0].started = {s.name: probes[s.name] for s in specs if s.name in probes}
     probes.clear()  # evaluators no chain starts from (their simulations can be large) are let go
@@ -445,14 +459,46 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     if best is None or best_cost is None:
         raise NoFeasibleStrategy(_no_fit_message(topology, min_peak))
     if best_name != best_baseline:  # a chain's leftovers take their neighbours' layouts (`search.tidy`)
-        best, best_cost = tidy(graph, best, evaluators(graph, topology), num_devices=topology.num_devices,
-                               deadline=tidy_deadline(t0, budget_s, time.monotonic()))
+        best, best_cost = tidy(graph, best, _evaluator(evaluators, graph, topology, rep),
+                               num_devices=topology.num_devices, deadline=tidy_deadline(t0, budget_s, time.monotonic()))
     history = _merge_history(outcomes, feasible[best_baseline].time_ms if best_baseline else math.inf, offset)
     return SearchResult(
         best=best, best_cost=best_cost, best_source=best_name, baselines=MappingProxyType(costs),
         baseline_errors=MappingProxyType(errors), chains=tuple(reports),
         num_proposals=sum(o["num_proposals"] for o in outcomes), elapsed_s=time.monotonic() - t0,
-        search_s=search_s, beta_per_ms=beta, history=history)
+        search_s=search_s, beta_per_ms=beta, history=history, replicas=1 if rep is None else rep.count)
+
+
+def replica_layout(topology: DeviceTopology, replicas: int | None) -> Replicas | None:
+    """The `Replicas` of a search of `replicas` replicas on `topology` (None: a search of every strategy);
+    `ValueError` (one line) where the count does not divide the devices into replicas of two or more."""
+    if replicas is None:
+        return None
+    n = topology.num_devices
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2 or n % replicas:
+        raise ValueError(f"replicas must be a count of at least 2 that divides the {n} devices, got {replicas!r}")
+    return Replicas(count=replicas, size=n // replicas)
+
+
+def _evaluator(evaluators: EvaluatorFactory, graph: OperatorGraph, topology: DeviceTopology,
+               replicas: Replicas | None) -> Evaluator:
+    """A new evaluator from `evaluators`: of one of `replicas` where given (`EvaluatorFactory`)."""
+    return evaluators(graph, topology) if replicas is None else evaluators(graph, topology, replicas=replicas)
+
+
+def _probe(evaluators: EvaluatorFactory, graph: OperatorGraph, topology: DeviceTopology, strategy: Strategy,
+           space: ConfigSpace) -> tuple[Evaluator, Cost]:
+    """An evaluator started on a reference `strategy`, and its cost: of one replica where the search is one
+    of replicas (`space.replicas`) and `strategy` is made of them and simulates so (a chain may start from
+    it), else of every device."""
+    if space.replicas is not None and space.holds(strategy):
+        probe = _evaluator(evaluators, graph, topology, space.replicas)
+        try:
+            return probe, probe.start(strategy)
+        except NotReplicable:
+            pass
+    probe = evaluators(graph, topology)
+    return probe, probe.start(strategy)
 
 
 def tidy_deadline(start: float, budget_s: float | None, now: float) -> float | None:

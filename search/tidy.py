@@ -29,6 +29,7 @@ from search.evaluate import Cost, Evaluator, Move
 from search.structure import carried, neighbours
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
+from soap.lowering import NotReplicable
 from soap.registry import op_def
 from soap.strategy import Strategy
 
@@ -79,7 +80,10 @@ def tidy(graph: OperatorGraph, strategy: Strategy, evaluator: Evaluator, *, num_
         if deadline is not None and time.monotonic() >= deadline:
             raise _OutOfTime
         # what would be slower, or would not fit where the strategy fits, may be rejected untimed
-        move = Move(evaluator, current, changes, cost.time_ms if cost.feasible else math.inf)
+        try:
+            move = Move(evaluator, current, changes, cost.time_ms if cost.feasible else math.inf)
+        except NotReplicable:
+            return False  # (an evaluator of one replica: the change would leave the replicas)
         if not (move.cost.exact and move.cost.feasible >= cost.feasible and move.cost.time_ms <= cost.time_ms):
             move.reject()
             return False

@@ -23,6 +23,7 @@ from typing import Any
 from search.evaluate import Cost, Evaluator, EvaluatorFactory
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
+from soap.lowering import Replicas
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
@@ -59,6 +60,8 @@ class WorkerJob:
     plain: bool = field(default=False)  # return strategies as plain dicts (to cross a process boundary)
     # strategies the module moves graft from (`search.moves`), as `to_plain` writes them
     references: list[dict[str, Any]] = field(default_factory=list)
+    # the replicas every strategy of the chains is made of (`search.mcmc.search`'s `replicas`), or None
+    replicas: Replicas | None = None
     # chain name -> (evaluator already started on the chain's start, its cost); in-process workers only
     started: dict[str, tuple[Evaluator, Cost]] = field(default_factory=dict)
 

@@ -244,7 +244,8 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
         out = optimize(args.model, args.topology, batch=args.batch, budget_s=args.budget, seed=args.seed,
                        jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
                        plot=args.plot, cost_model=args.costdb, measure_rounds=args.measure_rounds,
-                       confirm_runs=args.confirm_runs, setup=setup, shipped_costs=not args.no_shipped_costs)
+                       confirm_runs=args.confirm_runs, setup=setup, shipped_costs=not args.no_shipped_costs,
+                       replicas=args.replicas)
     finally:
         bar.close()
     text = optimize_text(out)
@@ -392,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also stop after N proposals (with a fixed N the result depends on --seed alone)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="run the chains in N processes")
+    p.add_argument("--replicas", type=int, metavar="R",
+                   help="search only strategies made of R identical replicas (R divides the devices; say, one "
+                        "per node), each simulated by one replica: faster proposals in a smaller space")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="strategy file to write (default: strategy-MODEL-TOPOLOGY.json)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the convergence curve (needs matplotlib)")

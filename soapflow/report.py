@@ -153,7 +153,8 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     costs = shipped_costs_text(out.get("shipped_costs"))
     if costs:
         lines.append(costs)
-    lines.append(f"search: {out['num_proposals']:,} proposals in {out['search_s']:.1f} s "
+    among = f" among strategies of {out['replicas']} replicas" if out.get("replicas", 1) > 1 else ""
+    lines.append(f"search: {out['num_proposals']:,} proposals{among} in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
     b = out.get("lower_bound")
     if b:

@@ -87,3 +87,32 @@ def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompu
         without_fit = math.inf
     # the recomputing start reaches a feasible strategy sooner, and the chains improve on it
     assert first_fit < without_fit and result.best_cost.time_ms < first_ms
+
+
+@pytest.mark.parametrize("graph_name, topology, replicas", [("rnn", "p100-2x2", 2), ("rnn", "a100-2x4", 2),
+                                                            ("mlp", "a100-2x4", 4)])
+def test_a_search_of_replicas_finds_replicas_timed_as_in_full(graph_name, topology, replicas):
+    """`replicas`: every chain's states are strategies of that many replicas, each simulated by one of
+    them; what a chain returns is such a strategy, its cost that of the plain full simulation, and the
+    result is no slower than the best baseline; with worker processes the search is the same."""
+    from soap.lowering import find_replicas
+
+    graph, topo = GRAPHS[graph_name](), load_topology(topology)
+    result = _search(graph_name, topology, evaluators=SimulatorEvaluators(), replicas=replicas, seed=2)
+    assert result.replicas == replicas
+    # on the LSTM a chain beats every baseline; on the MLP tensor parallelism (no replicas) stays the best
+    assert result.best_source.startswith("chain") == (graph_name == "rnn")
+    if result.best_source.startswith("chain"):  # (a baseline need not be made of replicas)
+        found = find_replicas(graph, result.best, topo.num_devices)
+        assert found is not None and found.count % replicas == 0
+    assert simulate(graph, result.best, topo, symmetry=False).iteration_time_ms == result.best_cost.time_ms
+    assert result.best_cost.time_ms <= min(ms for ms in result.baseline_ms().values() if ms is not None)
+    assert sum(c.num_accepted for c in result.chains) > 0
+    two = _search(graph_name, topology, evaluators=SimulatorEvaluators(), replicas=replicas, seed=2, jobs=2)
+    assert two.best == result.best and two.best_cost == result.best_cost
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 16, True])
+def test_a_search_of_replicas_needs_a_count_that_divides_the_devices(replicas):
+    with pytest.raises(ValueError, match="replicas must be a count of at least 2 that divides the 8 devices"):
+        _search("mlp", "a100-2x4", evaluators=SimulatorEvaluators(), replicas=replicas)
