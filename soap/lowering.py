@@ -145,8 +145,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import heapq
+import math
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from math import gcd
 
 import numpy as np
@@ -996,8 +996,10 @@ def _gpipe_forward(ops: Sequence[OpStep], live: Sequence[int],
         for n in succ:
             waiting[n] = waiting.get(n, 0) + 1
 
-    def key(node: tuple[int, int]) -> tuple[Fraction, int]:
-        return Fraction(node[1] + 1, ops[node[0]].num_rounds), node[0]
+    share = _round_share(ops, live)
+
+    def key(node: tuple[int, int]) -> tuple[int, int]:
+        return share(*node), node[0]
 
     ready = [(key(n), n) for i in live for n in [(i, 0)] if not waiting.get(n)]
     heapq.heapify(ready)
@@ -1011,6 +1013,14 @@ def _gpipe_forward(ops: Sequence[OpStep], live: Sequence[int],
                 heapq.heappush(ready, (key(n), n))
     assert len(fwd) == sum(ops[i].num_rounds for i in live), "the rounds of a step form a cycle"
     return fwd
+
+
+def _round_share(ops: Sequence[OpStep], live: Sequence[int]):
+    """(op, round) -> where the round ends in its op, (round + 1) / rounds, as an exact integer on a common
+    scale (the least common multiple of the live ops' round counts): the orders compare these."""
+    scale = math.lcm(*(ops[i].num_rounds for i in live)) if live else 1
+    per = {n: scale // n for n in {ops[i].num_rounds for i in live}}
+    return lambda i, r: (r + 1) * per[ops[i].num_rounds]
 
 
 def _round_deps(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep], live: Sequence[int]
@@ -1103,13 +1113,14 @@ def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int],
         return work / ops[i].num_parts + _PART_OVERHEAD_FLOPS
 
     begun: set[tuple[int, int]] = set()  # (device, round) whose forward has started there
+    share = _round_share(ops, live)
 
     def prio(item: Item) -> tuple:
         phase, i, r = item
         if phase == BACKWARD:
-            return (1, Fraction(r + 1, ops[i].num_rounds), -i)
+            return (1, share(i, r), -i)
         going = all((d, r) in begun for d in devices(i, r))
-        return (0 if going else 2, Fraction(r + 1, ops[i].num_rounds), i)
+        return (0 if going else 2, share(i, r), i)
 
     held: dict[tuple[int, int], int] = {}  # (op, device) -> its rounds in flight there
     counted = {i for i in live if ops[i].num_rounds > 1 and needs_bwd[i]}
