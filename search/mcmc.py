@@ -114,7 +114,9 @@ class NoFeasibleStrategy(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChainReport:
-    """One chain: where it started, the best it reached, how many proposals it made and accepted."""
+    """One chain: where it started, the best it reached, how many proposals it made and accepted, and how
+    many of them changed nothing (`num_null`: a move that drew the current configs, or configs outside the
+    space; accepted without a simulation, and counted among the proposals)."""
 
     name: str
     start_ms: float  # inf when the start does not fit in memory
@@ -122,6 +124,7 @@ class ChainReport:
     num_proposals: int
     num_accepted: int
     stop: str  # proposals, time, stalled, "not started: time" (the time budget was spent before its start)
+    num_null: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +154,12 @@ class SearchResult:
     def proposals_per_s(self) -> float:
         return self.num_proposals / self.search_s if self.search_s > 0 else 0.0
 
+    @property
+    def costed_per_s(self) -> float:
+        """Proposals per second that changed the strategy (`ChainReport.num_null` left out)."""
+        costed = self.num_proposals - sum(c.num_null for c in self.chains)
+        return costed / self.search_s if self.search_s > 0 else 0.0
+
     def baseline_ms(self) -> dict[str, float | None]:
         """Baseline name -> simulated iteration time, None where not applicable or out of memory."""
         return {name: (c.time_ms if c is not None and c.feasible else None)
@@ -178,7 +187,7 @@ class _Chain:
         self.beta = beta_per_ms
         if self.beta == 0.0 and self.cost.feasible:
             self.beta = _beta_per_ms(beta_scale, self.cost.time_ms)
-        self.num_proposals = self.num_accepted = 0
+        self.num_proposals = self.num_accepted = self.num_null = 0
         self.closest = _closeness(self.cost)  # the closest the chain has been to the goal
         self.progressed_at = 0  # proposal count when `closest` last dropped
         self.min_peak = (self.cost.peak_memory_bytes, name)
@@ -190,6 +199,7 @@ class _Chain:
         changes = self.moves.propose(self.rng, self.current)
         self.num_proposals += 1
         if not changes:
+            self.num_null += 1
             return False  # the null move: accepted, nothing to simulate
         limit = self._limit()
         try:
@@ -312,7 +322,8 @@ def _run_chains(job: WorkerJob, graph: OperatorGraph, report: Progress | None) -
     return {
         "chains": [{
             "report": ChainReport(name=c.name, start_ms=c.start_cost.value, best_ms=c.best_cost.value,
-                                  num_proposals=c.num_proposals, num_accepted=c.num_accepted, stop=c.stop),
+                                  num_proposals=c.num_proposals, num_accepted=c.num_accepted, stop=c.stop,
+                                  num_null=c.num_null),
             "best": to_plain(c.best) if job.plain else c.best,
             "best_cost": c.best_cost,
             "min_peak": c.min_peak,

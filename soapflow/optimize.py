@@ -235,12 +235,14 @@ def search_report(result: SearchResult, *, graph: OperatorGraph, topology: Devic
         "table": table,
         "num_proposals": result.num_proposals,
         "proposals_per_s": result.proposals_per_s,
+        "costed_per_s": result.costed_per_s,
         "elapsed_s": result.elapsed_s,
         "search_s": result.search_s,
         "beta_per_ms": result.beta_per_ms,
         "history": [[i, t, ms] for i, t, ms in result.history],
         "chains": [{"name": c.name, "start_ms": _finite(c.start_ms), "best_ms": _finite(c.best_ms),
-                    "num_proposals": c.num_proposals, "num_accepted": c.num_accepted, "stop": c.stop}
+                    "num_proposals": c.num_proposals, "num_accepted": c.num_accepted, "num_null": c.num_null,
+                    "stop": c.stop}
                    for c in result.chains],
         "strategy": summary,
     }

@@ -154,8 +154,9 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     if costs:
         lines.append(costs)
     among = f" among strategies of {out['replicas']} replicas" if out.get("replicas", 1) > 1 else ""
+    costed = f", {out['costed_per_s']:.0f}/s that changed the strategy" if "costed_per_s" in out else ""
     lines.append(f"search: {out['num_proposals']:,} proposals{among} in {out['search_s']:.1f} s "
-                 f"({out['proposals_per_s']:.0f}/s), {out['elapsed_s']:.1f} s in all")
+                 f"({out['proposals_per_s']:.0f}/s{costed}), {out['elapsed_s']:.1f} s in all")
     b = out.get("lower_bound")
     if b:
         lines.append(f"no strategy can beat {b['time_ms']:.4g} ms per iteration (lower bound: the least compute "

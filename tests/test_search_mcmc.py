@@ -122,6 +122,24 @@ def test_same_seed_same_result():
     assert a.num_proposals == b.num_proposals <= 600
 
 
+def test_moves_that_change_nothing_are_counted_apart(monkeypatch):
+    """Every third move changes nothing: it counts as a proposal, as a null one, and not among those costed."""
+    calls = []
+    real = search_moves.Moves.propose
+
+    def every_third_null(self, rng, current):
+        calls.append(1)
+        changes = real(self, rng, current)
+        return {} if len(calls) % 3 == 0 else changes
+
+    monkeypatch.setattr(search_moves.Moves, "propose", every_third_null)
+    result = _run("mlp", max_proposals=300)
+    nulls = sum(c.num_null for c in result.chains)
+    assert nulls >= len(calls) // 3 and sum(c.num_proposals for c in result.chains) == result.num_proposals
+    assert result.costed_per_s == pytest.approx((result.num_proposals - nulls) / result.search_s)
+    assert result.costed_per_s < result.proposals_per_s
+
+
 def test_jobs_do_not_change_the_result():
     one, two = _run("cnn", seed=2, jobs=1), _run("cnn", seed=2, jobs=2)
     assert one.best == two.best and one.best_cost == two.best_cost
