@@ -339,9 +339,8 @@ class Simulator:
             except ConfigError as exc:
                 raise StrategyError(str(exc)) from None
             if cfg != self._configs[i]:
-                rep = self.replicas
-                if rep is not None and not self.flow.everywhere[i] and not repeats(self.flow.ops[i], cfg, rep):
-                    raise NotReplicable(f"{op}: the config is not {rep.count} replicas of {rep.size} devices")
+                if self.replicas is not None:
+                    self._check_layout(i, cfg)
                 self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
                 items.append((i, cfg))
         if items and self.replicas is not None:
@@ -453,6 +452,9 @@ class Simulator:
     def _build(self, configs: list[ParallelConfig]) -> None:
         """Instantiate every task of `configs` and simulate from scratch."""
         flow, planner = self.flow, self.planner
+        if self.replicas is not None:
+            for i, cfg in enumerate(configs):
+                self._check_layout(i, cfg)
         self._dur: list[int] = []
         self._key: list[int] = []
         self._kt: list[int] = []  # (key << _TID_BITS) | task id: the heap priority at ready time 0
@@ -513,12 +515,10 @@ class Simulator:
         replica 0's devices as for all others); and every exchange of every replica takes as long as
         replica 0's on links no other replica's exchanges use (the exchange of an edge, pass and round is one
         task over every replica's pieces, as long as replica 0's share of it when their links are apart)."""
-        rep, n, devices = self.replicas, self.num_devices, self.topology.devices
-        for d in range(n):
-            a, b = devices[d], devices[d % rep.size]
-            if (a.kind, dict(a.peak_flops), a.memory_bandwidth_gbps, a.memory_bytes) != (
-                    b.kind, dict(b.peak_flops), b.memory_bandwidth_gbps, b.memory_bytes):
-                raise NotReplicable(f"device {d} differs from device {d % rep.size}")
+        rep, n = self.replicas, self.num_devices
+        unlike = self._unlike_device()
+        if unlike:
+            raise NotReplicable(unlike)
         for group, _ in self._syncs:
             if {(d + rep.size) % n for d in group} != set(group):
                 raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
@@ -551,6 +551,13 @@ class Simulator:
                     if r >= n and owner.setdefault(r, g) != g:
                         raise NotReplicable("two replicas' exchanges share a link")
 
+    def _check_layout(self, i: int, cfg: ParallelConfig) -> None:
+        """Raise `NotReplicable` unless `cfg` lays op position `i` out as the replicas (an op that computes
+        nothing always is)."""
+        rep, flow = self.replicas, self.flow
+        if not flow.everywhere[i] and not repeats(flow.ops[i], cfg, rep):
+            raise NotReplicable(f"{flow.ops[i].name}: the config is not {rep.count} replicas of {rep.size} devices")
+
     def _check_replica_change(self, items: list[tuple[int, ParallelConfig]]) -> None:
         """Raise `NotReplicable`, changing nothing, unless timing replica 0 alone stays exact with op
         position -> config `items` changed (each laid out as the replicas: `propose_many` checks that
@@ -580,6 +587,16 @@ class Simulator:
             for i, cfg in saved:
                 self._configs[i] = cfg
 
+    def _unlike_device(self) -> str:
+        """Which device differs from its counterpart in replica 0 ('' where none does)."""
+        rep, devices = self.replicas, self.topology.devices
+        for d in range(self.num_devices):
+            a, b = devices[d], devices[d % rep.size]
+            if (a.kind, dict(a.peak_flops), a.memory_bandwidth_gbps, a.memory_bytes) != (
+                    b.kind, dict(b.peak_flops), b.memory_bandwidth_gbps, b.memory_bytes):
+                return f"device {d} differs from device {d % rep.size}"
+        return ""
+
     def _replica_routes(self) -> str:
         """Why the topology does not repeat itself replica by replica ('' where it does): every device of
         replica g is the same device as its counterpart in replica 0, and the shift by g replicas maps the
@@ -587,12 +604,10 @@ class Simulator:
         links of the same bandwidth), with no link on the routes of two replicas. An exchange among a
         replica's devices (the only kind `soap.lowering` lowers under replicas) then takes as long in
         every replica, on links no other replica's exchanges use."""
-        rep, n, devices, comm = self.replicas, self.num_devices, self.topology.devices, self.comm
-        for d in range(n):
-            a, b = devices[d], devices[d % rep.size]
-            if (a.kind, dict(a.peak_flops), a.memory_bandwidth_gbps, a.memory_bytes) != (
-                    b.kind, dict(b.peak_flops), b.memory_bandwidth_gbps, b.memory_bytes):
-                return f"device {d} differs from device {d % rep.size}"
+        rep, n, comm = self.replicas, self.num_devices, self.comm
+        unlike = self._unlike_device()
+        if unlike:
+            return unlike
         owner: dict[int, int] = {}  # link resource -> the replica whose routes use it
         for g in range(rep.count):
             shift = g * rep.size

@@ -76,7 +76,7 @@ def test_sharded_chunks_that_would_leave_replica_0_make_fewer_replicas():
     of 4 replicas refuses it); it is 2 replicas of 4 devices, timed exactly."""
     graph, topo = rc.graph_of("mlp"), load_topology("a100-2x4")
     strategy = parse_baseline("hybrid:tp=2,shard=2")(graph, topo)
-    with pytest.raises(NotReplicable, match="held by no device of replica 0"):
+    with pytest.raises(NotReplicable, match="not 4 replicas of 2 devices"):
         Simulator(graph, topo, replicas=Replicas(count=4, size=2)).full(strategy)
     assert find_replicas(graph, strategy, topo.num_devices) == Replicas(count=2, size=4)
     timeline = simulate(graph, strategy, topo)
@@ -137,6 +137,9 @@ def test_a_replica_simulator_refuses_proposals_that_leave_its_replicas():
     with pytest.raises(NotReplicable, match="not 4 replicas"):
         sim.propose(graph.ops[2].name, ParallelConfig.single(0))
     assert not sim.pending and sim.strategy == strategy and sim.iteration_time_ms == before
+    # nor does it build a whole strategy that is not those replicas
+    with pytest.raises(NotReplicable, match="not 4 replicas"):
+        sim.twin().full(parse_baseline("mp")(graph, topo))
 
 
 def test_replicas_whose_exchanges_share_a_link_fall_back_to_the_plain_simulation(tmp_path):
