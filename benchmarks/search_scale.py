@@ -10,18 +10,23 @@ the meta device (shapes only) and captured at the global batch:
 
 For each: the reference strategies dp, fsdp and `hybrid:tp=T` for T = 2, 4, 8, each also with full
 recomputation (`hybrid:tp=T,recompute=full`, what fits a model that does not fit otherwise), simulated
-in full (predicted step time, whether it fits in 80 GB); then one search (`search.mcmc.search`, seed 0,
-`--budget` seconds, one process) with its proposals per second and its best at 60, 120 and the whole
-budget (from its history of improvements), the lower bound on any strategy (`search.bound`) and the
-gap to it. Targets (the issue's): at least 500 proposals per second, and within 120 s a strategy at
-least as fast as the best reference that fits (where none fits, one that fits).
+in full (predicted step time, whether it fits in 80 GB); then three searches (`search.mcmc.search`, seed
+0, `--budget` seconds, one process each): over every strategy, over the strategies made of 4 identical
+replicas, one per node (`replicas=4`), and over those made of 32 replicas, one per GPU (`replicas=32`:
+data parallelism with each op's recomputation, sharding and micro-batches searched); a search of replicas
+simulates each proposal on one replica by delta simulation, the all-reduces across replicas included.
+Each with its proposals per second (and those that changed the strategy: a move may draw the current
+configs), its best at 60, 120 and the whole budget (from its history of improvements), the lower bound
+on any strategy (`search.bound`) and the gap to it. Targets (the issue's): at least 500 proposals per
+second, and within 120 s a strategy at least as fast as the best reference that fits (where none fits,
+one that fits).
 
 Times are simulated (the analytical cost model); the machine running the search is a shared 2-core CPU
 machine, so proposals per second are this machine's, not an idle one's.
 
 Writes a table to stdout and to benchmarks/results/search_scale.md, the raw figures to .json::
 
-    python benchmarks/search_scale.py [--budget 300] [--models gpt2-medium gpt-1.7b]
+    python benchmarks/search_scale.py [--budget 300] [--models gpt2-medium gpt-1.7b] [--replicas none 4 32]
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def _best_at(history, seconds: float) -> float:
     return min(known, default=math.inf)
 
 
-def run_case(case: Case, *, budget_s: float) -> dict:
+def run_case(case: Case, *, budget_s: float, spaces: list[int | None]) -> list[dict]:
     topology = load_topology(TOPOLOGY)
     t0 = time.perf_counter()
     _, graph = capture_model(f"{Path(__file__).resolve()}:{case.builder}", batch_size=case.batch)
@@ -114,17 +119,33 @@ def run_case(case: Case, *, budget_s: float) -> dict:
     out = {"model": case.name, "batch": case.batch, "setup": case.setup.to_dict(), "num_ops": len(graph),
            "capture_s": capture_s, "references": references, "best_reference": best_reference,
            "best_reference_ms": fitting.get(best_reference), "lower_bound_ms": bound.time_ms, "budget_s": budget_s}
+    rows = []
+    for replicas in spaces:
+        print(f"  {case.name}: searching {_space(replicas)} ...", file=sys.stderr, flush=True)
+        rows.append(out | {"replicas": replicas} | _search(graph, topology, case, budget_s, replicas, fitting,
+                                                           best_reference, bound))
+    return rows
+
+
+def _space(replicas: int | None) -> str:
+    return "every strategy" if replicas is None else f"{replicas} replicas"
+
+
+def _search(graph, topology, case: Case, budget_s: float, replicas: int | None, fitting: dict,
+            best_reference: str | None, bound) -> dict:
     try:
-        result = search(graph, topology, evaluators=SimulatorEvaluators(setup=case.setup), budget_s=budget_s, seed=0)
+        result = search(graph, topology, evaluators=SimulatorEvaluators(setup=case.setup), budget_s=budget_s, seed=0,
+                        replicas=replicas)
     except NoFeasibleStrategy as exc:
-        return out | {"found": False, "error": str(exc)}
+        return {"found": False, "error": str(exc)}
     history = [list(h) for h in result.history]
     at = {f"{int(s)}": _best_at(result.history, s) for s in CHECKPOINTS_S}
     at["budget"] = result.best_cost.time_ms
     in_120 = at["120"]
-    return out | {
+    return {
         "found": True, "best_ms": result.best_cost.time_ms, "best_source": result.best_source,
         "best_at_ms": at, "num_proposals": result.num_proposals, "proposals_per_s": result.proposals_per_s,
+        "costed_per_s": result.costed_per_s,
         "search_s": result.search_s, "elapsed_s": result.elapsed_s, "history": history,
         "gap": bound.gap(result.best_cost.time_ms),
         # where no reference fits, any strategy that fits is faster than all of them
@@ -145,23 +166,24 @@ def render(rows: list[dict], meta: dict) -> str:
              "(analytical cost model). `best at 60 s` etc.: the best the search knew by then (the baselines it "
              "starts from included). `wall s`: the whole search, tidying the best included (`search.mcmc`: up to a "
              "tenth of the budget after it).", "",
-             "| model | ops | proposals/s | best at 60 s | at 120 s | at the budget | best reference (fits) | "
-             "as fast within 120 s | lower bound | gap | wall s |",
-             "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
+             "| model | searched | ops | proposals/s | of which costed/s | best at 60 s | at 120 s | "
+             "at the budget | best reference (fits) | as fast within 120 s | lower bound | gap | wall s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         ref = f"{r['best_reference']} {_ms(r['best_reference_ms'])}" if r["best_reference"] else "none fits"
         if not r.get("found"):
-            lines.append(f"| {r['model']} | {r['num_ops']} | - | - | - | - | {ref} | no | "
-                         f"{_ms(r['lower_bound_ms'])} | - | - |")
+            lines.append(f"| {r['model']} | {_space(r['replicas'])} | {r['num_ops']} | - | - | - | - | - | {ref} | "
+                         f"no | {_ms(r['lower_bound_ms'])} | - | - |")
             continue
         at = r["best_at_ms"]
-        lines.append(f"| {r['model']} | {r['num_ops']} | {r['proposals_per_s']:.1f} | {_ms(at['60'])} | "
+        lines.append(f"| {r['model']} | {_space(r['replicas'])} | {r['num_ops']} | {r['proposals_per_s']:.1f} | "
+                     f"{r['costed_per_s']:.1f} | {_ms(at['60'])} | "
                      f"{_ms(at['120'])} | {_ms(at['budget'])} | {ref} | "
                      f"{'yes' if r['as_fast_as_best_reference_in_120_s'] else 'NO'} | {_ms(r['lower_bound_ms'])} | "
                      f"{100 * r['gap']:.0f}% | {r['elapsed_s']:.0f} |")
     lines += ["", "References (simulated in full):", "",
               "| model | strategy | ms | fits | peak GB | full simulation s |", "|---|---|---:|---|---:|---:|"]
-    for r in rows:
+    for r in [r for r in rows if r is next(q for q in rows if q["model"] == r["model"])]:
         for name, ref in r["references"].items():
             if "error" in ref:
                 lines.append(f"| {r['model']} | {name} | - | - | - | - |")
@@ -181,12 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=300.0, help="search budget, wall-clock seconds")
     ap.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--replicas", nargs="+", default=["none", "4", "32"],
+                    help="the searches per model: none (every strategy) and/or a replica count")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     rows = []
     for name in args.models:
         print(f"{name} ...", file=sys.stderr, flush=True)
-        rows.append(run_case(CASES[name], budget_s=args.budget))
+        rows += run_case(CASES[name], budget_s=args.budget,
+                         spaces=[None if r == "none" else int(r) for r in args.replicas])
     meta = {"budget_s": args.budget, "topology": TOPOLOGY, "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine()}
     text = render(rows, meta)
