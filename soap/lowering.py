@@ -1030,6 +1030,10 @@ def _round_deps(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]
     after: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for step in edges:
         e = flow.edges[step.edge]
+        if ops[e.src].num_rounds == 1 and ops[e.dst].num_rounds == 1:  # (every piece gives this one)
+            if step.pieces:
+                after.setdefault((e.src, 0), set()).add((e.dst, 0))
+            continue
         pr, cr = ops[e.src].rounds, ops[e.dst].rounds
         for p, c, _, _ in step.pieces:
             after.setdefault((e.src, pr[p]), set()).add((e.dst, cr[c]))
