@@ -257,8 +257,13 @@ class SimulatorEvaluators:
     def __call__(self, graph: OperatorGraph, topology: DeviceTopology, *,
                  replicas: Replicas | None = None) -> Evaluator:
         """`replicas`: a simulator of replica 0 of strategies made of those replicas (`Simulator`'s); its
-        proposals raise `NotReplicable` where they leave them."""
+        proposals raise `NotReplicable` where they leave them. `ValueError` (one line) where the topology
+        does not repeat itself replica by replica (`Simulator.replica_refusal`)."""
         sim = Simulator(graph, topology, self.cost_model, setup=self.setup, replicas=replicas)
+        refusal = sim.replica_refusal() if replicas is not None else ""
+        if refusal:
+            raise ValueError(f"no search of {replicas.count} replicas of {replicas.size} devices on "
+                             f"{topology.name}: {refusal}")
         if self.delta:
             return DeltaEvaluator(sim)
 

@@ -51,7 +51,7 @@ more than the changed op.
 Replicas. A simulator of one replica (`replicas`, `simulate`'s symmetry) times replica 0 of a strategy
 made of identical replicas; its delta proposals must keep the strategy so (`_check_replica_change`,
 before anything changes: the configs, the lowered edges and parameter units, the all-reduce groups, and
-once a topology that repeats itself replica by replica, `_replica_routes`), else `NotReplicable`. Bytes
+once a topology that repeats itself replica by replica, `replica_refusal`), else `NotReplicable`. Bytes
 moved count every replica's.
 """
 
@@ -216,7 +216,7 @@ class Simulator:
         self._sh = self._kb + _TID_BITS  # a priority is (ready << _sh) | (key << _TID_BITS) | task id
         self._configs: list[ParallelConfig] | None = None
         self._journal: _Journal | None = None
-        self._routes_refusal: str | None = None  # `_replica_routes`, once known
+        self._routes_refusal: str | None = None  # `replica_refusal`, once known
 
     def twin(self) -> Simulator:
         """Another simulator of the same graph, topology, cost model and setup, sharing this one's plan and
@@ -522,10 +522,8 @@ class Simulator:
         for group, _ in self._syncs:
             if {(d + rep.size) % n for d in group} != set(group):
                 raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
-        if self._routes_refusal is None:
-            self._routes_refusal = self._replica_routes()
-        if not self._routes_refusal:
-            return  # every exchange among a replica's devices is exact on such a topology (`_replica_routes`)
+        if not self.replica_refusal():
+            return  # every exchange among a replica's devices is exact on such a topology (`replica_refusal`)
         owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it
         passes = []
         for e, edge in enumerate(self.flow.edges):
@@ -563,14 +561,13 @@ class Simulator:
         position -> config `items` changed (each laid out as the replicas: `propose_many` checks that
         first, `soap.lowering.repeats`): the edges and parameter units the change touches lower as replicas
         (their plans, cached, are what `_change` uses next) with every all-reduce group its own shift, and
-        the topology is one that repeats itself replica by replica (`_replica_routes`, checked once):
+        the topology is one that repeats itself replica by replica (`replica_refusal`, checked once):
         then every exchange of any strategy of replicas is exact, which `_check_replicas` checks one by
         one after a full build."""
         rep, flow = self.replicas, self.flow
-        if self._routes_refusal is None:
-            self._routes_refusal = self._replica_routes()
-        if self._routes_refusal:
-            raise NotReplicable(self._routes_refusal)
+        refusal = self.replica_refusal()
+        if refusal:
+            raise NotReplicable(refusal)
         saved = [(i, self._configs[i]) for i, _ in items]
         try:
             for i, cfg in items:
@@ -596,6 +593,13 @@ class Simulator:
                     b.kind, dict(b.peak_flops), b.memory_bandwidth_gbps, b.memory_bytes):
                 return f"device {d} differs from device {d % rep.size}"
         return ""
+
+    def replica_refusal(self) -> str:
+        """Under `replicas`, why this simulator cannot make delta proposals ('' where it can; found once):
+        the topology does not repeat itself replica by replica (`_replica_routes`)."""
+        if self._routes_refusal is None:
+            self._routes_refusal = self._replica_routes()
+        return self._routes_refusal
 
     def _replica_routes(self) -> str:
         """Why the topology does not repeat itself replica by replica ('' where it does): every device of
