@@ -17,6 +17,23 @@ from soap.registry import dims_of
 F32 = 4  # bytes per float32
 
 
+def two_hubs_topology(tmp_path):
+    """Four p100s on two hubs joined by one link, devices 0 and 2 on one, 1 and 3 on the other: the
+    replicas (0, 1) and (2, 3) of two devices each exchange over that one link."""
+    import json
+
+    from soap.topology import read_topology
+
+    doc = {"format": "soapflow.topology/1", "name": "two-hubs",
+           "devices": [{"id": i, "kind": "p100", "node": 0} for i in range(4)],
+           "links": [{"src": f"gpu{i}", "dst": "hubA" if i % 2 == 0 else "hubB", "kind": "pcie",
+                      "spec": "pcie3-x16"} for i in range(4)]
+           + [{"src": "hubA", "dst": "hubB", "kind": "pcie", "spec": "pcie3-x16"}]}
+    path = tmp_path / "two-hubs.json"
+    path.write_text(json.dumps(doc))
+    return read_topology(path)
+
+
 class GraphBuilder:
     """Appends ops in topological order; `add` returns the op name for chaining."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_search_fixtures import GRAPHS
+from test_search_fixtures import GRAPHS, two_hubs_topology
 
 from search import mcmc
 from search.evaluate import SimulatorEvaluators
@@ -122,17 +122,6 @@ def test_a_search_of_replicas_refuses_a_topology_whose_replicas_share_links(tmp_
     """Two hubs joined by one link, devices 0 and 2 on one, 1 and 3 on the other: two replicas (0, 1) and
     (2, 3) would exchange over that one link, so no delta simulation of one replica is exact there: the
     search says so in one line before it searches."""
-    import json
-
-    from soap.topology import read_topology
-
-    doc = {"format": "soapflow.topology/1", "name": "two-hubs",
-           "devices": [{"id": i, "kind": "p100", "node": 0} for i in range(4)],
-           "links": [{"src": f"gpu{i}", "dst": "hubA" if i % 2 == 0 else "hubB", "kind": "pcie",
-                      "spec": "pcie3-x16"} for i in range(4)]
-           + [{"src": "hubA", "dst": "hubB", "kind": "pcie", "spec": "pcie3-x16"}]}
-    path = tmp_path / "two-hubs.json"
-    path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="no search of 2 replicas of 2 devices on two-hubs: .*share a link"):
-        search(GRAPHS["mlp"](), read_topology(path), evaluators=SimulatorEvaluators(), replicas=2,
+        search(GRAPHS["mlp"](), two_hubs_topology(tmp_path), evaluators=SimulatorEvaluators(), replicas=2,
                max_proposals=20)

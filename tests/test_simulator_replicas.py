@@ -8,6 +8,7 @@ import random
 
 import pytest
 import runtime_cases as rc
+from test_search_fixtures import two_hubs_topology
 
 from search.baselines import BaselineNotApplicable, parse_baseline
 from simulator.engine import Simulator, simulate, simulator_of
@@ -146,16 +147,7 @@ def test_replicas_whose_exchanges_share_a_link_fall_back_to_the_plain_simulation
     """Two hubs joined by one link, devices 0 and 2 on one, 1 and 3 on the other: under hybrid:tp=2 the
     replicas (0, 1) and (2, 3) exchange over that one link, so replica 0 alone would time its exchanges
     without the other's: the simulation is the plain one (and equals it)."""
-    import json
-
-    doc = {"format": "soapflow.topology/1", "name": "two-hubs",
-           "devices": [{"id": i, "kind": "p100", "node": 0} for i in range(4)],
-           "links": [{"src": f"gpu{i}", "dst": "hubA" if i % 2 == 0 else "hubB", "kind": "pcie",
-                      "spec": "pcie3-x16"} for i in range(4)]
-           + [{"src": "hubA", "dst": "hubB", "kind": "pcie", "spec": "pcie3-x16"}]}
-    path = tmp_path / "two-hubs.json"
-    path.write_text(json.dumps(doc))
-    graph, topo = rc.graph_of("mlp"), load_topology(str(path))
+    graph, topo = rc.graph_of("mlp"), two_hubs_topology(tmp_path)
     strategy = parse_baseline("hybrid:tp=2")(graph, topo)
     _falls_back(graph, strategy, topo, Replicas(count=2, size=2), "share a link")
     # nor does a replica simulator make delta proposals there, whatever they change
