@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from simulator.engine import Simulator
-from soap.config import ConfigError, ParallelConfig, validate
+from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
 from soap.lowering import Replicas
 from soap.setup import TrainSetup
-from soap.strategy import Strategy, StrategyError
+from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
 
@@ -196,13 +196,8 @@ class DeltaEvaluator:
         validated, as by `propose_many`)."""
         if self._spare is None:
             self._spare = self.sim.twin()
-        if changes is not None:
-            graph, n = self.sim.graph, self.sim.num_devices
-            for name, cfg in changes.items():
-                try:
-                    validate(graph[name], cfg, n)
-                except ConfigError as exc:
-                    raise StrategyError(str(exc)) from None
+        for name, cfg in (changes or {}).items():
+            self._spare.check_config(name, cfg)
         self._spare.build(strategy, validated=changes is not None)
         return simulated_cost(self._spare)
 

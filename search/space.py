@@ -178,10 +178,9 @@ class ConfigSpace:
             op = self.graph[op_name]
             if self.replicas is None:
                 found = tuple(_enumerate_degrees(op, self.num_devices))
-            else:
-                found = tuple(d for d in map(lambda d: _lifted(op, d, self.replicas.count),
-                                              _enumerate_degrees(op, self.replicas.size))
-                              if d is not None)
+            else:  # replica 0's degrees on its own devices, lifted to every replica where the op allows it
+                lifted = (_lifted(op, d, self.replicas.count) for d in _enumerate_degrees(op, self.replicas.size))
+                found = tuple(d for d in lifted if d is not None)
             self._degrees[kind] = found
         return found
 
@@ -192,10 +191,11 @@ class ConfigSpace:
             rep = self.replicas
             if rep is None:
                 found = tuple(_device_sets(num_parts, self.num_devices, self._node_grid))
+            elif num_parts % rep.count:
+                found = ()
             else:  # replica 0's placements, each repeated in every replica
-                found = tuple(tuple(d + g * rep.size for g in range(rep.count) for d in first) for first in
-                              _device_sets(num_parts // rep.count, rep.size, self._node_grid)) \
-                    if num_parts % rep.count == 0 else ()
+                found = tuple(rep.expand(first) for first in
+                              _device_sets(num_parts // rep.count, rep.size, self._node_grid))
             self._device_sets[num_parts] = found
         return found
 

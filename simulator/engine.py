@@ -292,7 +292,8 @@ class Simulator:
 
     def full(self, strategy: Strategy, *, validated: bool = False) -> Timeline:
         """Simulate `strategy` from scratch; it becomes the current state (a pending proposal is dropped).
-        `validated`: the caller has checked the strategy (`validate_strategy`) already."""
+        `validated`: the caller has checked the strategy already (`validate_strategy`, and under `replicas`
+        that every op is laid out as them, `soap.lowering.repeats`; else `NotReplicable`)."""
         self.build(strategy, validated=validated)
         return self.timeline()
 
@@ -301,6 +302,9 @@ class Simulator:
         only reads the cost needs."""
         if not validated:
             validate_strategy(self.graph, strategy, self.num_devices)
+            if self.replicas is not None:
+                for i, op in enumerate(self.graph.ops):
+                    self._check_layout(i, strategy[op.name])
         self._journal = None
         self._build([strategy[op.name] for op in self.graph.ops])
 
@@ -331,16 +335,8 @@ class Simulator:
             raise RuntimeError("a proposal is pending: accept() or reject() it first")
         items = []
         for op, cfg in changes.items():
-            i = self.flow.index.get(op)
-            if i is None:
-                raise ValueError(f"no operator named {op!r} in graph {self.graph.name!r}")
-            try:
-                validate(self.graph.ops[i], cfg, self.num_devices)
-            except ConfigError as exc:
-                raise StrategyError(str(exc)) from None
+            i = self.check_config(op, cfg)
             if cfg != self._configs[i]:
-                if self.replicas is not None:
-                    self._check_layout(i, cfg)
                 self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
                 items.append((i, cfg))
         if items and self.replicas is not None:
@@ -353,6 +349,22 @@ class Simulator:
             return None
         self._settle()
         return self._iteration_ns / 1e6
+
+    def check_config(self, op: str, cfg: ParallelConfig) -> int:
+        """The position of op `op`, after checking `cfg` fits it and the topology (`ValueError` for an
+        unknown op, `StrategyError` for a config `soap.config.validate` refuses, under `replicas`
+        `NotReplicable` for one not laid out as them): what a change of one op needs checked, the rest of
+        the strategy having been checked already."""
+        i = self.flow.index.get(op)
+        if i is None:
+            raise ValueError(f"no operator named {op!r} in graph {self.graph.name!r}")
+        try:
+            validate(self.graph.ops[i], cfg, self.num_devices)
+        except ConfigError as exc:
+            raise StrategyError(str(exc)) from None
+        if self.replicas is not None:
+            self._check_layout(i, cfg)
+        return i
 
     def accept(self) -> None:
         if self._journal is None:
@@ -452,9 +464,6 @@ class Simulator:
     def _build(self, configs: list[ParallelConfig]) -> None:
         """Instantiate every task of `configs` and simulate from scratch."""
         flow, planner = self.flow, self.planner
-        if self.replicas is not None:
-            for i, cfg in enumerate(configs):
-                self._check_layout(i, cfg)
         self._dur: list[int] = []
         self._key: list[int] = []
         self._kt: list[int] = []  # (key << _TID_BITS) | task id: the heap priority at ready time 0
@@ -520,8 +529,7 @@ class Simulator:
         if unlike:
             raise NotReplicable(unlike)
         for group, _ in self._syncs:
-            if {(d + rep.size) % n for d in group} != set(group):
-                raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
+            self._check_group(group)
         if not self.replica_refusal():
             return  # every exchange among a replica's devices is exact on such a topology (`replica_refusal`)
         owner: dict[int, int] = {}  # link resource -> the replica whose exchanges use it
@@ -556,15 +564,21 @@ class Simulator:
         if not flow.everywhere[i] and not repeats(flow.ops[i], cfg, rep):
             raise NotReplicable(f"{flow.ops[i].name}: the config is not {rep.count} replicas of {rep.size} devices")
 
+    def _check_group(self, group: tuple[int, ...]) -> None:
+        """Raise `NotReplicable` unless the all-reduce over `group` is its own shift by one replica (the
+        same in every replica)."""
+        if {(d + self.replicas.size) % self.num_devices for d in group} != set(group):
+            raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
+
     def _check_replica_change(self, items: list[tuple[int, ParallelConfig]]) -> None:
         """Raise `NotReplicable`, changing nothing, unless timing replica 0 alone stays exact with op
-        position -> config `items` changed (each laid out as the replicas: `propose_many` checks that
-        first, `soap.lowering.repeats`): the edges and parameter units the change touches lower as replicas
+        position -> config `items` changed (each laid out as the replicas: `check_config` checks that
+        first): the edges and parameter units the change touches lower as replicas
         (their plans, cached, are what `_change` uses next) with every all-reduce group its own shift, and
         the topology is one that repeats itself replica by replica (`replica_refusal`, checked once):
         then every exchange of any strategy of replicas is exact, which `_check_replicas` checks one by
         one after a full build."""
-        rep, flow = self.replicas, self.flow
+        flow = self.flow
         refusal = self.replica_refusal()
         if refusal:
             raise NotReplicable(refusal)
@@ -578,8 +592,7 @@ class Simulator:
                 u = flow.unit[i]
                 if u >= 0:
                     for group, _ in self._param_plan(u).sync:
-                        if {(d + rep.size) % self.num_devices for d in group} != set(group):
-                            raise NotReplicable(f"the all-reduce over {group[:4]}.. is not the same in every replica")
+                        self._check_group(group)
         finally:
             for i, cfg in saved:
                 self._configs[i] = cfg

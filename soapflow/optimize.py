@@ -46,7 +46,7 @@ from runtime.measure import measure_parts, part_jobs
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.bound import lower_bound
 from search.evaluate import SimulatorEvaluators
-from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, check_budgets, search
+from search.mcmc import DEFAULT_BETA_SCALE, SearchResult, check_budgets, replica_layout, search
 from simulator.calibration import MachineProfile, read_profile
 from simulator.engine import simulate
 from simulator.shipped import shipped_report
@@ -95,8 +95,6 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     module docstring) runs each candidate `confirm_runs` times for `confirm_steps` steps.
     """
     check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
-    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2):
-        raise ValueError(f"--replicas must be a count of at least 2, got {replicas!r}")
     if plot is not None:
         require_matplotlib()  # before the search, not after it
     setup = setup if setup is not None else TrainSetup()
@@ -105,6 +103,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     profile = _profile_to_measure(topology_ref, cost_model) if measure_rounds > 0 else None
     topology, cost_model = topology_and_cost_model(topology_ref, cost_model,  # fails fast, before capture
                                                    shipped_costs=shipped_costs)
+    replica_layout(topology, replicas)  # (likewise)
     if confirm_runs > 0 and any(d.kind != "cpu" for d in topology.devices):
         raise ValueError(f"--confirm-runs trains the candidates on this machine: the topology must be cpu-N or a "
                          f"machine profile of this machine, got {topology.name!r}")
