@@ -817,51 +817,64 @@ class Simulator:
         steps = [plan.step for plan in self._plans]
         edges = [self._edge_plan(e).step for e in range(len(flow.edges))]
         order = step_order(flow, steps, edges)
-        parts: dict[int, list[list[int]]] = {}  # op -> its parts per round
+        parts: dict[int, list[list[int]]] = {}  # op -> its parts per round (ops of several rounds)
         xfers: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}  # edge -> round -> (exchange, ranks)
         out: list[Link] = []
         prev: dict[int, int] = {}  # device -> its last task so far in the order
         first: set[tuple[int, int]] = set()  # the (phase, op)s whose first item has been seen
+        res = self._res
         for phase, i, r in order:
             backward = phase == BACKWARD
             step = steps[i]
-            rounds = parts.get(i)
-            if rounds is None:
-                rounds = parts[i] = [[] for _ in range(step.num_rounds)]
-                for c, k in enumerate(step.rounds):
-                    rounds[k].append(c)
             tasks = units[i].bwd if backward else units[i].fwd
-            mine = [(tasks[c], (step.devices[c],), (step.devices[c],)) for c in rounds[r]]
+            if step.num_rounds == 1:
+                devs, mine = step.devices, tasks
+            else:
+                rounds = parts.get(i)
+                if rounds is None:
+                    rounds = parts[i] = [[] for _ in range(step.num_rounds)]
+                    for c, k in enumerate(step.rounds):
+                        rounds[k].append(c)
+                devs = [step.devices[c] for c in rounds[r]]
+                mine = [tasks[c] for c in rounds[r]]
             exchanges = []
             for e in flow.in_edges[i]:
+                if not edges[e].exchanges or (backward and not flow.edges[e].grad):
+                    continue
                 by_round = xfers.get(e)
                 if by_round is None:
                     by_round = xfers[e] = {x[0]: (k, x[1]) for k, x in enumerate(edges[e].exchanges)}
-                if r in by_round and (not backward or flow.edges[e].grad):
+                if r in by_round:
                     k, ranks = by_round[r]
-                    ends = steps[flow.edges[e].src].devices if backward else steps[i].devices
-                    side = 0 if backward else 1
-                    pieces = edges[e].pieces
-                    receivers = {ends[pieces[m][side]] for m in edges[e].exchanges[k][2]}
                     exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks,
-                                      receivers))
+                                      edges[e].receivers[k][backward]))
             carry = units[i].carry
             if carry:  # the carries into the round's chunks from other devices, after the edges' exchanges
-                for c in rounds[r]:
+                for c in (rounds[r] if step.num_rounds > 1 else range(step.num_parts)):
                     if c in carry and carry[c][backward] is not None:
                         src, dst = step.devices[step.carry_from[c]], step.devices[c]
                         exchanges.append((carry[c][backward], (min(src, dst), max(src, dst)),
                                           {src if backward else dst}))
-            # the first item of each op and pass waits for nothing (the plain ready order)
+            # the first item of each op and pass waits for nothing (the plain ready order): it only moves
+            # its devices' last tasks on; a part is its own device's last task
             waits = (phase, i) in first
             first.add((phase, i))
-            res = self._res
-            for t, devices, receivers in (mine + exchanges if backward else exchanges + mine):
-                if waits:
-                    out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
-                for d in devices:
-                    if d in receivers or d in res[t]:
+            for entry in ("parts", "exchanges") if backward else ("exchanges", "parts"):
+                if entry == "exchanges":
+                    for t, devices, receivers in exchanges:
+                        if waits:
+                            out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
+                        for d in devices:
+                            if d in receivers or d in res[t]:
+                                prev[d] = t
+                elif waits:
+                    for d, t in zip(devs, mine, strict=True):
+                        a = prev.get(d)
+                        if a is not None:
+                            out.append((a, t))
                         prev[d] = t
+                else:
+                    prev.update(zip(devs, mine, strict=True))
         return out, flight_savings(flow, steps, edges, order)
 
     def _may_unsort(self, links: list[Link]) -> bool:

@@ -659,21 +659,23 @@ def _lower_shards(flow: GradFlow, op, step: OpStep, shard: int, replicas: Replic
 class EdgeStep:
     """One edge under (producer config, consumer config).
 
-    `pieces`: (producer part, consumer part, bytes, region) for every piece a consumer part reads (local
-    and moving alike; region in the tensor's global coordinates). `moving` lists the pieces that cross
-    devices, as indices into `pieces`; `exchanges` lists the edge's exchanges, one per consumer round
-    that receives a moving piece: (round, sorted devices that send or receive its pieces, indices into
-    `pieces` of its moving pieces); `ranks` is the sorted union of their devices (empty: nothing moves).
-    `sums` lists (consumer part, contributions, bytes of its input region) where a consumer adds two or
-    more partial sums; `grad_sums` (producer part, contributions, bytes of its output
-    region) where a producer part adds overlapping gradients. `recv_bytes` maps a device to the bytes it
-    receives and adds up; `kept_bytes` maps a device to the bytes a consumer part that does not recompute
-    keeps of a recomputing producer's output it reads locally; `mem_bytes` is their sum per device (the
-    edge's memory); `moved_bytes` counts bytes crossing devices, both passes.
+    `pieces`: (producer part, consumer part, bytes, region) for every piece a consumer part reads (local and
+    moving alike; region in the tensor's global coordinates); `round_pairs` the sorted (producer round,
+    consumer round) pairs of those pieces (the step's order: a consumer round after each). `moving` lists the
+    pieces that cross devices, as indices into `pieces`; `exchanges` lists the edge's exchanges, one per
+    consumer round that receives a moving piece: (round, sorted devices that send or receive its pieces,
+    indices into `pieces` of its moving pieces); `receivers` per exchange (the devices of its consumer parts,
+    those of its producer parts): who receives in its forward and in its gradient; `ranks` is the sorted union
+    of their devices (empty: nothing moves). `sums` lists (consumer part, contributions, bytes of its input
+    region) where a consumer adds two or more partial sums; `grad_sums` (producer part, contributions, bytes
+    of its output region) where a producer part adds overlapping gradients. `recv_bytes` maps a device to the
+    bytes it receives and adds up; `kept_bytes` maps a device to the bytes a consumer part that does not
+    recompute keeps of a recomputing producer's output it reads locally; `mem_bytes` is their sum per device
+    (the edge's memory); `moved_bytes` counts bytes crossing devices, both passes.
     """
 
     __slots__ = ("edge", "pieces", "moving", "exchanges", "ranks", "sums", "grad_sums", "recv_bytes",
-                 "kept_bytes", "mem_bytes", "moved_bytes", "reduced", "grad")
+                 "kept_bytes", "mem_bytes", "moved_bytes", "reduced", "grad", "round_pairs", "receivers")
 
     def for_edge(self, eid: int) -> EdgeStep:
         """This lowering as edge `eid`'s (an edge of the same `GradFlow.edge_class`): a shallow copy."""
@@ -741,6 +743,8 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep, replicas: R
         assert want is None or covered == want.tolist(), (
             f"{flow.ops[edge.dst].name} input {edge.slot}: producer parts cover {covered} bytes of {want.tolist()}")
     step.moving = tuple(k for k, (p, c, _, _) in enumerate(step.pieces) if pdev[p] != cdev[c])
+    pr, cr = prod.rounds, cons.rounds
+    step.round_pairs = tuple(sorted({(pr[p], cr[c]) for p, c, _, _ in step.pieces}))
     recv: dict[int, int] = {}
     ranks: set[int] = set()
     moved = 0
@@ -760,6 +764,8 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep, replicas: R
         step.exchanges = tuple(
             (r, tuple(sorted({pdev[step.pieces[k][0]] for k in ks} | {cdev[step.pieces[k][1]] for k in ks})),
              tuple(ks)) for r, ks in sorted(by_round.items()))
+    step.receivers = tuple((frozenset(cdev[step.pieces[k][1]] for k in ks),
+                            frozenset(pdev[step.pieces[k][0]] for k in ks)) for _, _, ks in step.exchanges)
     sums = []
     if prod.reduced:
         counts: dict[int, int] = {}
@@ -1030,13 +1036,8 @@ def _round_deps(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]
     after: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for step in edges:
         e = flow.edges[step.edge]
-        if ops[e.src].num_rounds == 1 and ops[e.dst].num_rounds == 1:  # (every piece gives this one)
-            if step.pieces:
-                after.setdefault((e.src, 0), set()).add((e.dst, 0))
-            continue
-        pr, cr = ops[e.src].rounds, ops[e.dst].rounds
-        for p, c, _, _ in step.pieces:
-            after.setdefault((e.src, pr[p]), set()).add((e.dst, cr[c]))
+        for p, c in step.round_pairs:
+            after.setdefault((e.src, p), set()).add((e.dst, c))
     for i in live:
         for r in range(1, ops[i].num_rounds):
             after.setdefault((i, r - 1), set()).add((i, r))
@@ -1183,6 +1184,9 @@ def flight_savings(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeSt
     finishes some rounds' backward before it runs other rounds' forward: for an op with n parts on a
     device that holds at most f of them in flight (forward done, backward not), (n - f) / n of its parts'
     activation bytes and of what its input edges keep there. Empty under GPipe (every round in flight)."""
+    first_bwd = next((k for k, item in enumerate(order) if item[0] == BACKWARD), len(order))
+    if all(item[0] == BACKWARD for item in order[first_bwd:]):
+        return {}  # every forward before any backward: every op holds all its rounds at once
     by_round: dict[int, list[list[int]]] = {}
     held: dict[tuple[int, int], int] = {}
     most: dict[tuple[int, int], int] = {}
