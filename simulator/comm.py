@@ -164,16 +164,20 @@ class Algorithm:
         return self.steps * max(latency_ns + piece * ns_per_byte for latency_ns, ns_per_byte in self.envelope)
 
 
+_EXCHANGE_CACHE = 50_000  # exchanges `Comm` remembers (each a few hundred pieces at most, typically)
+
+
 class Comm:
     """Prices transfers, exchanges and collectives (rings and trees) on `topology` (plus the runtime's
     `overhead` for exchanges and all-reduces; a bare `transfer` is the wire only); caches per device pair,
-    per (group, kind) and per group's rings (the same for every kind but their number of steps).
+    per (group, kind), per group's rings (the same for every kind but their number of steps) and per
+    exchange (its pieces: many edges move the same pieces between the same devices).
 
     The caches hold pure functions of the topology, so they never change a result.
     """
 
     __slots__ = ("topology", "num_devices", "overhead", "_busy", "_cap", "_cap_gbps", "_pairs", "_plans",
-                 "_ring_shapes")
+                 "_ring_shapes", "_exchanges")
 
     def __init__(self, topology: DeviceTopology, overhead: CommOverhead = NO_OVERHEAD):
         self.topology = topology
@@ -195,6 +199,8 @@ class Comm:
         # (a group's devices per node, channels) -> its rings' (resources, envelope), the same for all-reduce,
         # all-gather and reduce-scatter, which only their numbers of steps tell apart
         self._ring_shapes: dict[tuple[tuple[tuple[int, ...], ...], int], _RingShape] = {}
+        # an exchange's pieces -> its (resources, ns); emptied when it reaches _EXCHANGE_CACHE entries
+        self._exchanges: dict[tuple[tuple[int, int, int], ...], tuple[tuple[int, ...], int]] = {}
 
     def route(self, src: int, dst: int) -> tuple[tuple[int, ...], float, float]:
         """(resources, latency ns, narrowest bandwidth GB/s) of the route from `src` to `dst`."""
@@ -221,6 +227,15 @@ class Comm:
         """(resources, duration ns) of moving every (src, dst, bytes) of `pieces` (src != dst) at once."""
         if not pieces:
             raise ValueError("an exchange needs at least one piece")
+        key = tuple(pieces)
+        hit = self._exchanges.get(key)
+        if hit is None:
+            if len(self._exchanges) >= _EXCHANGE_CACHE:
+                self._exchanges.clear()
+            hit = self._exchanges[key] = self._exchange(pieces)
+        return hit
+
+    def _exchange(self, pieces: list[tuple[int, int, int]]) -> tuple[tuple[int, ...], int]:
         extra = self.overhead.exchange_us * 1e3
         if len({src for src, _, _ in pieces}) >= 2:
             extra += self.overhead.sync_us * 1e3

@@ -91,8 +91,11 @@ from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import OperatorGraph
 from soap.lowering import (
     BACKWARD,
+    EdgeStep,
     GradFlow,
+    Item,
     NotReplicable,
+    OpStep,
     Replicas,
     StepPlan,
     find_replicas,
@@ -107,6 +110,8 @@ from soap.topology import DeviceTopology
 
 _NEW = 1 << 400  # the priority of a task not yet simulated: after every real one
 _TID_BITS = 28  # task ids below 2**28 (a priority carries its task id in its low bits)
+_ORDERS_KEPT = 64  # step orders a simulator remembers (`_step_order`) before it forgets them
+_FITS_KEPT = 200_000  # (op, config) pairs a simulator remembers as checked (`check_config`) before it forgets them
 
 Link = tuple[int, int]
 SyncId = tuple[tuple[int, ...], int]  # (device group, bucket)
@@ -217,6 +222,8 @@ class Simulator:
         self._configs: list[ParallelConfig] | None = None
         self._journal: _Journal | None = None
         self._routes_refusal: str | None = None  # `replica_refusal`, once known
+        self._fits: set[tuple[int, ParallelConfig]] = set()  # (op position, config)s `check_config` passed
+        self._orders: dict[tuple, tuple[Item, ...]] = {}  # `_step_order`'s orders
 
     def twin(self) -> Simulator:
         """Another simulator of the same graph, topology, cost model and setup, sharing this one's plan and
@@ -224,7 +231,8 @@ class Simulator:
         keeps the current."""
         twin = object.__new__(Simulator)
         for name in ("graph", "replicas", "topology", "setup", "cost_model", "flow", "keys", "comm", "planner",
-                     "num_devices", "num_resources", "capacity", "_kb", "_sh", "_routes_refusal"):
+                     "num_devices", "num_resources", "capacity", "_kb", "_sh", "_routes_refusal", "_fits",
+                     "_orders"):
             setattr(twin, name, getattr(self, name))
         twin._configs = None
         twin._journal = None
@@ -358,12 +366,17 @@ class Simulator:
         i = self.flow.index.get(op)
         if i is None:
             raise ValueError(f"no operator named {op!r} in graph {self.graph.name!r}")
+        if (i, cfg) in self._fits:
+            return i
         try:
             validate(self.graph.ops[i], cfg, self.num_devices)
         except ConfigError as exc:
             raise StrategyError(str(exc)) from None
         if self.replicas is not None:
             self._check_layout(i, cfg)
+        if len(self._fits) >= _FITS_KEPT:
+            self._fits.clear()
+        self._fits.add((i, cfg))
         return i
 
     def accept(self) -> None:
@@ -816,7 +829,7 @@ class Simulator:
         flow, units, edge_units = self.flow, self._op_units, self._edge_units
         steps = [plan.step for plan in self._plans]
         edges = [self._edge_plan(e).step for e in range(len(flow.edges))]
-        order = step_order(flow, steps, edges)
+        order = self._step_order(steps, edges)
         parts: dict[int, list[list[int]]] = {}  # op -> its parts per round (ops of several rounds)
         xfers: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}  # edge -> round -> (exchange, ranks)
         out: list[Link] = []
@@ -876,6 +889,19 @@ class Simulator:
                 else:
                     prev.update(zip(devs, mine, strict=True))
         return out, flight_savings(flow, steps, edges, order)
+
+    def _step_order(self, steps: list[OpStep], edges: list[EdgeStep]) -> tuple[Item, ...]:
+        """`soap.lowering.step_order`, remembered by what it reads: every op's rounds and carries, every
+        edge's round pairs, and under 1F1B (a list schedule over the devices) every op's devices. A move
+        that leaves them alone (most: an op of one round stays one round) finds the order made."""
+        key = (tuple((s.rounds, s.carry_from) for s in steps), tuple(e.round_pairs for e in edges),
+               tuple(s.devices for s in steps) if self.setup.schedule != "gpipe" else ())
+        order = self._orders.get(key)
+        if order is None:
+            if len(self._orders) >= _ORDERS_KEPT:
+                self._orders.clear()
+            order = self._orders[key] = step_order(self.flow, steps, edges)
+        return order
 
     def _may_unsort(self, links: list[Link]) -> bool:
         """Whether order edges `links` may break the invariant that the simulation processes tasks in

@@ -718,7 +718,9 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep, replicas: R
     ps, cs, lo, hi = _piece_pairs(prod, cons, out, inp, same)
     numel = (hi - lo).prod(axis=1) if lo.shape[1] else np.ones(len(ps), np.int64)
     ps_l, cs_l, numel_l = ps.tolist(), cs.tolist(), numel.tolist()
-    regions = [tuple(zip(a, b, strict=True)) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]
+    # each piece's region, ((lo, hi) per axis): the pairs of one axis at a time, then across axes
+    regions = (list(zip(*map(zip, lo.T.tolist(), hi.T.tolist()), strict=True)) if lo.shape[1]
+               else [()] * len(ps_l))
     keep = range(len(ps_l))
     if not prod.reduced and not same and prod.outputs_overlap(edge.out):
         # Identical pieces of a value several parts hold (replicas, not partial sums): read one, a local
