@@ -134,15 +134,17 @@ class _Unit:
     """The tasks of an op (forward, backward: per part; `carry`: per chunk whose state moves from another
     device, its forward and backward transfer tasks, as `OpPlan.carry_xfers`), of an edge (forward,
     backward: its exchange tasks, as `EdgePlan.fwd_xfer` and `bwd_xfer`), or of a parameter unit's
-    updates, and the data edges the unit made (undone exactly when the unit is replaced)."""
+    updates, and the data edges the unit made (undone exactly when the unit is replaced); an edge's
+    `step`, the lowering it was made from."""
 
-    __slots__ = ("tids", "links", "fwd", "bwd", "by_device", "carry")
+    __slots__ = ("tids", "links", "fwd", "bwd", "by_device", "carry", "step")
 
     def __init__(self, tids: list[int], links: list[Link], fwd: list[int] | None = None,
                  bwd: list[int] | None = None, by_device: dict[int, int] | None = None,
-                 carry: dict[int, tuple[int, int | None]] | None = None):
+                 carry: dict[int, tuple[int, int | None]] | None = None, step: EdgeStep | None = None):
         self.tids, self.links = tids, links
         self.fwd, self.bwd, self.by_device, self.carry = fwd, bwd, by_device, carry
+        self.step = step
 
 
 class _Sync:
@@ -762,7 +764,7 @@ class Simulator:
         if edge.grad:
             bwd = self._add_pass(ep.bwd_dep, ep.bwd_xfer, ep.bwd_reduce, cons.bwd, prod.bwd, mine, tids)
         links += mine
-        return _Unit(tids, mine, fwd, bwd)
+        return _Unit(tids, mine, fwd, bwd, step=ep.step)
 
     def _add_pass(self, deps: list[tuple[int, int]], xfers: list[Exchange], reduces: list[Reduce],
                   src: list[int], dst: list[int], mine: list[Link], tids: list[int]) -> list[int]:
@@ -828,7 +830,7 @@ class Simulator:
             return [], {}
         flow, units, edge_units = self.flow, self._op_units, self._edge_units
         steps = [plan.step for plan in self._plans]
-        edges = [self._edge_plan(e).step for e in range(len(flow.edges))]
+        edges = [unit.step for unit in edge_units]
         order = self._step_order(steps, edges)
         parts: dict[int, list[list[int]]] = {}  # op -> its parts per round (ops of several rounds)
         xfers: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}  # edge -> round -> (exchange, ranks)

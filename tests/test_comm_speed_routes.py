@@ -564,3 +564,22 @@ def test_collectives_equal_the_figures_before_fast_routes(name):
 if __name__ == "__main__":  # print the figures the code gives now, to write GOLDEN
     print({f"{name}|{group}|{kind}": figures(Comm(load_topology(name)), groups(name)[group], kind)
            for name, group, kind in cases()})
+
+
+def test_an_exchange_asked_again_costs_what_a_fresh_comm_says():
+    """`Comm.exchange` remembers exchanges by their pieces: random exchanges on a two-node topology, each
+    asked twice on one `Comm` (the second time remembered) and once on a fresh one, agree; pieces that
+    differ only in their bytes or in their order of devices are priced apart."""
+    topo = load_topology("p100-2x2")
+    comm = Comm(topo)
+    rng = random.Random(3)
+    for _ in range(200):
+        pieces = []
+        for _ in range(rng.randint(1, 6)):
+            src, dst = rng.sample(range(topo.num_devices), 2)
+            pieces.append((src, dst, rng.choice([1, 1 << 10, 1 << 20, 3 << 24])))
+        first = comm.exchange(pieces)
+        assert comm.exchange(list(pieces)) == first == Comm(topo).exchange(pieces)
+    a, b = comm.exchange([(0, 2, 1 << 24)]), comm.exchange([(0, 2, 1 << 26)])
+    assert a[0] == b[0] and a[1] < b[1]
+    assert comm.exchange([(0, 1, 1 << 24)]) != comm.exchange([(0, 2, 1 << 24)])

@@ -299,3 +299,24 @@ def test_a_limit_in_ms_becomes_the_largest_ns_count_within_it():
         n = _ns_limit(limit)
         assert n / 1e6 <= limit < (n + 1) / 1e6, limit
     assert _ns_limit(math.inf) == _NEW
+
+
+def test_a_config_checked_for_one_op_is_still_checked_for_another():
+    """`Simulator.check_config` remembers the (op, config) pairs it passed, per op: a config that splits a
+    linear's input features passes for that linear and is still refused for the elementwise op after it
+    (which has no such dim), on the simulator and on its twin (which shares what was checked); a refused
+    config stays refused when asked again."""
+    from soap.config import ParallelConfig
+    from soap.strategy import StrategyError
+    graph = mlp(batch=32)
+    sim = Simulator(graph, load_topology("cpu-2"))
+    sim.full(data_parallel(graph, (0, 1)))
+    split = ParallelConfig(degrees={"in_features": 2}, devices=(0, 1))
+    assert sim.check_config("fc0", split) == 1
+    for simulator in (sim, sim.twin(), sim):
+        with pytest.raises(StrategyError):
+            simulator.check_config("relu0", split)
+    before = sim.iteration_time_ms
+    with pytest.raises(StrategyError):
+        sim.propose_many({"fc0": split, "relu0": split})
+    assert not sim.pending and sim.iteration_time_ms == before

@@ -379,6 +379,29 @@ def test_each_device_runs_its_items_in_the_one_f_one_b_order():
         assert [c for c, _ in ran].index("backward") < len(ran) // 2  # interleaved, not GPipe's
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_simulator_that_timed_other_pipelines_times_each_as_a_fresh_one(schedule):
+    """A simulator remembers step orders by what they read (`Simulator._step_order`); strategies that
+    share their rounds but not their devices (the stages the other way round, which 1F1B's list
+    schedule reads) or their rounds but not their stages, built one after the other on one simulator,
+    each time exactly as on a simulator that never saw another."""
+    graph, topo = linears(batch=64, width=64), load_topology("cpu-4")
+    setup = TrainSetup(schedule=schedule)
+    per = {op.name: i for i, op in enumerate(graph)}
+    strategies = [pipeline(graph, 4, 2), pipeline(graph, 4, 4), pipeline(graph, 2, 2),
+                  two_stages(graph, 4, lambda op: 1 - pipeline(graph, 1, 2)[op.name].devices[0]),
+                  two_stages(graph, 4, lambda op: 3 * (per[op.name] % 2)), pipeline(graph, 4, 2)]
+    sim = Simulator(graph, topo, setup=setup)
+    times = []
+    for strategy in strategies:
+        sim.full(strategy)
+        fresh = Simulator(graph, topo, setup=setup).full(strategy)
+        assert sim.timeline().task_times() == fresh.task_times()
+        assert sim.peak_memory_bytes == fresh.peak_memory_bytes
+        times.append(fresh.iteration_time_ms)
+    assert len(set(times)) >= 4  # the strategies differ in what they cost
+
+
 # -- delta equals full -------------------------------------------------------------------------------------
 
 
