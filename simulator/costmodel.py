@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
@@ -109,6 +109,24 @@ DEFAULT_BANDWIDTH_EFFICIENCY: Mapping[str, float] = MappingProxyType({"*": 0.8, 
 DEFAULT_LAUNCH_US: Mapping[str, float] = MappingProxyType({"*": 5.0, "cpu": 10.0, "h100": 66.0})
 
 
+def _thawed(value):
+    """`value` with every mapping in it a plain dict (a mappingproxy cannot be pickled)."""
+    if isinstance(value, Mapping):
+        return {k: _thawed(v) for k, v in value.items()}
+    return value
+
+
+def _remade(cls, kwargs: dict):
+    return cls(**kwargs)
+
+
+def _reduce_frozen(model) -> tuple:
+    """How to pickle a frozen cost model whose fields its `__post_init__` freezes: made again from its
+    fields as plain dicts (every such `__post_init__` takes its own output back unchanged). Search
+    workers that start afresh rather than fork get their cost model so."""
+    return _remade, (type(model), {f.name: _thawed(getattr(model, f.name)) for f in fields(model)})
+
+
 def _merge(defaults: Mapping[str, Mapping[str, float]],
            overrides: Mapping[str, Mapping[str, float]]) -> Mapping[str, Mapping[str, float]]:
     out = {k: dict(v) for k, v in defaults.items()}
@@ -151,6 +169,8 @@ class AnalyticalCostModel:
     def by_computation(self) -> bool:
         """A part's price follows from its op's kind, shapes, FLOPs and bytes, never the op's name."""
         return True
+
+    __reduce__ = _reduce_frozen
 
     def __post_init__(self) -> None:
         # a device kind given efficiencies of its own (a calibrated machine profile) keeps the flat roofline
@@ -331,6 +351,8 @@ class FixedCostModel:
     def by_computation(self) -> bool:
         """Without per-op overrides (by name) every op costs the same."""
         return not self.per_op_ms
+
+    __reduce__ = _reduce_frozen
 
     def __post_init__(self) -> None:
         table: dict[str, tuple[float, float]] = {}

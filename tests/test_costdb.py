@@ -197,3 +197,30 @@ def test_a_part_whose_input_carries_a_gradient_is_keyed_apart() -> None:
     model = MeasuredCostModel(CostDatabase([old, slow]))
     assert model.compute_ms(first, box, device, (False,))[1] == 3.0
     assert model.compute_ms(rest[0], box, device, (True,))[1] == 2.0
+
+
+def test_every_cost_model_pickles_and_prices_as_before(tiny_graph) -> None:
+    """A search worker that starts afresh (where processes cannot fork) receives its cost model pickled:
+    the analytical model with overrides, the fixed one with per-op times and the measured one (with its
+    database and fallback) come back equal and price every part of the graph as before."""
+    import pickle
+
+    from simulator.costmodel import FixedCostModel
+    device = load_topology("cpu-2").devices[0]
+    op = next(o for o in tiny_graph if o.kind == "linear")
+    box = tuple((0, d.size) for d in dims_of(op))
+    kind, op_kind, dtype, inputs, outputs, params, attrs, grads = costdb.part_key(op, box, "cpu")
+    m = Measurement(device_kind=kind, op_kind=op_kind, dtype=dtype, inputs=inputs, outputs=outputs,
+                    params=params, attrs=attrs, grads=grads, fwd_ms=0.5, bwd_ms=0.75)
+    analytical = AnalyticalCostModel(efficiency={"cpu": {"linear": 0.25}}, launch_us={"cpu": 3.0}, update_scale=2.0)
+    models = [AnalyticalCostModel(), analytical, FixedCostModel(fwd_each_ms=0.5, per_op_ms={op.name: (1.0, 2.0)}),
+              MeasuredCostModel(CostDatabase([m]), analytical, overhead_ms=0.25, scale=1.5)]
+    for model in models:
+        again = pickle.loads(pickle.dumps(model))
+        assert type(again) is type(model)
+        for o in tiny_graph:
+            whole = tuple((0, d.size) for d in dims_of(o))
+            assert again.compute_ms(o, whole, device) == model.compute_ms(o, whole, device), (model, o.name)
+        assert again.update_ms(1 << 20, device, 5) == model.update_ms(1 << 20, device, 5)
+    assert pickle.loads(pickle.dumps(analytical)) == analytical != AnalyticalCostModel()
+    assert pickle.loads(pickle.dumps(models[3])).compute_ms(op, box, device) == (1.0, 1.375)
