@@ -130,6 +130,19 @@ def _ns_limit(limit_ms: float) -> int:
     return n
 
 
+def _walk_exchanges(exchanges: list[tuple[int, tuple[int, ...], frozenset[int]]], waits: bool,
+                    prev: dict[int, int], out: list[Link], res: list[tuple[int, ...]]) -> None:
+    """One item's exchanges in the round order's walk (`Simulator._order_links`): each (task, ranks,
+    receivers) waits, when the item `waits`, for the last task of every rank so far, and becomes the last
+    task of the ranks that receive in it or that it occupies."""
+    for t, devices, receivers in exchanges:
+        if waits:
+            out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
+        for d in devices:
+            if d in receivers or d in res[t]:
+                prev[d] = t
+
+
 class _Unit:
     """The tasks of an op (forward, backward: per part; `carry`: per chunk whose state moves from another
     device, its forward and backward transfer tasks, as `OpPlan.carry_xfers`), of an edge (forward,
@@ -874,22 +887,18 @@ class Simulator:
             # its devices' last tasks on; a part is its own device's last task
             waits = (phase, i) in first
             first.add((phase, i))
-            for entry in ("parts", "exchanges") if backward else ("exchanges", "parts"):
-                if entry == "exchanges":
-                    for t, devices, receivers in exchanges:
-                        if waits:
-                            out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
-                        for d in devices:
-                            if d in receivers or d in res[t]:
-                                prev[d] = t
-                elif waits:
-                    for d, t in zip(devs, mine, strict=True):
-                        a = prev.get(d)
-                        if a is not None:
-                            out.append((a, t))
-                        prev[d] = t
-                else:
-                    prev.update(zip(devs, mine, strict=True))
+            if not backward:
+                _walk_exchanges(exchanges, waits, prev, out, res)
+            if waits:
+                for d, t in zip(devs, mine, strict=True):
+                    a = prev.get(d)
+                    if a is not None:
+                        out.append((a, t))
+                    prev[d] = t
+            else:
+                prev.update(zip(devs, mine, strict=True))
+            if backward:
+                _walk_exchanges(exchanges, waits, prev, out, res)
         return out, flight_savings(flow, steps, edges, order)
 
     def _step_order(self, steps: list[OpStep], edges: list[EdgeStep]) -> tuple[Item, ...]:
