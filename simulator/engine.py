@@ -241,9 +241,9 @@ class Simulator:
         self._orders: dict[tuple, tuple[Item, ...]] = {}  # `_step_order`'s orders
 
     def twin(self) -> Simulator:
-        """Another simulator of the same graph, topology, cost model and setup, sharing this one's plan and
-        route caches (pure functions of those): a second state, say to try a whole strategy while this one
-        keeps the current."""
+        """Another simulator of the same graph, topology, cost model and setup, sharing what this one
+        remembers (plans, routes and exchanges, checked configs, step orders: pure functions of those): a
+        second state, say to try a whole strategy while this one keeps the current."""
         twin = object.__new__(Simulator)
         for name in ("graph", "replicas", "topology", "setup", "cost_model", "flow", "keys", "comm", "planner",
                      "num_devices", "num_resources", "capacity", "_kb", "_sh", "_routes_refusal", "_fits",
