@@ -757,17 +757,14 @@ def lower_edge(flow: GradFlow, eid: int, prod: OpStep, cons: OpStep, replicas: R
         recv[cdev[c]] = recv.get(cdev[c], 0) + nbytes
         moved += nbytes
     step.ranks = tuple(sorted(ranks))
-    if cons.num_rounds == 1:
-        step.exchanges = ((0, step.ranks, step.moving),) if step.moving else ()
-    else:
-        by_round: dict[int, list[int]] = {}
-        for k in step.moving:
-            by_round.setdefault(cons.rounds[step.pieces[k][1]], []).append(k)
-        step.exchanges = tuple(
-            (r, tuple(sorted({pdev[step.pieces[k][0]] for k in ks} | {cdev[step.pieces[k][1]] for k in ks})),
-             tuple(ks)) for r, ks in sorted(by_round.items()))
+    by_round: dict[int, list[int]] = {}
+    for k in step.moving:
+        by_round.setdefault(cons.rounds[step.pieces[k][1]], []).append(k)
+    groups = sorted(by_round.items())
     step.receivers = tuple((frozenset(cdev[step.pieces[k][1]] for k in ks),
-                            frozenset(pdev[step.pieces[k][0]] for k in ks)) for _, _, ks in step.exchanges)
+                            frozenset(pdev[step.pieces[k][0]] for k in ks)) for _, ks in groups)
+    step.exchanges = tuple((r, tuple(sorted(consumers | producers)), tuple(ks))
+                           for (r, ks), (consumers, producers) in zip(groups, step.receivers, strict=True))
     sums = []
     if prod.reduced:
         counts: dict[int, int] = {}
