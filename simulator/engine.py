@@ -856,15 +856,16 @@ class Simulator:
             step = steps[i]
             tasks = units[i].bwd if backward else units[i].fwd
             if step.num_rounds == 1:
-                devs, mine = step.devices, tasks
+                cs, devs, mine = range(step.num_parts), step.devices, tasks
             else:
                 rounds = parts.get(i)
                 if rounds is None:
                     rounds = parts[i] = [[] for _ in range(step.num_rounds)]
                     for c, k in enumerate(step.rounds):
                         rounds[k].append(c)
-                devs = [step.devices[c] for c in rounds[r]]
-                mine = [tasks[c] for c in rounds[r]]
+                cs = rounds[r]  # the round's parts
+                devs = [step.devices[c] for c in cs]
+                mine = [tasks[c] for c in cs]
             exchanges = []
             for e in flow.in_edges[i]:
                 if not edges[e].exchanges or (backward and not flow.edges[e].grad):
@@ -878,7 +879,7 @@ class Simulator:
                                       edges[e].receivers[k][backward]))
             carry = units[i].carry
             if carry:  # the carries into the round's chunks from other devices, after the edges' exchanges
-                for c in (rounds[r] if step.num_rounds > 1 else range(step.num_parts)):
+                for c in cs:
                     if c in carry and carry[c][backward] is not None:
                         src, dst = step.devices[step.carry_from[c]], step.devices[c]
                         exchanges.append((carry[c][backward], (min(src, dst), max(src, dst)),
