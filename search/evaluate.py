@@ -185,17 +185,33 @@ class DeltaEvaluator:
     `propose_many` changes several ops in one proposal (one replay).
 
     `trial(strategy)` costs a whole strategy on a spare simulator (`Simulator.twin`, sharing the plan
-    caches) while `sim` stays on the current one; `adopt()` makes the trial current (the two swap)."""
+    caches) while `sim` stays on the current one; `adopt()` makes the trial current (the two swap).
+
+    A proposal (or trial) that does not fit in memory is known not to from the plans alone
+    (`Simulator.peek_peaks`), so its tasks are made, and it is timed, only if it is accepted all the same
+    (a search whose current strategy does not fit either accepts a smaller excess)."""
 
     def __init__(self, sim: Simulator):
         self.sim = sim
         self._spare: Simulator | None = None
+        # a proposal, or a trial's strategy, decided on memory alone: made (and timed) only if accepted
+        self._unbuilt: Mapping[str, ParallelConfig] | None = None
+        self._unbuilt_trial: Strategy | None = None
 
     def trial(self, strategy: Strategy, changes: Mapping[str, ParallelConfig] | None = None) -> Cost:
         """The cost of `strategy`; `changes`: it is the current strategy with those changed (only they are
         validated, as by `propose_many`)."""
+        self._unbuilt = self._unbuilt_trial = None
         if self._spare is None:
             self._spare = self.sim.twin()
+        sim = self.sim
+        # decided on memory from the current simulator's plans where its checks are the full build's
+        # (under replicas, on a topology that repeats itself replica by replica: `Simulator.replica_refusal`)
+        if changes is not None and (sim.replicas is None or not sim.replica_refusal()):
+            cost = _unfit_cost(sim, sim.peek_peaks(changes))
+            if cost is not None:
+                self._unbuilt_trial = strategy
+                return cost
         for name, cfg in (changes or {}).items():
             self._spare.check_config(name, cfg)
         self._spare.build(strategy, validated=changes is not None)
@@ -203,6 +219,9 @@ class DeltaEvaluator:
 
     def adopt(self) -> None:
         assert self._spare is not None, "adopt needs a trial"
+        if self._unbuilt_trial is not None:
+            self._spare.build(self._unbuilt_trial, validated=True)
+            self._unbuilt_trial = None
         self.sim, self._spare = self._spare, self.sim
 
     def start(self, strategy: Strategy) -> Cost:
@@ -215,28 +234,48 @@ class DeltaEvaluator:
 
     def propose_many(self, changes: Mapping[str, ParallelConfig], limit_ms: float = math.inf) -> Cost:
         """The cost of changing every op of `changes` at once. Exact when the changed strategy fits and may
-        be no slower than `limit_ms`; otherwise it is decided without timing anything: a strategy that
-        does not fit, or whose work on one device or link alone exceeds `limit_ms`
-        (`Simulator.time_bound_ms`), gets a cost that is not `exact` (its time a lower bound), and its
-        replay runs only if it is accepted all the same. Else the replay runs, and stops as soon as it shows
-        the step longer than `limit_ms` (`Simulator.time_within_ms`): the cost is then not `exact` either,
-        its time a lower bound above `limit_ms`."""
+        be no slower than `limit_ms`; otherwise it is decided without timing anything and its cost is not
+        `exact`: a strategy that does not fit, from the plans alone (its time 0: not timed; its tasks are
+        made only if it is accepted all the same), or one whose work on one device or link alone exceeds
+        `limit_ms` (`Simulator.time_bound_ms`: its time that lower bound; its replay runs only if it is
+        accepted all the same). Else the replay runs, and stops as soon as it shows the step longer than
+        `limit_ms` (`Simulator.time_within_ms`): the cost is then not `exact` either, its time a lower
+        bound above `limit_ms`."""
         sim = self.sim
+        self._unbuilt = self._unbuilt_trial = None
+        cost = _unfit_cost(sim, sim.peek_peaks(changes))
+        if cost is not None:
+            self._unbuilt = changes
+            return cost
         sim.propose_many(changes, lazy=True)
-        excess = sim.memory_excess_bytes
         bound = sim.time_bound_ms
-        if excess == 0 and bound <= limit_ms:
+        if bound <= limit_ms:
             bound, exact = sim.time_within_ms(limit_ms)
             if exact:
                 return simulated_cost(sim)
-        return Cost(time_ms=bound, feasible=excess == 0, peak_memory_bytes=float(max(sim.peak_memory_bytes)),
-                    memory_excess_bytes=float(excess), exact=False)
+        return Cost(time_ms=bound, peak_memory_bytes=float(max(sim.peak_memory_bytes)), exact=False)
 
     def accept(self) -> None:
+        if self._unbuilt is not None:
+            self.sim.propose_many(self._unbuilt, lazy=True)
+            self._unbuilt = None
         self.sim.accept()
 
     def reject(self) -> None:
+        if self._unbuilt is not None:
+            self._unbuilt = None
+            return
         self.sim.reject()
+
+
+def _unfit_cost(sim: Simulator, peaks: tuple[int, ...]) -> Cost | None:
+    """The cost of a strategy with per-device `peaks` that does not fit on `sim`'s devices (not timed:
+    time 0, not `exact`); None where it fits."""
+    excess = sim.excess_of(peaks)
+    if not excess:
+        return None
+    return Cost(time_ms=0.0, feasible=False, peak_memory_bytes=float(max(peaks)), memory_excess_bytes=float(excess),
+                exact=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -46,7 +46,8 @@ at a time, so when a task on resource x ends at e, x ends no sooner than e plus 
 (kept per resource during the replay); past the limit, that lower bound is the answer and the times
 and order go back to before the replay, which runs again if the proposal's time is read after all.
 A proposal that makes the step slower early in the forward pass is rejected after replaying little
-more than the changed op.
+more than the changed op. Memory needs no task: `peek_peaks` tells a proposal's peaks from its plans
+before any task is made (a search rejects one that does not fit without making its tasks).
 
 Replicas. A simulator of one replica (`replicas`, `simulate`'s symmetry) times replica 0 of a strategy
 made of identical replicas; its delta proposals must keep the strategy so (`_check_replica_change`,
@@ -100,6 +101,7 @@ from soap.lowering import (
     StepPlan,
     find_replicas,
     flight_savings,
+    interleaves,
     lower,
     repeats,
     step_order,
@@ -290,14 +292,22 @@ class Simulator:
     def peak_memory_bytes(self) -> tuple[int, ...]:
         """Per device, what it keeps plus its largest transient (`soap.lowering`'s memory rule)."""
         self._need_state()
-        peak = [m + t - self._flight.get(d, 0) for d, (m, t) in enumerate(zip(self._mem, self._tmax, strict=True))]
+        return self._peaks(self._flight)
+
+    def _peaks(self, flight: Mapping[int, int]) -> tuple[int, ...]:
+        """Per device, what it keeps plus its largest transient less what the round order saves (`flight`)."""
+        peak = [m + t - flight.get(d, 0) for d, (m, t) in enumerate(zip(self._mem, self._tmax, strict=True))]
         return tuple(peak if self.replicas is None else self.replicas.spread(peak))
 
     @property
     def memory_excess_bytes(self) -> int:
         """The largest amount by which a device's peak exceeds its capacity (0 when feasible)."""
         self._need_state()
-        return max(0, max(p - c for p, c in zip(self.peak_memory_bytes, self.capacity, strict=True)))
+        return self.excess_of(self.peak_memory_bytes)
+
+    def excess_of(self, peaks: tuple[int, ...]) -> int:
+        """The largest amount by which per-device `peaks` exceed the devices' capacities (0 when they fit)."""
+        return max(0, max(p - c for p, c in zip(peaks, self.capacity, strict=True)))
 
     @property
     def feasible(self) -> bool:
@@ -356,14 +366,7 @@ class Simulator:
         self._need_state()
         if self._journal is not None:
             raise RuntimeError("a proposal is pending: accept() or reject() it first")
-        items = []
-        for op, cfg in changes.items():
-            i = self.check_config(op, cfg)
-            if cfg != self._configs[i]:
-                self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
-                items.append((i, cfg))
-        if items and self.replicas is not None:
-            self._check_replica_change(items)
+        items = self._checked_changes(changes)
         if items:
             self._delta(items)
         else:
@@ -372,6 +375,65 @@ class Simulator:
             return None
         self._settle()
         return self._iteration_ns / 1e6
+
+    def peek_peaks(self, changes: Mapping[str, ParallelConfig]) -> tuple[int, ...]:
+        """`peak_memory_bytes` as it would be with the ops of `changes` given their configs, known from the
+        plans alone (the memory rule needs no task): nothing is built, timed or changed. Refuses what
+        `propose_many` refuses (`StrategyError`, `ValueError`, `NotReplicable`), checked the same way. A
+        search rejects a proposal that does not fit on this alone, without making its tasks."""
+        self._need_state()
+        if self._journal is not None:
+            raise RuntimeError("a proposal is pending: accept() or reject() it first")
+        items = self._checked_changes(changes)
+        if not items:
+            return self.peak_memory_bytes
+        flow, planner = self.flow, self.planner
+        ops = [i for i, _ in items]
+        units = sorted({flow.unit[i] for i in ops if flow.unit[i] >= 0})
+        edges = sorted({e for i in ops for e in flow.in_edges[i] + flow.out_edges[i]})
+        saved = list(self._mem), self._trans, list(self._tmax), [(i, self._configs[i]) for i in ops]
+        self._trans = [dict(counts) for counts in self._trans]
+        rounds = self._rounds
+        try:
+            for sign in (-1, 1):  # what the changed ops, their units and edges hold, before and after
+                if sign > 0:
+                    for i, cfg in items:
+                        self._configs[i] = cfg
+                for i in ops:
+                    plan = planner.op_plan(i, self._configs[i])
+                    self._add_mem(plan.mem, sign)
+                    self._add_transient(plan.transient, sign)
+                    rounds += sign * (plan.step.num_rounds > 1)
+                for u in units:
+                    self._add_mem(self._param_plan(u).mem, sign)
+                for e in edges:
+                    self._add_mem(self._edge_plan(e).recv, sign)
+            flight: dict[int, int] = {}
+            if rounds and interleaves(self.setup):  # the order's savings, from the changed steps (`_order_links`)
+                steps = [planner.op_plan(i, cfg).step for i, cfg in enumerate(self._configs)]
+                changed = set(edges)
+                edge_steps = [self._edge_plan(e).step if e in changed else unit.step
+                              for e, unit in enumerate(self._edge_units)]
+                flight = flight_savings(flow, steps, edge_steps, self._step_order(steps, edge_steps))
+            return self._peaks(flight)
+        finally:
+            self._mem, self._trans, self._tmax, configs = saved
+            for i, cfg in configs:
+                self._configs[i] = cfg
+
+    def _checked_changes(self, changes: Mapping[str, ParallelConfig]) -> list[tuple[int, ParallelConfig]]:
+        """The (op position, config) pairs of `changes` that change the strategy, after every check a
+        change needs (`check_config`; a config the simulator refuses; under `replicas`,
+        `_check_replica_change`), before anything changes."""
+        items = []
+        for op, cfg in changes.items():
+            i = self.check_config(op, cfg)
+            if cfg != self._configs[i]:
+                self.planner.op_plan(i, cfg)  # (cached) a config the simulator refuses, before anything changes
+                items.append((i, cfg))
+        if items and self.replicas is not None:
+            self._check_replica_change(items)
+        return items
 
     def check_config(self, op: str, cfg: ParallelConfig) -> int:
         """The position of op `op`, after checking `cfg` fits it and the topology (`ValueError` for an
@@ -614,13 +676,11 @@ class Simulator:
         try:
             for i, cfg in items:
                 self._configs[i] = cfg
-            for i, _ in items:
-                for e in flow.in_edges[i] + flow.out_edges[i]:
-                    self._edge_plan(e)
-                u = flow.unit[i]
-                if u >= 0:
-                    for group, _ in self._param_plan(u).sync:
-                        self._check_group(group)
+            for e in sorted({e for i, _ in items for e in flow.in_edges[i] + flow.out_edges[i]}):
+                self._edge_plan(e)
+            for u in sorted({flow.unit[i] for i, _ in items if flow.unit[i] >= 0}):
+                for group, _ in self._param_plan(u).sync:
+                    self._check_group(group)
         finally:
             for i, cfg in saved:
                 self._configs[i] = cfg

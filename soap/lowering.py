@@ -976,6 +976,13 @@ def carry_order(ops: Sequence[OpStep], live: Sequence[int], after: dict[tuple[in
                 after.setdefault((i, step.rounds[prev]), set()).add((i, step.rounds[c]))
 
 
+def interleaves(setup: TrainSetup) -> bool:
+    """Whether `setup`'s schedule may run some rounds' backward before other rounds' forward (1F1B); every
+    other schedule runs every forward of a step before any backward, so its order saves nothing in flight
+    (`flight_savings` is empty)."""
+    return setup.schedule == "1f1b"
+
+
 def step_order(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep]) -> tuple[Item, ...]:
     """The order of a step (module docstring, "Order"): (phase, op position, round) for the forward of every
     round of every op that is not a source and the backward of those that run one, under the setup's
@@ -985,7 +992,7 @@ def step_order(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep])
         fwd: list[tuple[int, int]] = [(i, 0) for i in live]
     else:
         after = _round_deps(flow, ops, edges, live)
-        if flow.setup.schedule == "1f1b":
+        if interleaves(flow.setup):
             return _one_f_one_b(flow, ops, live, after)
         fwd = _gpipe_forward(ops, live, after)
     return tuple((FORWARD, i, r) for i, r in fwd) + tuple(

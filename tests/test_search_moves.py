@@ -4,6 +4,7 @@ evaluator in step with the strategy it holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -22,7 +23,7 @@ from simulator import AnalyticalCostModel, Simulator
 from simulator.engine import simulate
 from soap.config import ParallelConfig, repeat_refusal, validate
 from soap.setup import TrainSetup
-from soap.topology import load_topology
+from soap.topology import DeviceTopology, load_topology
 
 
 def test_copies_are_the_same_op_of_each_block():
@@ -199,17 +200,57 @@ def test_a_rejected_move_over_many_ops_leaves_the_evaluator_on_its_strategy(whic
     evaluator.reject()
 
 
+@pytest.mark.parametrize("which", ["linears", "most ops"])
+def test_a_move_that_does_not_fit_is_decided_on_memory_and_made_only_when_accepted(which):
+    """On devices that hold dp exactly, a move onto one device does not fit: its cost comes from the plans
+    alone (the peak a full simulation finds, time not taken), no proposal is left pending (no task was
+    made); rejected, the evaluator is on its strategy; accepted (as a chain that does not fit itself
+    would), it holds the changed strategy, timed as a full simulation times it."""
+    graph, base = rc.graph_of("transformer"), load_topology("p100-2x2")
+    start = dp(graph, base)
+    held = max(simulate(graph, start, base).peak_memory_bytes)
+    topo = DeviceTopology(name="tight", devices=tuple(dataclasses.replace(d, memory_bytes=held)
+                                                      for d in base.devices), links=base.links)
+    space = ConfigSpace(graph, topo)
+    linears = [op.name for op in graph if op.kind == "linear"]
+    names = linears if which == "linears" else [n for n in space.ops if space.contains(n, ParallelConfig.single(1))]
+    changes = {name: ParallelConfig.single(1) for name in names}
+    assert (len(changes) > WHOLE_SHARE * len(graph)) == (which == "most ops")
+    evaluator = SimulatorEvaluators()(graph, topo)
+    assert evaluator.start(start).feasible
+    full = simulate(graph, start.with_configs(changes), topo)
+    assert not full.feasible
+    for accept in (False, True):
+        move = Move(evaluator, start, changes, limit_ms=1e9)
+        assert not move.cost.feasible and not move.cost.exact and move.cost.time_ms == 0.0
+        assert move.cost.peak_memory_bytes == max(full.peak_memory_bytes)
+        assert move.cost.memory_excess_bytes == max(p - held for p in full.peak_memory_bytes)
+        assert not evaluator.sim.pending and evaluator.sim.strategy == start
+        if not accept:
+            move.reject()
+            assert evaluator.sim.strategy == start
+            assert evaluator.propose_many({}).time_ms == simulate(graph, start, topo).iteration_time_ms
+            evaluator.reject()
+        else:
+            move.accept()
+            assert evaluator.sim.strategy == move.strategy and not evaluator.sim.pending
+            assert evaluator.sim.iteration_time_ms == full.iteration_time_ms
+            assert evaluator.sim.peak_memory_bytes == full.peak_memory_bytes
+
+
 def step_and_check(sim: Simulator, ref: Simulator, current, changes, k: int, rng: random.Random, every: int = 5):
     """Propose the move `changes` (proposal `k`) to `sim` op by op, each step checked against `ref`'s full
     simulation (`propose_and_check`), then accept or reject it at random (`accept_or_reject`); a rejected
     move over several ops is undone op by op, checked again. Returns the chain's strategy."""
     items = list(changes.items())
+    peeked = sim.peek_peaks(changes)  # the whole move's memory, from the plans alone
     state = current
     for name, cfg in items[:-1]:
         state = propose_and_check(sim, ref, state, name, cfg, k, every)
         sim.accept()
     name, cfg = items[-1]
     proposed = propose_and_check(sim, ref, state, name, cfg, k, every)
+    assert peeked == ref.peak_memory_bytes, f"proposal {k}: {changes}"
     if accept_or_reject(sim, ref, state, proposed, k, rng, every, check_times=True) is proposed:
         return proposed
     for name, _ in reversed(items[:-1]):

@@ -35,9 +35,12 @@ def propose_and_check(sim: Simulator, ref: Simulator, current, name: str, cfg, k
     """Propose `cfg` for op `name` (proposal `k`) to `sim` and check it against `ref`'s full simulation of
     the proposed strategy (every `every`-th proposal, every task too); returns the proposed strategy."""
     proposed = current.with_config(name, cfg)
+    peeked = sim.peek_peaks({name: cfg})  # the memory from the plans alone, changing nothing
+    assert sim.strategy == current and sim.pending is False
     t_ms = sim.propose(name, cfg)
     full = ref.full(proposed)
     assert sim.strategy == proposed
+    assert peeked == ref.peak_memory_bytes, f"proposal {k}: {name} -> {cfg}"
     assert t_ms == full.iteration_time_ms, f"proposal {k}: {name} -> {cfg}"
     assert _state(sim) == _state(ref), f"proposal {k}: {name} -> {cfg}"
     if k % every == 0:
@@ -225,9 +228,11 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
         several += sum(cfg != current[name] for name, cfg in changes.items()) >= 2
         proposed = current.with_configs(changes)
         lazy = rng.random() < 0.5
+        peeked = sim.peek_peaks(changes)
         t_ms = sim.propose_many(changes, lazy=lazy)
         full = ref.full(proposed)
         assert sim.strategy == proposed
+        assert peeked == ref.peak_memory_bytes, f"proposal {k}: {changes}"
         # the bound and the memory are known before any replay, and equal a fresh build's
         assert sim.time_bound_ms == ref.time_bound_ms <= full.iteration_time_ms, f"proposal {k}: {changes}"
         assert sim.peak_memory_bytes == ref.peak_memory_bytes

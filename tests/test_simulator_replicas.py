@@ -114,9 +114,11 @@ def test_delta_on_one_replica_equals_the_plain_full_simulation(model, topology, 
             continue
         proposed = current.with_configs(changes)
         assert find_replicas(graph, proposed, topo.num_devices) is not None
+        peeked = sim.peek_peaks(changes)
         t_ms = sim.propose_many(changes)
         full = plain.full(proposed)
         simulated += 1
+        assert peeked == tuple(full.peak_memory_bytes), f"proposal {k}: {changes}"
         assert t_ms == full.iteration_time_ms, f"proposal {k}: {changes}"
         assert tuple(sim.peak_memory_bytes) == tuple(full.peak_memory_bytes), f"proposal {k}"
         assert sim.timeline().bytes_moved == full.bytes_moved, f"proposal {k}"
