@@ -8,6 +8,7 @@ output part). The same tests run on the real simulator in `test_search_simulated
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import random
@@ -120,6 +121,22 @@ def test_same_seed_same_result():
     assert [(c.name, c.num_proposals, c.num_accepted, c.best_ms) for c in a.chains] == \
         [(c.name, c.num_proposals, c.num_accepted, c.best_ms) for c in b.chains]
     assert a.num_proposals == b.num_proposals <= 600
+
+
+def test_the_chains_collect_cycles_less_often_and_leave_the_thresholds_as_they_were(monkeypatch):
+    seen = []
+    real = search_moves.Moves.propose
+
+    def recording(self, rng, current):
+        seen.append(gc.get_threshold())
+        return real(self, rng, current)
+
+    monkeypatch.setattr(search_moves.Moves, "propose", recording)
+    before = gc.get_threshold()
+    assert before != mcmc.CHAIN_GC_THRESHOLDS
+    _run("mlp", max_proposals=50)
+    assert seen and set(seen) == {mcmc.CHAIN_GC_THRESHOLDS}
+    assert gc.get_threshold() == before
 
 
 def test_moves_that_change_nothing_are_counted_apart(monkeypatch):
