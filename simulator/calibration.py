@@ -55,6 +55,7 @@ import math
 import os
 import statistics
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -517,11 +518,14 @@ def cost_model_for(topology_ref: str | os.PathLike, *, db: costdb.CostDatabase |
     (`simulator.shipped`): the measured model over them and `db` (`db`'s measurement wins for a key both
     hold), analytical for the rest. Otherwise (a topology file, no shipped database, or not `shipped`):
     the measured model over `db` with the default analytical fallback, or None (the simulator's default)
-    without `db`."""
+    without `db`. Not `shipped` with a topology file changes nothing, and a warning says so."""
     if isinstance(db, str):
         db = costdb.load(db, missing_ok=True)
     text = os.fspath(topology_ref)
     is_file = Path(text).is_file()
+    if is_file and not shipped:
+        warnings.warn(f"shipped cost databases price presets only: leaving them out changes nothing for the "
+                      f"topology file {Path(text).name}", stacklevel=2)
     profile = read_profile(text) if is_file else None
     if profile is not None:
         return profile.topology, profile.cost_model(db)

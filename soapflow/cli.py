@@ -507,7 +507,7 @@ def _costdb_arg(p: argparse.ArgumentParser) -> None:
 def _shipped_costs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shipped-costs", action="store_true",
                    help="price op parts analytically only, ignoring the cost database measured on this preset's "
-                        "GPU kind and shipped with soapflow")
+                        "GPU kind and shipped with soapflow (presets only: a topology file never uses it)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

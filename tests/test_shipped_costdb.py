@@ -144,6 +144,18 @@ def test_a_topology_file_or_profile_does_not_use_the_shipped_database(folder: Pa
     explicit = CostDatabase([meas(n=16)])
     model = cost_model_for(path, db=explicit)[1]
     assert type(model) is MeasuredCostModel and len(model.db) == 1
+    with pytest.warns(UserWarning, match="presets only.*h100.json"):  # the switch does nothing here: said so
+        assert cost_model_for(path, shipped=False)[1] is None
+
+
+def test_the_switch_with_a_topology_file_is_said_to_change_nothing(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "mine.json"
+    save_topology(path, load_topology("h100-1x2"))
+    assert main(["simulate", "mlp", "--batch", "8", "-t", str(path), "-s", "dp", "--no-shipped-costs"]) == 0
+    err = capsys.readouterr().err
+    assert "soapflow: warning: shipped cost databases price presets only" in err and "mine.json" in err
+    assert main(["simulate", "mlp", "--batch", "8", "-t", str(path), "-s", "dp"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_an_explicit_database_wins_over_the_shipped_one(folder: Path, tmp_path: Path) -> None:
