@@ -138,7 +138,7 @@ class Move:
         self._one = delta and not self._trial
         self._whole = not delta and len(changes) > MAX_DELTA_OPS
         if self._trial:
-            self.cost = evaluator.trial(self.strategy, changes)
+            self.cost = evaluator.trial(self.strategy, changes, limit_ms)
             return
         if self._one:
             self.cost = evaluator.propose_many(changes, limit_ms)
@@ -189,26 +189,35 @@ class DeltaEvaluator:
 
     A proposal (or trial) that does not fit in memory is known not to from the plans alone
     (`Simulator.peek_peaks`), so its tasks are made, and it is timed, only if it is accepted all the same
-    (a search whose current strategy does not fit either accepts a smaller excess)."""
+    (a search whose current strategy does not fit either accepts a smaller excess); so is a trial whose
+    compute on one device alone is slower than the caller's limit (`Simulator.work_bound_ms`)."""
 
     def __init__(self, sim: Simulator):
         self.sim = sim
         self._spare: Simulator | None = None
-        # a proposal, or a trial's strategy, decided on memory alone: made (and timed) only if accepted
+        # a proposal, or a trial's strategy, decided from its plans: made (and timed) only if accepted
         self._unbuilt: Mapping[str, ParallelConfig] | None = None
         self._unbuilt_trial: Strategy | None = None
 
-    def trial(self, strategy: Strategy, changes: Mapping[str, ParallelConfig] | None = None) -> Cost:
+    def trial(self, strategy: Strategy, changes: Mapping[str, ParallelConfig] | None = None,
+              limit_ms: float = math.inf) -> Cost:
         """The cost of `strategy`; `changes`: it is the current strategy with those changed (only they are
-        validated, as by `propose_many`)."""
+        validated, as by `propose_many`). Exact unless it does not fit, or (given `changes`) its compute on
+        one device alone exceeds `limit_ms` (`Simulator.work_bound_ms`: its time that lower bound): both are
+        known from the plans, and the strategy is built only if it is adopted all the same."""
         self._unbuilt = self._unbuilt_trial = None
         if self._spare is None:
             self._spare = self.sim.twin()
         sim = self.sim
-        # decided on memory from the current simulator's plans where its checks are the full build's
-        # (under replicas, on a topology that repeats itself replica by replica: `Simulator.replica_refusal`)
+        # decided from the current simulator's plans where its checks are the full build's (under
+        # replicas, on a topology that repeats itself replica by replica: `Simulator.replica_refusal`)
         if changes is not None and (sim.replicas is None or not sim.replica_refusal()):
-            cost = _unfit_cost(sim, sim.peek_peaks(changes))
+            peaks = sim.peek_peaks(changes)
+            cost = _unfit_cost(sim, peaks)
+            if cost is None and limit_ms < math.inf:
+                bound = sim.work_bound_ms(changes)
+                if bound > limit_ms:
+                    cost = Cost(time_ms=bound, peak_memory_bytes=float(max(peaks)), exact=False)
             if cost is not None:
                 self._unbuilt_trial = strategy
                 return cost

@@ -421,6 +421,33 @@ class Simulator:
             for i, cfg in configs:
                 self._configs[i] = cfg
 
+    def work_bound_ms(self, changes: Mapping[str, ParallelConfig]) -> float:
+        """A lower bound on the step time with the ops of `changes` given their configs, from the plans
+        alone: the most compute any one device has (its parts' forward and backward, its updates), which it
+        runs one at a time (`time_bound_ms` counts every task, transfers and all-reduces too, but needs the
+        tasks made). Nothing is built, timed or changed; `changes` must have passed `peek_peaks`. Over many
+        ops (a whole-strategy trial) it costs a fraction of a full build."""
+        self._need_state()
+        flow, planner = self.flow, self.planner
+        saved = [(i, self._configs[i]) for i in (flow.index[name] for name in changes)]
+        work = [0] * self.num_devices
+        try:
+            for name, cfg in changes.items():
+                self._configs[flow.index[name]] = cfg
+            for i, cfg in enumerate(self._configs):
+                plan = planner.op_plan(i, cfg)
+                for d, ns in zip(plan.devices, plan.fwd_ns, strict=False):
+                    work[d] += ns
+                for d, ns in zip(plan.devices, plan.bwd_ns, strict=False):
+                    work[d] += ns
+            for u in range(len(flow.units)):
+                for x in self._param_plan(u).updates:
+                    work[x.device] += x.ns
+        finally:
+            for i, cfg in saved:
+                self._configs[i] = cfg
+        return max(work, default=0) / 1e6
+
     def _checked_changes(self, changes: Mapping[str, ParallelConfig]) -> list[tuple[int, ParallelConfig]]:
         """The (op position, config) pairs of `changes` that change the strategy, after every check a
         change needs (`check_config`; a config the simulator refuses; under `replicas`,

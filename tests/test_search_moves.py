@@ -238,6 +238,32 @@ def test_a_move_that_does_not_fit_is_decided_on_memory_and_made_only_when_accept
             assert evaluator.sim.peak_memory_bytes == full.peak_memory_bytes
 
 
+def test_a_trial_slower_than_the_limit_on_compute_alone_is_decided_from_its_plans():
+    """A move over most ops whose compute on one device alone exceeds the chain's limit gets that lower bound
+    (not exact) without being built; without a limit it is timed; adopted all the same, the evaluator
+    holds it, timed as a full simulation times it."""
+    graph, topo = rc.graph_of("transformer"), load_topology("p100-2x2")
+    evaluator = SimulatorEvaluators()(graph, topo)
+    start = dp(graph, topo)
+    limit = evaluator.start(start).time_ms
+    space = ConfigSpace(graph, topo)
+    changes = {n: ParallelConfig.single(1) for n in space.ops if space.contains(n, ParallelConfig.single(1))}
+    assert len(changes) > WHOLE_SHARE * len(graph)
+    full = simulate(graph, start.with_configs(changes), topo)
+    assert full.feasible
+    move = Move(evaluator, start, changes, limit_ms=limit)
+    assert not move.cost.exact and move.cost.feasible and limit < move.cost.time_ms <= full.iteration_time_ms
+    assert move.cost.peak_memory_bytes == max(full.peak_memory_bytes)
+    move.reject()
+    assert evaluator.sim.strategy == start and not evaluator.sim.pending
+    move = Move(evaluator, start, changes)
+    assert move.cost.exact and move.cost.time_ms == full.iteration_time_ms
+    move.reject()
+    move = Move(evaluator, start, changes, limit_ms=limit)
+    move.accept()
+    assert evaluator.sim.strategy == move.strategy and evaluator.sim.iteration_time_ms == full.iteration_time_ms
+
+
 def step_and_check(sim: Simulator, ref: Simulator, current, changes, k: int, rng: random.Random, every: int = 5):
     """Propose the move `changes` (proposal `k`) to `sim` op by op, each step checked against `ref`'s full
     simulation (`propose_and_check`), then accept or reject it at random (`accept_or_reject`); a rejected

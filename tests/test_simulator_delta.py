@@ -30,6 +30,16 @@ def _state(sim: Simulator) -> tuple:
     return (sim._iteration_ns, sim.peak_memory_bytes, sim._moved, sim.num_tasks)
 
 
+def _compute_ms(timeline) -> float:
+    """The most forward, backward and update time any one device has, from the simulated tasks."""
+    per: dict[int, float] = {}
+    for task in timeline.tasks():
+        if task.category in ("forward", "backward", "update"):
+            for d in task.devices:
+                per[d] = per.get(d, 0.0) + task.end_ms - task.start_ms
+    return max(per.values(), default=0.0)
+
+
 def propose_and_check(sim: Simulator, ref: Simulator, current, name: str, cfg, k: int,
                       every: int = CHECK_TIMES_EVERY):
     """Propose `cfg` for op `name` (proposal `k`) to `sim` and check it against `ref`'s full simulation of
@@ -228,11 +238,12 @@ def run_many_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals:
         several += sum(cfg != current[name] for name, cfg in changes.items()) >= 2
         proposed = current.with_configs(changes)
         lazy = rng.random() < 0.5
-        peeked = sim.peek_peaks(changes)
+        peeked, work = sim.peek_peaks(changes), sim.work_bound_ms(changes)
         t_ms = sim.propose_many(changes, lazy=lazy)
         full = ref.full(proposed)
         assert sim.strategy == proposed
         assert peeked == ref.peak_memory_bytes, f"proposal {k}: {changes}"
+        assert work == pytest.approx(_compute_ms(full), rel=1e-9, abs=1e-9) and work <= full.iteration_time_ms
         # the bound and the memory are known before any replay, and equal a fresh build's
         assert sim.time_bound_ms == ref.time_bound_ms <= full.iteration_time_ms, f"proposal {k}: {changes}"
         assert sim.peak_memory_bytes == ref.peak_memory_bytes
