@@ -47,7 +47,9 @@ at a time, so when a task on resource x ends at e, x ends no sooner than e plus 
 and order go back to before the replay, which runs again if the proposal's time is read after all.
 A proposal that makes the step slower early in the forward pass is rejected after replaying little
 more than the changed op. Memory needs no task: `peek_peaks` tells a proposal's peaks from its plans
-before any task is made (a search rejects one that does not fit without making its tasks).
+before any task is made (a search rejects one that does not fit without making its tasks); nor does
+`work_bound_ms`, each device's compute over a whole strategy (a search rejects a whole-strategy trial
+slower than its limit on that alone).
 
 Replicas. A simulator of one replica (`replicas`, `simulate`'s symmetry) times replica 0 of a strategy
 made of identical replicas; its delta proposals must keep the strategy so (`_check_replica_change`,
