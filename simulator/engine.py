@@ -62,7 +62,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from heapq import heapify, heappop, heappush
 from typing import NamedTuple
 
@@ -391,37 +392,39 @@ class Simulator:
             return self.peak_memory_bytes
         flow, planner = self.flow, self.planner
         ops = [i for i, _ in items]
-        units = sorted({flow.unit[i] for i in ops if flow.unit[i] >= 0})
-        edges = sorted({e for i in ops for e in flow.in_edges[i] + flow.out_edges[i]})
-        saved = list(self._mem), self._trans, list(self._tmax), [(i, self._configs[i]) for i in ops]
+        units, edges = self._touched(ops)
+        saved = list(self._mem), self._trans, list(self._tmax)
         self._trans = [dict(counts) for counts in self._trans]
-        rounds = self._rounds
         try:
-            for sign in (-1, 1):  # what the changed ops, their units and edges hold, before and after
-                if sign > 0:
-                    for i, cfg in items:
-                        self._configs[i] = cfg
-                for i in ops:
-                    plan = planner.op_plan(i, self._configs[i])
-                    self._add_mem(plan.mem, sign)
-                    self._add_transient(plan.transient, sign)
-                    rounds += sign * (plan.step.num_rounds > 1)
-                for u in units:
-                    self._add_mem(self._param_plan(u).mem, sign)
-                for e in edges:
-                    self._add_mem(self._edge_plan(e).recv, sign)
-            flight: dict[int, int] = {}
-            if rounds and interleaves(self.setup):  # the order's savings, from the changed steps (`_order_links`)
-                steps = [planner.op_plan(i, cfg).step for i, cfg in enumerate(self._configs)]
-                changed = set(edges)
-                edge_steps = [self._edge_plan(e).step if e in changed else unit.step
-                              for e, unit in enumerate(self._edge_units)]
-                flight = flight_savings(flow, steps, edge_steps, self._step_order(steps, edge_steps))
+            rounds = self._rounds - self._hold(ops, units, edges, -1)
+            with self._configured(items):
+                rounds += self._hold(ops, units, edges, 1)
+                flight: dict[int, int] = {}
+                if rounds and interleaves(self.setup):  # the order's savings, from the changed steps (`_order_links`)
+                    steps = [planner.op_plan(i, cfg).step for i, cfg in enumerate(self._configs)]
+                    changed = set(edges)
+                    edge_steps = [self._edge_plan(e).step if e in changed else unit.step
+                                  for e, unit in enumerate(self._edge_units)]
+                    flight = flight_savings(flow, steps, edge_steps, self._step_order(steps, edge_steps))
             return self._peaks(flight)
         finally:
-            self._mem, self._trans, self._tmax, configs = saved
-            for i, cfg in configs:
-                self._configs[i] = cfg
+            self._mem, self._trans, self._tmax = saved
+
+    def _hold(self, ops: list[int], units: list[int], edges: list[int], sign: int) -> int:
+        """Add (`sign` 1) or take out (-1) the memory that op positions `ops`, parameter units `units` and
+        edges `edges` hold under the current configs (`peek_peaks`); returns how many of the ops run in
+        several rounds."""
+        rounds = 0
+        for i in ops:
+            plan = self.planner.op_plan(i, self._configs[i])
+            self._add_mem(plan.mem, sign)
+            self._add_transient(plan.transient, sign)
+            rounds += plan.step.num_rounds > 1
+        for u in units:
+            self._add_mem(self._param_plan(u).mem, sign)
+        for e in edges:
+            self._add_mem(self._edge_plan(e).recv, sign)
+        return rounds
 
     def work_bound_ms(self, changes: Mapping[str, ParallelConfig]) -> float:
         """A lower bound on the step time with the ops of `changes` given their configs, from the plans
@@ -431,11 +434,8 @@ class Simulator:
         ops (a whole-strategy trial) it costs a fraction of a full build."""
         self._need_state()
         flow, planner = self.flow, self.planner
-        saved = [(i, self._configs[i]) for i in (flow.index[name] for name in changes)]
         work = [0] * self.num_devices
-        try:
-            for name, cfg in changes.items():
-                self._configs[flow.index[name]] = cfg
+        with self._configured((flow.index[name], cfg) for name, cfg in changes.items()):
             for i, cfg in enumerate(self._configs):
                 plan = planner.op_plan(i, cfg)
                 for d, ns in zip(plan.devices, plan.fwd_ns, strict=False):
@@ -445,10 +445,29 @@ class Simulator:
             for u in range(len(flow.units)):
                 for x in self._param_plan(u).updates:
                     work[x.device] += x.ns
-        finally:
-            for i, cfg in saved:
-                self._configs[i] = cfg
         return max(work, default=0) / 1e6
+
+    @contextmanager
+    def _configured(self, items: Iterable[tuple[int, ParallelConfig]]) -> Iterator[None]:
+        """Op position -> config `items` in `_configs` while the block runs (what the plan lookups read),
+        the old configs back after."""
+        saved = []
+        try:
+            for i, cfg in items:
+                saved.append((i, self._configs[i]))
+                self._configs[i] = cfg
+            yield
+        finally:
+            for i, cfg in reversed(saved):
+                self._configs[i] = cfg
+
+    def _touched(self, ops: Iterable[int]) -> tuple[list[int], list[int]]:
+        """The parameter units and the edges (each once, in order) of op positions `ops`: what a change of
+        their configs re-lowers beside them."""
+        flow = self.flow
+        ops = list(ops)
+        units = sorted({flow.unit[i] for i in ops if flow.unit[i] >= 0})
+        return units, sorted({e for i in ops for e in flow.in_edges[i] + flow.out_edges[i]})
 
     def _checked_changes(self, changes: Mapping[str, ParallelConfig]) -> list[tuple[int, ParallelConfig]]:
         """The (op position, config) pairs of `changes` that change the strategy, after every check a
@@ -697,22 +716,16 @@ class Simulator:
         the topology is one that repeats itself replica by replica (`replica_refusal`, checked once):
         then every exchange of any strategy of replicas is exact, which `_check_replicas` checks one by
         one after a full build."""
-        flow = self.flow
         refusal = self.replica_refusal()
         if refusal:
             raise NotReplicable(refusal)
-        saved = [(i, self._configs[i]) for i, _ in items]
-        try:
-            for i, cfg in items:
-                self._configs[i] = cfg
-            for e in sorted({e for i, _ in items for e in flow.in_edges[i] + flow.out_edges[i]}):
+        units, edges = self._touched(i for i, _ in items)
+        with self._configured(items):
+            for e in edges:
                 self._edge_plan(e)
-            for u in sorted({flow.unit[i] for i, _ in items if flow.unit[i] >= 0}):
+            for u in units:
                 for group, _ in self._param_plan(u).sync:
                     self._check_group(group)
-        finally:
-            for i, cfg in saved:
-                self._configs[i] = cfg
 
     def _unlike_device(self) -> str:
         """Which device differs from its counterpart in replica 0 ('' where none does)."""
