@@ -16,11 +16,13 @@ transfer or an all-reduce waits for all its links. Since keys increase along dat
 algorithm with a heap on (ready, key) where each task takes the current last end of its resources.
 
 Rounds. Where an op runs in several rounds (devices repeat, or chunks hand their state between devices),
-the round order's edges (`simulator.taskgraph`'s task list; `_order_links`) are predecessors like data
-edges, rebuilt from the step's order on every change (they depend on every op's config; a proposal cuts
-and adds only those that differ). One may lead to a smaller key (a later
-round of an earlier op): that keeps (ready, key) a topological order unless the task before it lasts
-0 ns, so a state with such an edge (`_may_unsort`) is replayed whole by the next delta.
+the round order's edges (`simulator.taskgraph`'s task list; `simulator.roundwalk`, `_walk_rounds`) are
+predecessors like data edges, walked from the step's order on every change (they depend on every op's
+config): again from the last walk, only from the changed ops' items until it is back on its old track,
+where the order is unchanged, else from scratch; a proposal cuts and adds only the edges that differ.
+One may lead to a smaller key (a later round of an earlier op): that keeps (ready, key) a topological
+order unless the task before it lasts 0 ns, so a state with such an edge (`_unsorted`) is replayed whole
+by the next delta.
 
 Delta. The processing order of a simulation is sorted by (ready, key). After a change, let K0 be the
 smallest of: the old (ready, key) of every removed task and of every surviving task whose predecessors
@@ -69,6 +71,7 @@ from typing import NamedTuple
 
 from simulator.comm import NO_OVERHEAD, Comm
 from simulator.costmodel import AnalyticalCostModel, CostModel
+from simulator.roundwalk import RoundWalk, walk_rounds
 from simulator.taskgraph import (
     BWD,
     COMM_CATS,
@@ -94,7 +97,6 @@ from simulator.timeline import Timeline
 from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import OperatorGraph
 from soap.lowering import (
-    BACKWARD,
     EdgeStep,
     GradFlow,
     Item,
@@ -133,19 +135,6 @@ def _ns_limit(limit_ms: float) -> int:
     while n / 1e6 > limit_ms:
         n -= 1
     return n
-
-
-def _walk_exchanges(exchanges: list[tuple[int, tuple[int, ...], frozenset[int]]], waits: bool,
-                    prev: dict[int, int], out: list[Link], res: list[tuple[int, ...]]) -> None:
-    """One item's exchanges in the round order's walk (`Simulator._order_links`): each (task, ranks,
-    receivers) waits, when the item `waits`, for the last task of every rank so far, and becomes the last
-    task of the ranks that receive in it or that it occupies."""
-    for t, devices, receivers in exchanges:
-        if waits:
-            out += [(a, t) for a in dict.fromkeys(prev[d] for d in devices if d in prev)]
-        for d in devices:
-            if d in receivers or d in res[t]:
-                prev[d] = t
 
 
 class _Unit:
@@ -196,7 +185,7 @@ class _Journal:
 
     __slots__ = ("noop", "op", "cfg", "plan", "params", "old_len", "mem", "moved", "iteration", "dead",
                  "removed", "gone", "synced", "cut", "added", "links", "new_syncs", "order", "end", "rk", "cuts",
-                 "res_tails", "rounds", "round_links", "round_cut", "unsorted", "flight", "steps", "busy", "k0",
+                 "res_tails", "rounds", "walk", "round_cut", "unsorted", "flight", "steps", "busy", "k0",
                  "replayed")
 
     def __init__(self, *, noop: bool = False):
@@ -400,7 +389,7 @@ class Simulator:
             with self._configured(items):
                 rounds += self._hold(ops, units, edges, 1)
                 flight: dict[int, int] = {}
-                if rounds and interleaves(self.setup):  # the order's savings, from the changed steps (`_order_links`)
+                if rounds and interleaves(self.setup):  # the order's savings, from the changed steps (`_walk_rounds`)
                     steps = [planner.op_plan(i, cfg).step for i, cfg in enumerate(self._configs)]
                     changed = set(edges)
                     edge_steps = [self._edge_plan(e).step if e in changed else unit.step
@@ -630,9 +619,9 @@ class Simulator:
         for sid in sorted(members):
             self._syncs[sid] = self._new_sync(sid, members[sid], links)
         self._rounds = sum(plan.step.num_rounds > 1 for plan in self._plans)
-        self._round_links, self._flight = self._order_links()
-        links += self._round_links
-        self._unsorted = self._may_unsort(self._round_links)
+        self._walk, _, made = self._walk_rounds()
+        links += made
+        self._unsorted = self._walk is not None and self._walk.num_unsorting > 0
         self._apply(links)
         self._mem = [0] * self.num_devices
         self._trans: list[dict[int, int]] = [{} for _ in range(self.num_devices)]  # bytes -> how many parts
@@ -930,79 +919,35 @@ class Simulator:
             links += group_links
         return _Sync(tid, members, mine)
 
-    def _order_links(self) -> tuple[list[Link], dict[int, int]]:
-        """The round order's edges (`simulator.taskgraph`'s task list): on every device, the tasks of an op's rounds but
-        the first it runs in each pass wait for the task before them in the device's share of the step's order
-        (`soap.lowering.step_order`), as the runtime walks it: at each forward item, the exchanges of its input edges
-        for that round (in slot order) and the transfers of the states its chunks receive from other devices
-        (`OpPlan.carry_xfers`, in part order), then its part; at each backward item, its part, then those exchanges'
-        gradients and the states' gradients. An exchange waits for the task before it on every device that sends or
-        receives in it (a rank issues it when its walk gets there), but only a receiver's next task waits for the
-        exchange: a rank that only sends goes on (`runtime.collectives.Outbox`), unless the exchange occupies the
-        sending device itself (a cost model that charges the copies to the devices, as on CPUs). Also the order's
-        `soap.lowering.flight_savings`. None while every op runs in one round."""
+    def _walk_rounds(self, changed: Iterable[int] | None = None) -> tuple[RoundWalk | None, list[Link], list[Link]]:
+        """The round order's walk (`simulator.roundwalk`) of the state's configs and tasks, the edges of the
+        last walk it cuts and those it adds; None (every edge cut) while every op runs in one round.
+        `changed`: the op positions a proposal changed since the last walk (the walk goes again only from
+        their items, and those of the ops their output edges feed); None: walked from scratch. Also sets
+        the order's `soap.lowering.flight_savings` (`_flight`)."""
+        old = self._walk if changed is not None else None
         if not self._rounds:
-            return [], {}
-        flow, units, edge_units = self.flow, self._op_units, self._edge_units
+            self._flight = {}
+            return None, [] if old is None else old.all_links(), []
+        flow = self.flow
         steps = [plan.step for plan in self._plans]
-        edges = [unit.step for unit in edge_units]
+        edges = [unit.step for unit in self._edge_units]
         order = self._step_order(steps, edges)
-        parts: dict[int, list[list[int]]] = {}  # op -> its parts per round (ops of several rounds)
-        xfers: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}  # edge -> round -> (exchange, ranks)
-        out: list[Link] = []
-        prev: dict[int, int] = {}  # device -> its last task so far in the order
-        first: set[tuple[int, int]] = set()  # the (phase, op)s whose first item has been seen
-        res = self._res
-        for phase, i, r in order:
-            backward = phase == BACKWARD
-            step = steps[i]
-            tasks = units[i].bwd if backward else units[i].fwd
-            if step.num_rounds == 1:
-                cs, devs, mine = range(step.num_parts), step.devices, tasks
-            else:
-                rounds = parts.get(i)
-                if rounds is None:
-                    rounds = parts[i] = [[] for _ in range(step.num_rounds)]
-                    for c, k in enumerate(step.rounds):
-                        rounds[k].append(c)
-                cs = rounds[r]  # the round's parts
-                devs = [step.devices[c] for c in cs]
-                mine = [tasks[c] for c in cs]
-            exchanges = []
-            for e in flow.in_edges[i]:
-                if not edges[e].exchanges or (backward and not flow.edges[e].grad):
-                    continue
-                by_round = xfers.get(e)
-                if by_round is None:
-                    by_round = xfers[e] = {x[0]: (k, x[1]) for k, x in enumerate(edges[e].exchanges)}
-                if r in by_round:
-                    k, ranks = by_round[r]
-                    exchanges.append(((edge_units[e].bwd if backward else edge_units[e].fwd)[k], ranks,
-                                      edges[e].receivers[k][backward]))
-            carry = units[i].carry
-            if carry:  # the carries into the round's chunks from other devices, after the edges' exchanges
-                for c in cs:
-                    if c in carry and carry[c][backward] is not None:
-                        src, dst = step.devices[step.carry_from[c]], step.devices[c]
-                        exchanges.append((carry[c][backward], (min(src, dst), max(src, dst)),
-                                          {src if backward else dst}))
-            # the first item of each op and pass waits for nothing (the plain ready order): it only moves
-            # its devices' last tasks on; a part is its own device's last task
-            waits = (phase, i) in first
-            first.add((phase, i))
-            if not backward:
-                _walk_exchanges(exchanges, waits, prev, out, res)
-            if waits:
-                for d, t in zip(devs, mine, strict=True):
-                    a = prev.get(d)
-                    if a is not None:
-                        out.append((a, t))
-                    prev[d] = t
-            else:
-                prev.update(zip(devs, mine, strict=True))
-            if backward:
-                _walk_exchanges(exchanges, waits, prev, out, res)
-        return out, flight_savings(flow, steps, edges, order)
+        self._flight = flight_savings(flow, steps, edges, order) if interleaves(self.setup) else {}
+        if changed is not None:
+            changed = set(changed)
+            changed |= {flow.edges[e].dst for i in list(changed) for e in flow.out_edges[i]}
+        dur, key = self._dur, self._key
+
+        def unsorting(links: list[Link]) -> int:
+            """How many of order edges `links` may break the invariant that the simulation processes tasks
+            in increasing (ready, key): an order edge may go to a smaller key (an earlier op's later round),
+            and a task of zero duration before it could then make both ready at once. Delta simulation
+            replays the whole step while one may (`_unsorted`; rare: every real task takes time)."""
+            return sum(1 for a, v in links if not dur[a] and key[a] > key[v])
+
+        return walk_rounds(order, steps, edges, self._op_units, self._edge_units, flow, self._res, unsorting,
+                           old, changed or ())
 
     def _step_order(self, steps: list[OpStep], edges: list[EdgeStep]) -> tuple[Item, ...]:
         """`soap.lowering.step_order`, remembered by what it reads: every op's rounds and carries, every
@@ -1016,14 +961,6 @@ class Simulator:
                 self._orders.clear()
             order = self._orders[key] = step_order(self.flow, steps, edges)
         return order
-
-    def _may_unsort(self, links: list[Link]) -> bool:
-        """Whether order edges `links` may break the invariant that the simulation processes tasks in
-        increasing (ready, key): an order edge may go to a smaller key (an earlier op's later round), and a
-        task of zero duration before it could then make both ready at once. Delta simulation replays the
-        whole step while that may be so (rare: every real task takes time)."""
-        dur, key = self._dur, self._key
-        return any(not dur[a] and key[a] > key[v] for a, v in links)
 
     # -- simulation ----------------------------------------------------------------------------------
 
@@ -1110,20 +1047,14 @@ class Simulator:
             links += j.links
             move.steps.append(j)
         # the round order's edges: those that changed (edges of new tasks are all new)
-        move.round_links, move.unsorted, move.flight = self._round_links, self._unsorted, self._flight
-        new_order, self._flight = self._order_links()
-        move.links = []
-        move.round_cut = []
-        if new_order or move.round_links:
-            kept_order = set(new_order)
-            move.round_cut = [link for link in move.round_links if link not in kept_order]
+        move.walk, move.unsorted, move.flight = self._walk, self._unsorted, self._flight
+        self._walk, move.round_cut, move.links = self._walk_rounds(i for i, _ in items)
+        if move.round_cut:
             k0 = min(k0, self._unlink(move.round_cut, old_len))
-            old_order = set(move.round_links)
-            move.links = [link for link in new_order if link not in old_order]
+        if move.links:
             self._apply(move.links)
             links += move.links
-        self._round_links = new_order
-        self._unsorted = self._may_unsort(new_order)
+        self._unsorted = self._walk is not None and self._walk.num_unsorting > 0
         # the earliest point anything can change: an old task with a new predecessor, a new task whose
         # predecessors are all old
         alive, end, rk, preds, sh, kt = self._alive, self._end, self._rk, self._preds, self._sh, self._kt
@@ -1374,7 +1305,7 @@ class Simulator:
                 succs[a].append(v)
             if alive[v]:
                 preds[v].append(a)
-        self._round_links, self._unsorted, self._flight = j.round_links, j.unsorted, j.flight
+        self._walk, self._unsorted, self._flight = j.walk, j.unsorted, j.flight
         for step in reversed(j.steps):
             self._undo_change(step)
         self._busy = j.busy

@@ -30,6 +30,20 @@ def _state(sim: Simulator) -> tuple:
     return (sim._iteration_ns, sim.peak_memory_bytes, sim._moved, sim.num_tasks)
 
 
+def _walk_links(sim: Simulator) -> tuple[list, list]:
+    """The round order's edges and remembered states as the simulator keeps them (walked again from an
+    earlier walk where a proposal left the order as it was)."""
+    walk = sim._walk
+    return ([], []) if walk is None else (walk.all_links(), walk.states)
+
+
+def _fresh_walk(sim: Simulator) -> tuple[list, list]:
+    """The round order's edges and states of a walk from scratch over the simulator's tasks."""
+    walk, cut, made = sim._walk_rounds()
+    assert not cut
+    return ([], []) if walk is None else (made, walk.states)
+
+
 def _compute_ms(timeline) -> float:
     """The most forward, backward and update time any one device has, from the simulated tasks."""
     per: dict[int, float] = {}
@@ -53,6 +67,7 @@ def propose_and_check(sim: Simulator, ref: Simulator, current, name: str, cfg, k
     assert peeked == ref.peak_memory_bytes, f"proposal {k}: {name} -> {cfg}"
     assert t_ms == full.iteration_time_ms, f"proposal {k}: {name} -> {cfg}"
     assert _state(sim) == _state(ref), f"proposal {k}: {name} -> {cfg}"
+    assert _walk_links(sim) == _fresh_walk(sim), f"proposal {k}: {name} -> {cfg}"
     if k % every == 0:
         delta = sim.timeline()
         assert delta.task_times() == full.task_times(), f"proposal {k}: {name} -> {cfg}"

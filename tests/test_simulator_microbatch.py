@@ -8,13 +8,14 @@ parts of one op one after another (`soap.lowering`'s rules "Rounds" and "Order")
   time, faster than M = 1.
 - Delta simulation equals the full simulation exactly over random proposals whose configs repeat devices,
   on builder graphs and captured zoo models, several topologies, with tied ready times and with tasks of
-  zero duration (`Simulator._may_unsort`).
+  zero duration (`Simulator._unsorted`).
 - A data-parallel strategy with micro-batches is simulated by one replica exactly, or falls back to the
   plain simulation: the same figures either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -29,6 +30,7 @@ import simulator.taskgraph as taskgraph
 from search.baselines import BaselineNotApplicable, parse_baseline
 from simulator import AnalyticalCostModel, FixedCostModel, Simulator
 from simulator.engine import simulate, simulator_of
+from simulator.roundwalk import CHECKPOINT
 from soap.config import ConfigError, ParallelConfig, validate
 from soap.graph import Operator, OperatorGraph
 from soap.lowering import lower
@@ -406,9 +408,11 @@ def test_a_simulator_that_timed_other_pipelines_times_each_as_a_fresh_one(schedu
 
 
 def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int, seed: int, cost_model=None,
-              p_repeat: float = 0.6, setup: TrainSetup | None = None) -> tuple[int, int]:
+              p_repeat: float = 0.6, setup: TrainSetup | None = None) -> tuple[int, int, int]:
     """Random one-op proposals, most of them configs whose devices repeat, each checked against a full
-    simulation; returns (proposals whose strategy repeats devices, those with round-order edges)."""
+    simulation (and its round order's walk against one from scratch); returns (proposals whose strategy
+    repeats devices, those with round-order edges, those whose walk went again from the last one: the
+    order unchanged)."""
     rng = random.Random(seed)
     cost_model = cost_model or AnalyticalCostModel()
     sim = Simulator(graph, topology, cost_model, setup=setup)
@@ -419,17 +423,19 @@ def run_chain(graph: OperatorGraph, topology: DeviceTopology, *, proposals: int,
         current = current.with_config(op.name, draw_config(op, n, rng, p_repeat))
     sim.full(current)
     names = [op.name for op in graph]
-    repeated = ordered = 0
+    repeated = ordered = walked_again = 0
     for k in range(proposals):
         name = rng.choice(names)
         cfg = draw_config(graph[name], n, rng, p_repeat)
         proposed = propose_and_check(sim, ref, current, name, cfg, k, every=5)
         repeated += any(repeats(proposed[op.name]) for op in graph)
-        ordered += bool(sim._round_links)
+        ordered += sim._walk is not None and bool(sim._walk.all_links())
+        before = getattr(sim._journal, "walk", None)
+        walked_again += sim._walk is not None and before is not None and sim._walk.order is before.order
         current = accept_or_reject(sim, ref, current, proposed, k, rng, every=5, check_times=True)
     fresh = Simulator(graph, topology, cost_model, setup=setup).full(current)
     assert sim.timeline().task_times() == fresh.task_times()
-    return repeated, ordered
+    return repeated, ordered, walked_again
 
 
 BUILDER_CASES = [
@@ -445,27 +451,27 @@ BUILDERS = {"mlp": lambda: mlp(batch=32), "chain": lambda: chain(batch=32, width
 
 @pytest.mark.parametrize(("graph_name", "topology", "proposals"), BUILDER_CASES)
 def test_delta_equals_full_with_repeated_devices_on_builder_graphs(graph_name, topology, proposals):
-    repeated, ordered = run_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals,
+    repeated, ordered, again = run_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals,
                                   seed=proposals + len(topology))
-    assert repeated >= proposals * 3 // 4 and ordered >= proposals // 4
+    assert repeated >= proposals * 3 // 4 and ordered >= proposals // 4 and again >= proposals // 10
 
 
 def test_delta_equals_full_with_repeated_devices_under_the_fixed_cost_model():
     """Equal durations make ready-time ties common; the static keys (rounds included) break them alike."""
     cost = FixedCostModel(fwd_each_ms=0.01, bwd_each_ms=0.02, update_each_ms=0.005, reduce_each_ms=0.001)
-    repeated, ordered = run_chain(chain(batch=32, width=64, depth=6), load_topology("p100-2x2"), proposals=150,
+    repeated, ordered, again = run_chain(chain(batch=32, width=64, depth=6), load_topology("p100-2x2"), proposals=150,
                                   seed=5, cost_model=cost)
-    assert repeated >= 110 and ordered >= 35
+    assert repeated >= 110 and ordered >= 35 and again >= 15
 
 
 def test_delta_equals_full_with_zero_duration_tasks_before_a_round_order_edge():
     """Forwards of zero duration: a round-order edge to a smaller key could then tie with its source, so
-    the simulator replays such states whole (`Simulator._may_unsort`), still equal to the full simulation."""
+    the simulator replays such states whole (`Simulator._unsorted`), still equal to the full simulation."""
     graph = mlp(batch=32, sizes=(16, 32, 16))
     cost = FixedCostModel(fwd_each_ms=0.0, bwd_each_ms=0.01, update_each_ms=0.001)
     sim = Simulator(graph, load_topology("cpu-2"), cost)
     sim.full(pipeline_of_mlp(graph))
-    assert sim._round_links and sim._unsorted
+    assert sim._walk.all_links() and sim._unsorted
     run_chain(graph, load_topology("cpu-2"), proposals=100, seed=11, cost_model=cost)
 
 
@@ -477,9 +483,9 @@ def pipeline_of_mlp(graph: OperatorGraph) -> Strategy:
 @pytest.mark.parametrize(("graph_name", "topology", "proposals"), [("chain", "p100-2x2", 120), ("mlp", "cpu-4", 120)])
 def test_delta_equals_full_with_repeated_devices_under_one_f_one_b(graph_name, topology, proposals):
     """The 1F1B order and its memory (`flight_savings`) change with every op's config: still exact."""
-    repeated, ordered = run_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals,
+    repeated, ordered, again = run_chain(BUILDERS[graph_name](), load_topology(topology), proposals=proposals,
                                   seed=proposals + 7, setup=TrainSetup(schedule="1f1b"))
-    assert repeated >= proposals * 3 // 4 and ordered >= proposals // 4
+    assert repeated >= proposals * 3 // 4 and ordered >= proposals // 4 and again >= proposals // 10
 
 
 def test_delta_equals_full_with_repeated_devices_and_tied_small_buckets():
@@ -567,17 +573,17 @@ def test_delta_equals_full_with_lstm_chunks(schedule, cell):
 
 @pytest.mark.parametrize(("model", "topology", "proposals"), ZOO_CASES)
 def test_delta_equals_full_with_repeated_devices_on_zoo_models(zoo_graphs, model, topology, proposals):
-    repeated, ordered = run_chain(zoo_graphs[model], load_topology(topology), proposals=proposals,
+    repeated, ordered, again = run_chain(zoo_graphs[model], load_topology(topology), proposals=proposals,
                                   seed=proposals)
-    assert repeated >= proposals * 3 // 4 and ordered >= 1
+    assert repeated >= proposals * 3 // 4 and ordered >= 1 and again >= 1
 
 
 @pytest.mark.parametrize(("model", "topology", "proposals"), [("rnnlm", "cpu-2", 150), ("transformer", "cpu-2", 60)])
 def test_delta_equals_full_on_zoo_models_under_one_f_one_b(zoo_graphs, model, topology, proposals):
     """Under 1F1B a change re-orders rounds far from the changed op."""
-    repeated, ordered = run_chain(zoo_graphs[model], load_topology(topology), proposals=proposals,
+    repeated, ordered, again = run_chain(zoo_graphs[model], load_topology(topology), proposals=proposals,
                                   seed=proposals + 3, setup=TrainSetup(schedule="1f1b"))
-    assert repeated >= proposals * 3 // 4 and ordered >= 1
+    assert repeated >= proposals * 3 // 4 and ordered >= 1 and again >= 1
 
 
 def test_a_cut_order_edge_replays_from_where_its_target_now_comes(zoo_graphs):
@@ -696,3 +702,35 @@ def test_lstm_chunks_run_as_a_wavefront():
     p100 = load_topology("p100-1x2")
     assert (simulate(big, rc.wavefront_strategy(big, 2, 4), p100).iteration_time_ms
             < 0.8 * simulate(big, rc.wavefront_strategy(big, 2, 1), p100).iteration_time_ms)
+
+
+def test_a_proposal_that_keeps_the_order_walks_again_only_from_the_changed_ops():
+    """A deep chain pipelined in 4 micro-batches over 2 devices: a proposal that keeps every op's rounds
+    (the last linear layer of the first stage given full recomputation) leaves the step's order as it
+    was, so the round order's walk goes again only from the checkpoint before each of that op's items
+    (one per round and pass, spread over the order) until it is back on its old track; the items between
+    keep the edges they had (the same lists), and the whole equals a walk from scratch. A change of rounds
+    walks from scratch."""
+    graph = chain(batch=32, width=16, depth=24)
+    names = [op.name for op in graph]
+    half = len(names) // 2
+    strategy = two_stages(graph, 4, lambda op: 0 if names.index(op.name) < half else 1)
+    sim = Simulator(graph, load_topology("p100-1x2"), FixedCostModel(fwd_each_ms=1.0, bwd_each_ms=2.0))
+    ref = Simulator(graph, load_topology("p100-1x2"), FixedCostModel(fwd_each_ms=1.0, bwd_each_ms=2.0))
+    sim.full(strategy)
+    old = sim._walk
+    assert len(old.order) > 8 * CHECKPOINT  # enough items for the walk to skip some
+    target = next(n for n in reversed(names[:half]) if graph[n].kind == "linear")
+    cfg = dataclasses.replace(strategy[target], recompute=True)
+    propose_and_check(sim, ref, strategy, target, cfg, 0, every=1)
+    new = sim._walk
+    assert new.order is old.order
+    kept = sum(a is b for a, b in zip(new.links, old.links, strict=True))
+    changed = len(sim._walk.positions[names.index(target)])
+    assert kept >= len(old.order) - 3 * CHECKPOINT * changed  # walked again near the changed op's items only
+    assert any(a is not b for a, b in zip(new.links, old.links, strict=True))
+    sim.reject()
+    assert sim._walk is old
+    fewer = ParallelConfig(degrees={"sample": 2}, devices=(0, 0))
+    propose_and_check(sim, ref, strategy, target, fewer, 1, every=1)
+    assert sim._walk.order != old.order and all(a is not b for a, b in zip(sim._walk.links, old.links, strict=False))
