@@ -49,6 +49,7 @@ class ParallelConfig:
     recompute: bool = False
     shard: int = 1
     _key: tuple = dataclasses.field(init=False, repr=False, compare=False)  # `key()`, made once
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)  # its hash, made once
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute, bool):
@@ -68,6 +69,7 @@ class ParallelConfig:
                              f"but {len(self.devices)} devices are listed")
         object.__setattr__(self, "_key", (tuple(sorted(self.degrees.items())), self.devices, self.recompute,
                                           self.shard))
+        object.__setattr__(self, "_hash", hash(self._key))
 
     @property
     def num_parts(self) -> int:
@@ -81,10 +83,15 @@ class ParallelConfig:
         return self._key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash  # (configs key the plan caches: hashed millions of times in a search)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ParallelConfig) and self._key == other._key
+        return self is other or (isinstance(other, ParallelConfig) and self._key == other._key)
+
+    def __reduce__(self) -> tuple:
+        """Pickled by its fields and made anew where it is unpickled: a string's hash differs from one
+        process to another, and so would the kept hash."""
+        return _config_of, (dict(self.degrees), self.devices, self.recompute, self.shard)
 
     def to_dict(self) -> dict:
         return {"degrees": dict(self.degrees), "devices": list(self.devices), "recompute": self.recompute,
@@ -103,6 +110,11 @@ class ParallelConfig:
     @classmethod
     def single(cls, device: int) -> ParallelConfig:
         return cls(degrees={}, devices=(device,))
+
+
+def _config_of(degrees: Mapping[str, int], devices: tuple[int, ...], recompute: bool, shard: int) -> ParallelConfig:
+    """The `ParallelConfig` of these fields (unpickling)."""
+    return ParallelConfig(degrees=degrees, devices=devices, recompute=recompute, shard=shard)
 
 
 def validate(op: Operator, cfg: ParallelConfig, num_devices: int | None = None) -> None:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -922,3 +926,21 @@ def test_recurrent_flops_formulas():
     for op in (ops["gru"], ops["rnn-tanh"]):
         fwd = op_def(op.kind).flops(op)
         assert op_def(op.kind).backward_flops(op, fwd) == 2 * fwd
+
+
+def test_a_config_unpickled_in_another_process_hashes_as_that_process_makes_it():
+    """A config keeps its hash (plan caches hash configs millions of times in a search), and a string's
+    hash differs between processes: one pickled here and unpickled under another hash seed must equal and
+    hash like the same config made there (spawned search workers and runtime ranks receive configs so)."""
+    cfg = ParallelConfig(degrees={"sample": 2, "out_features": 2}, devices=(0, 1, 2, 3), recompute=True)
+    script = ("import pickle, sys\n"
+              "from soap.config import ParallelConfig\n"
+              "got = pickle.loads(sys.stdin.buffer.read())\n"
+              "made = ParallelConfig(degrees={'sample': 2, 'out_features': 2}, devices=(0, 1, 2, 3), recompute=True)\n"
+              "print(got == made, hash(got) == hash(made), len({got, made}))\n")
+    outs = set()
+    for seed in ("1", "2"):
+        run = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(cfg), capture_output=True,
+                             timeout=60, env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
+        outs.add(run.stdout.decode().strip())
+    assert outs == {"True True 1"}
