@@ -21,9 +21,9 @@ Again from an earlier walk. The walk's state before an item is, per device, its 
 item's edges depend only on that state for its devices, and on the item itself (its op's parts and
 their tasks, its input edges' exchanges, its carries). A change of some ops, with the order unchanged,
 changes only the items of those ops and of the ops their output edges feed. So the walk starts again from
-the last remembered state at or before the first such item, and stops at the first remembered state
-after the last one that equals the earlier walk's there (task ids are never reused, so equal states mean
-the same tasks): from there on every item makes the edges it made before. Where the order itself changed,
+the last remembered state at or before each such item, and goes on until a remembered state equals the
+earlier walk's there (task ids are never reused, so equal states mean the same tasks): from there every
+item up to the next such one makes the edges it made before, and the walk skips to it. Where the order itself changed,
 the walk is made from scratch. Either way the result is exactly the walk from scratch, and only the edges
 that differ are handed back (`walk_rounds`' cut and added edges).
 """
@@ -97,11 +97,11 @@ def walk_rounds(order: tuple[Item, ...], steps: Sequence[OpStep], edges: Sequenc
                 if nxt == len(at):
                     break
                 jump = at[nxt] // CHECKPOINT * CHECKPOINT
-                if jump > k or k == 0:
+                if jump > k or not spans:
                     k = jump
                     prev = dict(states[jump // CHECKPOINT])
                     spans.append((k, k))
-            elif old is None or states[c] != prev:
+            else:
                 states[c] = dict(prev)
         out = _walk_item(order[k], not firsts[k], steps, edges, units, edge_units, flow, res, prev, parts, xfers)
         links[k] = out
@@ -113,16 +113,15 @@ def walk_rounds(order: tuple[Item, ...], steps: Sequence[OpStep], edges: Sequenc
             spans[-1] = (spans[-1][0], k)
     walk = RoundWalk(order, firsts, positions, links, counts, states)
     if old is None:
-        made = walk.all_links()
-        if prior is None:
-            return walk, [], made
-        kept, was = set(made), prior.all_links()
-        had = set(was)
-        return walk, [link for link in was if link not in kept], [link for link in made if link not in had]
-    before = [link for lo, hi in spans for item in old.links[lo:hi] for link in item]
-    after = [link for lo, hi in spans for item in links[lo:hi] for link in item]
+        return (walk, *_differ([] if prior is None else prior.all_links(), walk.all_links()))
+    return (walk, *_differ([link for lo, hi in spans for item in old.links[lo:hi] for link in item],
+                           [link for lo, hi in spans for item in links[lo:hi] for link in item]))
+
+
+def _differ(before: list[Link], after: list[Link]) -> tuple[list[Link], list[Link]]:
+    """The edges of `before` not in `after` and those of `after` not in `before`, each in its order."""
     was, now = set(before), set(after)
-    return walk, [link for link in before if link not in now], [link for link in after if link not in was]
+    return [link for link in before if link not in now], [link for link in after if link not in was]
 
 
 def _places(order: tuple[Item, ...]) -> tuple[list[bool], dict[int, list[int]]]:
