@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from simulator.engine import Simulator
 from soap.config import ParallelConfig
@@ -74,7 +74,9 @@ class Evaluator(Protocol):
 class EvaluatorFactory(Protocol):
     """Builds one evaluator per chain; must pickle (chains run in worker processes with `jobs` > 1). A
     search of replicas (`search.mcmc.search`'s `replicas`) asks for evaluators of one replica by passing
-    `replicas`; a factory that cannot simulate that way need not take it."""
+    `replicas`; a factory that cannot simulate that way need not take it. One that can says so with a true
+    `simulates_replicas` attribute: a search of every strategy then may search replicas first (its replica
+    phase)."""
 
     def __call__(self, graph: OperatorGraph, topology: DeviceTopology, **kwargs: Any) -> Evaluator: ...
 
@@ -296,6 +298,7 @@ class SimulatorEvaluators:
     cost_model: Any = None
     delta: bool = True
     setup: TrainSetup | None = None
+    simulates_replicas: ClassVar[bool] = True  # (`EvaluatorFactory`)
 
     def __call__(self, graph: OperatorGraph, topology: DeviceTopology, *,
                  replicas: Replicas | None = None) -> Evaluator:

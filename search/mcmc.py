@@ -74,6 +74,19 @@ The method:
   a replica, the recomputing starts likewise), the random chain draws its configs from that space, and
   a proposal the simulator refuses (`NotReplicable`: an exchange or all-reduce that would leave replica
   0) is rejected. The best is tidied within the replicas too.
+- the replica phase: where no baseline fits (a model that fits only with recomputation or sharded
+  parameters) a search of every strategy on more than one device first searches the strategies of one
+  replica per device (`replicas` = the device count: data parallelism with each op's recomputation,
+  sharding and micro-batches searched), with `REPLICA_PHASE_SHARE` of the budgets left after the starts
+  (a time budget's seconds, or a proposal budget's proposals), and one more chain (``best of N
+  replicas``) starts from that phase's best, after the recomputing one. Its proposals are many times
+  cheaper (one device's tasks), so it finds the memory choices per op that such a model needs sooner
+  than chains over every strategy do (GPT 1.7B on 32 A100s: `benchmarks/search_scale.py`); the chains
+  after it may still leave its layouts (pipelines, tensor parallelism). The phase's chains are reported
+  as ``N replicas: NAME``, its proposals and history come first in the result's (`SearchResult`'s
+  `replica_phase` is N), and its best stands where the time left no chain to start from it. Off with
+  `replica_phase=False`, where an evaluator factory cannot simulate replicas (`simulates_replicas`), or
+  where the topology does not repeat itself device by device (`Simulator.replica_refusal`).
 - every chain costs proposals with its own `Evaluator` (delta simulation: only the changed op's tasks
   are re-timed). Each baseline is simulated by an evaluator of its own; with `jobs` 1 a chain that
   starts from a baseline takes over that evaluator instead of simulating its start again.
@@ -83,6 +96,7 @@ Must not import torch, the runtime or soapflow.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import random
@@ -106,6 +120,7 @@ from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
 DEFAULT_BETA_SCALE = 100.0
+REPLICA_PHASE_SHARE = 1 / 3  # of the budgets left after the starts, the replica phase's (module docstring)
 TIDY_SHARE = 0.1  # of a time budget, the least tidying gets after the chains (module docstring)
 PROGRESS_INTERVAL_S = 0.5
 
@@ -151,6 +166,8 @@ class SearchResult:
     beta_per_ms: float
     history: tuple[tuple[int, float, float], ...]
     replicas: int = 1  # the chains searched strategies of this many replicas (`search`'s `replicas`)
+    replica_phase: int = 0  # replicas of the replica phase that came first (module docstring), 0: none
+    replica_phase_proposals: int = 0  # of `num_proposals`, the replica phase's
 
     @property
     def proposals_per_s(self) -> float:
@@ -376,13 +393,14 @@ def check_budgets(*, budget_s: float | None, max_proposals: int | None, jobs: in
 def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: EvaluatorFactory,
            budget_s: float | None = None, max_proposals: int | None = None, seed: int = 0, jobs: int = 1,
            beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1, replicas: int | None = None,
-           progress: Progress | None = None) -> SearchResult:
+           replica_phase: bool = True, progress: Progress | None = None) -> SearchResult:
     """Find a fast strategy for `graph` on `topology` that fits in memory (see the module docstring).
 
     At least one budget is needed; `ValueError` for a budget <= 0, `jobs` < 1 or `random_chains` < 0,
     `NoFeasibleStrategy` when nothing the search saw fits in memory. `replicas`: the chains search only
     strategies made of that many replicas (module docstring; `ValueError` where the graph or the topology
-    has none). `progress` (optional) is called
+    has none). `replica_phase`: in a search of every strategy where no baseline fits, search strategies of
+    one replica per device first (module docstring; False: never). `progress` (optional) is called
     with {proposals, proposals_per_s, elapsed_s, best_ms} once the baselines are simulated (proposals 0,
     best_ms the best baseline's, inf if none fits), then on improvements and about twice a second.
     """
@@ -435,6 +453,18 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     if closest_recomputing is not None and _closeness(probes[closest_recomputing][1]) < closest_baseline:
         starts.append(closest_recomputing)
     strategies_and_starts = strategies | recomputing
+    # No baseline fits: a search of one replica per device first, whose best one more chain starts from.
+    phase, phase_start = None, time.monotonic() - t0
+    if replica_phase and rep is None and not feasible and getattr(evaluators, "simulates_replicas", False):
+        phase = _replica_phase(graph, topology, evaluators=evaluators, seed=seed, jobs=jobs, beta_scale=beta_scale,
+                               random_chains=random_chains, progress=progress,
+                               budget_s=None if budget_s is None else budget_s - phase_start,
+                               max_proposals=max_proposals)
+    if phase is not None:
+        name = f"best of {phase.replicas} replicas"
+        starts.append(name)
+        strategies_and_starts[name] = phase.best
+        probes[name] = _probe(evaluators, graph, topology, phase.best, space)
     named: list[tuple[str, Strategy]] = []
     for name in starts:
         if all(strategies_and_starts[name] != s for _, s in named) and space.holds(strategies_and_starts[name]):
@@ -444,7 +474,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     named += [(f"random{i}", space.random_strategy(rng, base)) for i in range(random_chains)]
     per_chain = [None] * len(named)
     if max_proposals is not None:
-        q, r = divmod(max_proposals, len(named))
+        q, r = divmod(max_proposals - (phase.num_proposals if phase is not None else 0), len(named))
         per_chain = [q + (i < r) for i in range(len(named))]
     specs = [ChainSpec(name=n, start=to_plain(s), seed=f"soapflow.search/{seed}/{n}", max_proposals=k)
              for (n, s), k in zip(named, per_chain, strict=True) if k is None or k > 0]
@@ -452,7 +482,9 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     references = [to_plain(s) for s in (strategies | recomputing).values()]
     offset = time.monotonic() - t0
     if progress is not None:
-        progress = _with_rate(progress, offset)
+        if phase is not None:  # the chains' proposals go on from the phase's, their best from its best
+            progress = _after_phase(progress, phase)
+        progress = _with_rate(progress, offset if phase is None else offset - phase.search_s)
         progress({"proposals": 0, "elapsed_s": offset,
                   "best_ms": feasible[best_baseline].time_ms if best_baseline else math.inf})
     left = None if budget_s is None else max(budget_s - offset, 0.0)
@@ -477,6 +509,9 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     best = strategies[best_baseline] if best_baseline else None
     best_cost = feasible[best_baseline] if best_baseline else None
     reports = []
+    if phase is not None:  # (its best stands even where the time left no chain to start from it)
+        best_name, best, best_cost = f"{phase.replicas} replicas: {phase.best_source}", phase.best, phase.best_cost
+        reports += [dataclasses.replace(c, name=f"{phase.replicas} replicas: {c.name}") for c in phase.chains]
     min_peak = min(((c.peak_memory_bytes, n) for n, c in costs.items() if c is not None),
                    default=(math.inf, ""))
     order = {s.name: i for i, s in enumerate(specs)}
@@ -495,11 +530,61 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
         best, best_cost = tidy(graph, best, _evaluator(evaluators, graph, topology, rep),
                                num_devices=topology.num_devices, deadline=tidy_deadline(t0, budget_s, time.monotonic()))
     history = _merge_history(outcomes, feasible[best_baseline].time_ms if best_baseline else math.inf, offset)
+    num_proposals = sum(o["num_proposals"] for o in outcomes)
+    if phase is not None:
+        history = _after_phase_history(phase, phase_start, history)
+        num_proposals += phase.num_proposals
+        search_s += phase.search_s
     return SearchResult(
         best=best, best_cost=best_cost, best_source=best_name, baselines=MappingProxyType(costs),
         baseline_errors=MappingProxyType(errors), chains=tuple(reports),
-        num_proposals=sum(o["num_proposals"] for o in outcomes), elapsed_s=time.monotonic() - t0,
-        search_s=search_s, beta_per_ms=beta, history=history, replicas=1 if rep is None else rep.count)
+        num_proposals=num_proposals, elapsed_s=time.monotonic() - t0,
+        search_s=search_s, beta_per_ms=beta, history=history, replicas=1 if rep is None else rep.count,
+        replica_phase=0 if phase is None else phase.replicas,
+        replica_phase_proposals=0 if phase is None else phase.num_proposals)
+
+
+def _replica_phase(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: EvaluatorFactory,
+                   budget_s: float | None, max_proposals: int | None, seed: int, jobs: int, beta_scale: float,
+                   random_chains: int, progress: Progress | None) -> SearchResult | None:
+    """The replica phase of a search (module docstring) with what is left of its budgets `budget_s` and
+    `max_proposals`: a search of one replica per device with `REPLICA_PHASE_SHARE` of them; None where
+    there is none (one device, too little budget left, a topology that does not repeat itself device by
+    device) or it found nothing that fits."""
+    n = topology.num_devices
+    share_s = None if budget_s is None else REPLICA_PHASE_SHARE * budget_s
+    share = None if max_proposals is None else int(REPLICA_PHASE_SHARE * max_proposals)
+    if n < 2 or (share_s is not None and share_s <= 0) or share == 0:
+        return None
+    try:
+        return search(graph, topology, evaluators=evaluators, budget_s=share_s, max_proposals=share, seed=seed,
+                      jobs=jobs, beta_scale=beta_scale, random_chains=random_chains, replicas=n, progress=progress)
+    except ValueError:  # (`NoFeasibleStrategy` too) no such phase on this topology, or nothing fits in it
+        return None
+
+
+def _after_phase(progress: Progress, phase: SearchResult) -> Progress:
+    """`progress` of the chains after the replica phase `phase`: their proposals counted on from the
+    phase's, their best no worse than its best."""
+    def report(p: Mapping[str, Any]) -> None:
+        progress({**p, "proposals": p["proposals"] + phase.num_proposals,
+                  "best_ms": min(p["best_ms"], phase.best_cost.time_ms)})
+
+    return report
+
+
+def _after_phase_history(phase: SearchResult, start_s: float, history: tuple[tuple[int, float, float], ...]
+                         ) -> tuple[tuple[int, float, float], ...]:
+    """The history of a search whose replica phase `phase` began `start_s` into it and whose chains then
+    made `history`: the phase's improvements (their times from the search's start), then the chains'
+    (their proposal indices counted on from the phase's) that improve on them."""
+    out = [(n, round(t + start_s, 6), ms) for n, t, ms in phase.history]
+    best = out[-1][2] if out else math.inf
+    for n, t, ms in history:
+        if ms < best:
+            best = ms
+            out.append((n + phase.num_proposals, t, ms))
+    return tuple(out)
 
 
 def replica_layout(topology: DeviceTopology, replicas: int | None) -> Replicas | None:

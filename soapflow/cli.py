@@ -245,7 +245,7 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
                        jobs=args.jobs, max_proposals=args.proposals, out_path=args.output, progress=bar,
                        plot=args.plot, cost_model=args.costdb, measure_rounds=args.measure_rounds,
                        confirm_runs=args.confirm_runs, setup=setup, shipped_costs=not args.no_shipped_costs,
-                       replicas=args.replicas)
+                       replicas=args.replicas, replica_phase=not args.no_replica_phase)
     finally:
         bar.close()
     text = optimize_text(out)
@@ -396,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, metavar="R",
                    help="search only strategies made of R identical replicas (R divides the devices; say, one "
                         "per node), each simulated by one replica: faster proposals in a smaller space")
+    p.add_argument("--no-replica-phase", action="store_true",
+                   help="where no baseline fits, do not search strategies of one replica per device first "
+                        "(a third of the budget) before searching every strategy")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="strategy file to write (default: strategy-MODEL-TOPOLOGY.json)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the convergence curve (needs matplotlib)")

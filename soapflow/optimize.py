@@ -70,7 +70,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
              beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1,
              measure_rounds: int = 0, confirm_runs: int = 0, confirm_steps: int = 10,
              setup: TrainSetup | None = None, shipped_costs: bool = True,
-             replicas: int | None = None) -> dict[str, Any]:
+             replicas: int | None = None, replica_phase: bool = True) -> dict[str, Any]:
     """Search a strategy for `model_ref` on `topology_ref` for the training `setup` (None: `TrainSetup()`)
     and write it to `out_path`.
 
@@ -83,6 +83,8 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     for its GPU kind (`simulator.shipped`); the report's `shipped_costs` says what that database priced.
     `replicas`: the chains search only strategies made of that many identical replicas, each simulated by
     one replica (`search.mcmc.search`; faster proposals in a smaller space; the report's `replicas`).
+    `replica_phase=False`: no replica phase first where no baseline fits (`search.mcmc.search`; the report's
+    `replica_phase` is its replica count, 0 without one, and `replica_phase_proposals` its proposals).
     `progress` is called with {proposals, proposals_per_s, elapsed_s, best_ms} about twice a second.
     Bad input raises `ValueError` (one line): a budget <= 0, an unknown model or topology; a search in which
     nothing fits in memory raises `search.mcmc.NoFeasibleStrategy` (a `ValueError` naming the smallest
@@ -112,7 +114,8 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     def run_search(model: Any) -> SearchResult:
         return search(graph, topology, evaluators=SimulatorEvaluators(cost_model=model, delta=delta, setup=setup),
                       budget_s=budget_s, max_proposals=max_proposals, seed=seed, jobs=jobs,
-                      beta_scale=beta_scale, random_chains=random_chains, replicas=replicas, progress=progress)
+                      beta_scale=beta_scale, random_chains=random_chains, replicas=replicas,
+                      replica_phase=replica_phase, progress=progress)
 
     result = run_search(cost_model)
     measured = {"rounds": 0, "parts_timed": 0}
@@ -148,6 +151,7 @@ def optimize(model_ref: str, topology_ref: str, *, batch: int | None = None,
     out = {"model": spec.name, "topology": topology.name, "num_devices": topology.num_devices,
            "batch_size": graph.batch_size, "setup": setup.to_dict(), "seed": seed, "budget_s": budget_s,
            "max_proposals": max_proposals, "jobs": jobs, "delta": delta, "replicas": result.replicas,
+           "replica_phase": result.replica_phase, "replica_phase_proposals": result.replica_phase_proposals,
            "measured": measured,
            "confirmed": confirmed, "shipped_costs": shipped_report(cost_model), **out}
     if plot is not None:

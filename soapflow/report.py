@@ -154,6 +154,9 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     if costs:
         lines.append(costs)
     among = f" among strategies of {out['replicas']} replicas" if out.get("replicas", 1) > 1 else ""
+    if out.get("replica_phase"):
+        among = (f" ({out['replica_phase_proposals']:,} of them first among strategies of {out['replica_phase']} "
+                 f"replicas, one per device, as no baseline fits)")
     costed = f", {out['costed_per_s']:.0f}/s that changed the strategy" if "costed_per_s" in out else ""
     lines.append(f"search: {out['num_proposals']:,} proposals{among} in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s{costed}), {out['elapsed_s']:.1f} s in all")

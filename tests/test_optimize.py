@@ -292,3 +292,24 @@ def test_confirm_runs_trains_the_candidates_for_real(tmp_path):
     assert "search" in v["measured_ms"] and len(v["measured_ms"]) >= 2
     assert all(ms > 0 for ms in v["measured_ms"].values())
     assert v["measured_ms"][v["chosen"]] == min(v["measured_ms"].values())
+
+
+def test_optimize_reports_the_replica_phase_and_the_command_turns_it_off(tmp_path, capsys):
+    """Where no baseline fits, `optimize` searches one replica per device first: the report says how many
+    replicas and how many of the proposals were theirs, and so does the text; `--no-replica-phase`
+    searches without it."""
+    from test_search_simulated import tight_transformer_case
+
+    from soapflow.cli import main
+
+    tight_transformer_case(tmp_path)
+    model, topology = f"{Path(__file__).parent / 'runtime_cases.py'}:small_transformer", str(tmp_path / "small.json")
+    out = _optimize(tmp_path, model=model, topology=topology, batch=4, max_proposals=150)
+    assert out["replica_phase"] == 4 and 0 < out["replica_phase_proposals"] < out["num_proposals"] <= 150
+    assert all(ms is None for ms in out["baselines"].values())  # (none fits)
+    assert (f"{out['replica_phase_proposals']:,} of them first among strategies of 4 replicas"
+            in optimize_text(out))
+    assert main(["optimize", model, "-t", topology, "--batch", "4", "--proposals", "60", "--no-replica-phase",
+                 "--json", "-o", str(tmp_path / "off.json")]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert off["replica_phase"] == 0 and off["replica_phase_proposals"] == 0

@@ -46,12 +46,10 @@ def test_search_beats_data_parallel_on_the_mlp_with_the_simulator():
     assert result.best_cost.time_ms < result.baseline_ms()["dp"]
 
 
-def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompute_and_shard(tmp_path,
-                                                                                            monkeypatch):
-    """Memory between what every baseline (fsdp included) needs and what fsdp with full recomputation needs: those
-    baselines are infeasible, and the search still reports a feasible strategy (recomputing or sharding),
-    never an infeasible one. A recomputing start fits, so the search knows a feasible strategy before its
-    first proposal: at least as early, and as fast, as chains from the baselines and a random start alone."""
+def tight_transformer_case(tmp_path):
+    """The transformer of the runtime cases, and a node of 4 p100 whose memory (the third value, bytes) lies
+    between what every baseline (fsdp included) needs on 4 devices and what fsdp with full recomputation
+    needs."""
     import json
 
     import runtime_cases as rc
@@ -70,8 +68,18 @@ def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompu
            "links": [{"src": f"gpu{i}", "dst": f"gpu{j}", "kind": "nvlink", "spec": "nvlink1"}
                      for i in range(4) for j in range(i + 1, 4)]}
     (tmp_path / "small.json").write_text(json.dumps(doc))
-    topo = read_topology(tmp_path / "small.json")
-    result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
+    return graph, read_topology(tmp_path / "small.json"), cap
+
+
+def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompute_and_shard(tmp_path,
+                                                                                            monkeypatch):
+    """Memory between what every baseline (fsdp included) needs and what fsdp with full recomputation needs: those
+    baselines are infeasible, and the search still reports a feasible strategy (recomputing or sharding),
+    never an infeasible one. A recomputing start fits, so the search knows a feasible strategy before its
+    first proposal: at least as early, and as fast, as chains from the baselines and a random start alone
+    (without the replica phase, which `test_a_replica_phase_comes_first_where_no_baseline_fits` checks)."""
+    graph, topo, cap = tight_transformer_case(tmp_path)
+    result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3, replica_phase=False)
     assert result.best_cost.feasible and result.best_cost.peak_memory_bytes <= cap
     assert any(cfg.recompute or cfg.shard > 1 for cfg in result.best.configs.values())
     first_fit, _, first_ms = result.history[0]  # no baseline fits: the first entry is the first fit found
@@ -81,12 +89,41 @@ def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompu
 
     monkeypatch.setattr(mcmc, "recompute_starts", lambda graph, topology: [])
     try:
-        without = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
+        without = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3,
+                         replica_phase=False)
         without_fit = without.history[0][0]
     except NoFeasibleStrategy:  # (with seeds 0 to 2, 600 proposals find none)
         without_fit = math.inf
     # the recomputing start reaches a feasible strategy sooner, and the chains improve on it
     assert first_fit < without_fit and result.best_cost.time_ms < first_ms
+
+
+def test_a_replica_phase_comes_first_where_no_baseline_fits(tmp_path):
+    """Where no baseline fits, a search of every strategy first searches one replica per device with a
+    third of the proposal budget (its chains reported under "4 replicas: ..."), then starts one more
+    chain from that phase's best: the result is no slower than the phase's best, fits, and is timed as
+    the plain full simulation times it; the proposals are the phase's and the chains', within the budget.
+    Where a baseline fits, or with `replica_phase=False`, there is no phase."""
+    graph, topo, cap = tight_transformer_case(tmp_path)
+    result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
+    assert result.replica_phase == 4 and result.replicas == 1
+    phase = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=200, seed=3, replicas=4)
+    phased = [c for c in result.chains if c.name.startswith("4 replicas: ")]
+    assert [c.name for c in phased] == [f"4 replicas: {c.name}" for c in phase.chains]
+    assert sum(c.num_proposals for c in phased) == phase.num_proposals == result.replica_phase_proposals
+    assert result.num_proposals == sum(c.num_proposals for c in result.chains) <= 600
+    [after] = [c for c in result.chains if c.name == "best of 4 replicas"]
+    assert after.start_ms == phase.best_cost.time_ms
+    assert result.best_cost.feasible and result.best_cost.peak_memory_bytes <= cap
+    assert result.best_cost.time_ms <= phase.best_cost.time_ms
+    assert simulate(graph, result.best, topo, symmetry=False).iteration_time_ms == result.best_cost.time_ms
+    # the history: the phase's improvements, then the chains' that improve on them
+    assert [h[2] for h in result.history[:len(phase.history)]] == [h[2] for h in phase.history]
+    assert all(a[0] <= b[0] and a[2] > b[2] for a, b in zip(result.history, result.history[1:], strict=False))
+    without = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3, replica_phase=False)
+    assert without.replica_phase == 0 and not any(c.name.startswith("4 replicas") for c in without.chains)
+    fits = _search("mlp", "cpu-2", evaluators=SimulatorEvaluators(), max_proposals=100)
+    assert fits.replica_phase == 0
 
 
 @pytest.mark.parametrize("graph_name, topology, replicas", [("rnn", "p100-2x2", 2), ("rnn", "a100-2x4", 2),
