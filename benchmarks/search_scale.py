@@ -15,6 +15,11 @@ in full (predicted step time, whether it fits in 80 GB); then three searches (`s
 replicas, one per node (`replicas=4`), and over those made of 32 replicas, one per GPU (`replicas=32`:
 data parallelism with each op's recomputation, sharding and micro-batches searched); a search of replicas
 simulates each proposal on one replica by delta simulation, the all-reduces across replicas included.
+Where no baseline fits (GPT 1.7B), the search over every strategy first spends a third of its budget on a
+search of one replica per device (its *replica phase*, `search.mcmc`), and one more chain starts from that
+phase's best; such a model's search over every strategy is then run a second time without the phase
+(`replica_phase=False`, the row "every strategy, no replica phase"), so that what the phase buys is
+measured side by side.
 Each with its proposals per second (and those that changed the strategy: a move may draw the current
 configs), its best at 60, 120 and the whole budget (from its history of improvements), the lower bound
 on any strategy (`search.bound`) and the gap to it. Targets (the issue's): at least 500 proposals per
@@ -95,6 +100,8 @@ def _best_at(history, seconds: float) -> float:
 
 
 def run_case(case: Case, *, budget_s: float, spaces: list[int | None]) -> list[dict]:
+    """The references, then a search per space of `spaces` (None: every strategy, and again without the
+    replica phase where it ran)."""
     topology = load_topology(TOPOLOGY)
     t0 = time.perf_counter()
     _, graph = capture_model(f"{Path(__file__).resolve()}:{case.builder}", batch_size=case.batch)
@@ -124,18 +131,37 @@ def run_case(case: Case, *, budget_s: float, spaces: list[int | None]) -> list[d
         print(f"  {case.name}: searching {_space(replicas)} ...", file=sys.stderr, flush=True)
         rows.append(out | {"replicas": replicas} | _search(graph, topology, case, budget_s, replicas, fitting,
                                                            best_reference, bound))
+        if rows[-1].get("replica_phase"):
+            print(f"  {case.name}: searching {_space(replicas, False)} ...", file=sys.stderr, flush=True)
+            rows.append(out | {"replicas": replicas}
+                        | _search(graph, topology, case, budget_s, replicas, fitting, best_reference, bound,
+                                  replica_phase=False))
     return rows
 
 
-def _space(replicas: int | None) -> str:
-    return "every strategy" if replicas is None else f"{replicas} replicas"
+def _space(replicas: int | None, replica_phase: int | bool = 0) -> str:
+    """The row's name: the replicas searched, and for a search of every strategy its replica phase (the
+    phase's replicas, 0 without one, False where it was turned off)."""
+    if replicas is not None:
+        return f"{replicas} replicas"
+    if replica_phase is False:
+        return "every strategy, no replica phase"
+    return f"every strategy ({replica_phase} replicas first)" if replica_phase else "every strategy"
+
+
+def _row_name(r: dict) -> str:
+    """A result row's name (`_space`), with how many of its proposals its replica phase made."""
+    name = _space(r["replicas"], r.get("replica_phase", 0))
+    if r.get("replica_phase"):
+        name += f": {r['replica_phase_proposals']:,} of its {r['num_proposals']:,} proposals"
+    return name
 
 
 def _search(graph, topology, case: Case, budget_s: float, replicas: int | None, fitting: dict,
-            best_reference: str | None, bound) -> dict:
+            best_reference: str | None, bound, replica_phase: bool = True) -> dict:
     try:
         result = search(graph, topology, evaluators=SimulatorEvaluators(setup=case.setup), budget_s=budget_s, seed=0,
-                        replicas=replicas)
+                        replicas=replicas, replica_phase=replica_phase)
     except NoFeasibleStrategy as exc:
         return {"found": False, "error": str(exc)}
     history = [list(h) for h in result.history]
@@ -146,6 +172,8 @@ def _search(graph, topology, case: Case, budget_s: float, replicas: int | None, 
         "found": True, "best_ms": result.best_cost.time_ms, "best_source": result.best_source,
         "best_at_ms": at, "num_proposals": result.num_proposals, "proposals_per_s": result.proposals_per_s,
         "costed_per_s": result.costed_per_s,
+        "replica_phase": result.replica_phase if replica_phase else False,
+        "replica_phase_proposals": result.replica_phase_proposals,
         "search_s": result.search_s, "elapsed_s": result.elapsed_s, "history": history,
         "gap": bound.gap(result.best_cost.time_ms),
         # where no reference fits, any strategy that fits is faster than all of them
@@ -172,11 +200,11 @@ def render(rows: list[dict], meta: dict) -> str:
     for r in rows:
         ref = f"{r['best_reference']} {_ms(r['best_reference_ms'])}" if r["best_reference"] else "none fits"
         if not r.get("found"):
-            lines.append(f"| {r['model']} | {_space(r['replicas'])} | {r['num_ops']} | - | - | - | - | - | {ref} | "
+            lines.append(f"| {r['model']} | {_row_name(r)} | {r['num_ops']} | - | - | - | - | - | {ref} | "
                          f"no | {_ms(r['lower_bound_ms'])} | - | - |")
             continue
         at = r["best_at_ms"]
-        lines.append(f"| {r['model']} | {_space(r['replicas'])} | {r['num_ops']} | {r['proposals_per_s']:.1f} | "
+        lines.append(f"| {r['model']} | {_row_name(r)} | {r['num_ops']} | {r['proposals_per_s']:.1f} | "
                      f"{r['costed_per_s']:.1f} | {_ms(at['60'])} | "
                      f"{_ms(at['120'])} | {_ms(at['budget'])} | {ref} | "
                      f"{'yes' if r['as_fast_as_best_reference_in_120_s'] else 'NO'} | {_ms(r['lower_bound_ms'])} | "
@@ -199,28 +227,38 @@ def render(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=300.0, help="search budget, wall-clock seconds")
+def search_arguments(description: str, budget_s: float) -> argparse.ArgumentParser:
+    """The command line of a benchmark that runs this file's searches (this one, search_breakdown.py)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--budget", type=float, default=budget_s, help="search budget, wall-clock seconds")
     ap.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--replicas", nargs="+", default=["none", "4", "32"],
                     help="the searches per model: none (every strategy) and/or a replica count")
     ap.add_argument("--no-write", action="store_true", help="print only")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def report(name: str, rows: list[dict], budget_s: float, render, *, write: bool) -> None:
+    """Print the table `render(rows, meta)` and, with `write`, save it as results/NAME.md, the raw
+    figures as results/NAME.json."""
+    meta = {"budget_s": budget_s, "topology": TOPOLOGY, "torch": torch.__version__,
+            "python": platform.python_version(), "machine": platform.machine()}
+    text = render(rows, meta)
+    print(text)
+    if write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{name}.md").write_text(text)
+        (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = search_arguments(__doc__.splitlines()[0], 300.0).parse_args(argv)
     rows = []
     for name in args.models:
         print(f"{name} ...", file=sys.stderr, flush=True)
         rows += run_case(CASES[name], budget_s=args.budget,
                          spaces=[None if r == "none" else int(r) for r in args.replicas])
-    meta = {"budget_s": args.budget, "topology": TOPOLOGY, "torch": torch.__version__,
-            "python": platform.python_version(), "machine": platform.machine()}
-    text = render(rows, meta)
-    print(text)
-    if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "search_scale.md").write_text(text)
-        (RESULTS / "search_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2,
-                                                              default=str) + "\n")
+    report("search_scale", rows, args.budget, render, write=not args.no_write)
     return 0
 
 
