@@ -15,7 +15,7 @@ in full (predicted step time, whether it fits in 80 GB); then three searches (`s
 replicas, one per node (`replicas=4`), and over those made of 32 replicas, one per GPU (`replicas=32`:
 data parallelism with each op's recomputation, sharding and micro-batches searched); a search of replicas
 simulates each proposal on one replica by delta simulation, the all-reduces across replicas included.
-Where no baseline fits (GPT 1.7B), the search over every strategy first spends a third of its budget on a
+Where no baseline fits (GPT 1.7B), the search over every strategy first spends half its budget on a
 search of one replica per device (its *replica phase*, `search.mcmc`), and one more chain starts from that
 phase's best; such a model's search over every strategy is then run a second time without the phase
 (`replica_phase=False`, the row "every strategy, no replica phase"), so that what the phase buys is

@@ -82,7 +82,9 @@ The method:
   replicas``) starts from that phase's best, after the recomputing one. Its proposals are many times
   cheaper (one device's tasks), so it finds the memory choices per op that such a model needs sooner
   than chains over every strategy do (GPT 1.7B on 32 A100s: `benchmarks/search_scale.py`); the chains
-  after it may still leave its layouts (pipelines, tensor parallelism). The phase's chains are reported
+  after it may still leave its layouts (pipelines, tensor parallelism). Half, not less: the phase
+  simulates its own starts first, and with a third of a 30 s budget it found nothing that fits for
+  ResNet-101 on k80-16x4 where half finds one (`benchmarks/search_quality.py`). The phase's chains are reported
   as ``N replicas: NAME``, its proposals and history come first in the result's (`SearchResult`'s
   `replica_phase` is N), and its best stands where the time left no chain to start from it. Off with
   `replica_phase=False`, where an evaluator factory cannot simulate replicas (`simulates_replicas`), or
@@ -120,7 +122,7 @@ from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
 DEFAULT_BETA_SCALE = 100.0
-REPLICA_PHASE_SHARE = 1 / 3  # of the budgets left after the starts, the replica phase's (module docstring)
+REPLICA_PHASE_SHARE = 0.5  # of the budgets left after the starts, the replica phase's (module docstring)
 TIDY_SHARE = 0.1  # of a time budget, the least tidying gets after the chains (module docstring)
 PROGRESS_INTERVAL_S = 0.5
 

@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "per node), each simulated by one replica: faster proposals in a smaller space")
     p.add_argument("--no-replica-phase", action="store_true",
                    help="where no baseline fits, do not search strategies of one replica per device first "
-                        "(a third of the budget) before searching every strategy")
+                        "(half the budget) before searching every strategy")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="strategy file to write (default: strategy-MODEL-TOPOLOGY.json)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the convergence curve (needs matplotlib)")

@@ -99,15 +99,17 @@ def test_chains_from_infeasible_baselines_reach_feasible_strategies_with_recompu
 
 
 def test_a_replica_phase_comes_first_where_no_baseline_fits(tmp_path):
-    """Where no baseline fits, a search of every strategy first searches one replica per device with a
-    third of the proposal budget (its chains reported under "4 replicas: ..."), then starts one more
-    chain from that phase's best: the result is no slower than the phase's best, fits, and is timed as
-    the plain full simulation times it; the proposals are the phase's and the chains', within the budget.
+    """Where no baseline fits, a search of every strategy first searches one replica per device with its
+    share of the proposal budget (`REPLICA_PHASE_SHARE`; its chains reported under "4 replicas: ..."),
+    then starts one more chain from that phase's best: the result is no slower than the phase's best,
+    fits, and is timed as the plain full simulation times it; the proposals are the phase's and the
+    chains', within the budget.
     Where a baseline fits, or with `replica_phase=False`, there is no phase."""
     graph, topo, cap = tight_transformer_case(tmp_path)
     result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
     assert result.replica_phase == 4 and result.replicas == 1
-    phase = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=200, seed=3, replicas=4)
+    phase = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=int(600 * mcmc.REPLICA_PHASE_SHARE),
+                   seed=3, replicas=4)
     phased = [c for c in result.chains if c.name.startswith("4 replicas: ")]
     assert [c.name for c in phased] == [f"4 replicas: {c.name}" for c in phase.chains]
     assert sum(c.num_proposals for c in phased) == phase.num_proposals == result.replica_phase_proposals
