@@ -190,7 +190,9 @@ def table(rows: list[dict]) -> str:
         rep = r["repeat_ms"]
         cells.append({
             "model": r["model"], "topology": r["topology"], "batch": r["batch"], "dp ms": b.get("dp"),
-            "expert ms": b.get("expert"), "best baseline": f"{r['best_baseline']} {_fmt(r['best_baseline_ms'])}",
+            "expert ms": b.get("expert"),
+            "best baseline": (f"{r['best_baseline']} {_fmt(r['best_baseline_ms'])}" if r["best_baseline"]
+                              else "none fits"),
             "found ms": r["found_ms"], "bound ms": r["lower_bound_ms"], "gap": r["gap"],
             "vs dp": r["speedup_vs_dp"], "vs expert": r["speedup_vs_expert"],
             "≤ best baseline": "yes" if r["never_worse_than_best_baseline"] else "NO",
@@ -233,6 +235,12 @@ def observations(rows: list[dict]) -> list[str]:
             out.append(f"{r['model']} on {r['topology']} (batch {r['batch']}): {r['no_feasible']}. Baselines' "
                        f"peak memory per device: {need}.")
     rows = [r for r in rows if "no_feasible" not in r]
+    for r in rows:
+        if r["best_baseline"] is None:
+            fits = [x for x in r["repeats"] if x["best_ms"] is not None]
+            out.append(f"{r['model']} on {r['topology']} (batch {r['batch']}): no baseline fits in memory; the main "
+                       f"search found a strategy that fits, {r['found_ms']:.4g} ms ({r['found_source']}); "
+                       f"{len(fits)} of {len(r['repeats'])} repeat searches found one.")
     worse = [r for r in rows if not r["never_worse_than_best_baseline"]]
     out.append(f"Found strategy never worse than the best baseline: "
                f"{'yes, in every case' if not worse else 'NO in ' + ', '.join(r['model'] for r in worse)} "
@@ -242,7 +250,7 @@ def observations(rows: list[dict]) -> list[str]:
         out.append("Better than every baseline in " + ", ".join(
             f"{r['model']} on {r['topology']} ({r['speedup_vs_best_baseline']:.2f}x over {r['best_baseline']})"
             for r in beat) + ".")
-    same = [f"{r['model']} on {r['topology']}" for r in rows if r not in beat]
+    same = [f"{r['model']} on {r['topology']}" for r in rows if r not in beat and r["best_baseline"]]
     if same:
         out.append("Best baseline kept (nothing better found within the budget) in " + ", ".join(same) + ".")
     vs_dp = [r["speedup_vs_dp"] for r in rows if r["speedup_vs_dp"]]
