@@ -88,7 +88,8 @@ The method:
   as ``N replicas: NAME``, its proposals and history come first in the result's (`SearchResult`'s
   `replica_phase` is N), and its best stands where the time left no chain to start from it. Off with
   `replica_phase=False`, where an evaluator factory cannot simulate replicas (`simulates_replicas`), or
-  where the topology does not repeat itself device by device (`Simulator.replica_refusal`).
+  where it refuses one-device replicas on the topology (`Simulator.replica_refusal`: devices that differ in
+  kind, speed or memory).
 - every chain costs proposals with its own `Evaluator` (delta simulation: only the changed op's tasks
   are re-timed). Each baseline is simulated by an evaluator of its own; with `jobs` 1 a chain that
   starts from a baseline takes over that evaluator instead of simulating its start again.
@@ -551,17 +552,21 @@ def _replica_phase(graph: OperatorGraph, topology: DeviceTopology, *, evaluators
                    random_chains: int, progress: Progress | None) -> SearchResult | None:
     """The replica phase of a search (module docstring) with what is left of its budgets `budget_s` and
     `max_proposals`: a search of one replica per device with `REPLICA_PHASE_SHARE` of them; None where
-    there is none (one device, too little budget left, a topology that does not repeat itself device by
-    device) or it found nothing that fits."""
+    there is none (one device, too little budget left, a factory that refuses such replicas on `topology`)
+    or it found nothing that fits."""
     n = topology.num_devices
     share_s = None if budget_s is None else REPLICA_PHASE_SHARE * budget_s
     share = None if max_proposals is None else int(REPLICA_PHASE_SHARE * max_proposals)
     if n < 2 or (share_s is not None and share_s <= 0) or share == 0:
         return None
+    try:  # (`SimulatorEvaluators` refuses, in one line, devices that differ from one another)
+        _evaluator(evaluators, graph, topology, replica_layout(topology, n))
+    except ValueError:
+        return None
     try:
         return search(graph, topology, evaluators=evaluators, budget_s=share_s, max_proposals=share, seed=seed,
                       jobs=jobs, beta_scale=beta_scale, random_chains=random_chains, replicas=n, progress=progress)
-    except ValueError:  # (`NoFeasibleStrategy` too) no such phase on this topology, or nothing fits in it
+    except NoFeasibleStrategy:
         return None
 
 

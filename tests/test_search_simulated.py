@@ -104,7 +104,12 @@ def test_a_replica_phase_comes_first_where_no_baseline_fits(tmp_path):
     then starts one more chain from that phase's best: the result is no slower than the phase's best,
     fits, and is timed as the plain full simulation times it; the proposals are the phase's and the
     chains', within the budget.
-    Where a baseline fits, or with `replica_phase=False`, there is no phase."""
+    Where a baseline fits, with `replica_phase=False` or on devices that differ, there is no phase."""
+    import json
+
+    from search.baselines import BASELINES
+    from soap.topology import read_topology
+
     graph, topo, cap = tight_transformer_case(tmp_path)
     result = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=600, seed=3)
     assert result.replica_phase == 4 and result.replicas == 1
@@ -126,6 +131,14 @@ def test_a_replica_phase_comes_first_where_no_baseline_fits(tmp_path):
     assert without.replica_phase == 0 and not any(c.name.startswith("4 replicas") for c in without.chains)
     fits = _search("mlp", "cpu-2", evaluators=SimulatorEvaluators(), max_proposals=100)
     assert fits.replica_phase == 0
+    # devices that differ (one with more memory) are not replicas of one another: no phase, and no error
+    doc = json.loads((tmp_path / "small.json").read_text())
+    doc["devices"][3]["memory_gb"] *= 2
+    (tmp_path / "mixed.json").write_text(json.dumps(doc))
+    mixed = read_topology(tmp_path / "mixed.json")
+    assert not any(simulate(graph, make(graph, mixed), mixed).feasible for make in BASELINES.values())
+    unlike = search(graph, mixed, evaluators=SimulatorEvaluators(), max_proposals=200, seed=3)
+    assert unlike.replica_phase == 0 and unlike.best_cost.feasible
 
 
 @pytest.mark.parametrize("graph_name, topology, replicas", [("rnn", "p100-2x2", 2), ("rnn", "a100-2x4", 2),
