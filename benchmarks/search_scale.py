@@ -132,29 +132,26 @@ def run_case(case: Case, *, budget_s: float, spaces: list[int | None]) -> list[d
         rows.append(out | {"replicas": replicas} | _search(graph, topology, case, budget_s, replicas, fitting,
                                                            best_reference, bound))
         if rows[-1].get("replica_phase"):
-            print(f"  {case.name}: searching {_space(replicas, False)} ...", file=sys.stderr, flush=True)
+            print(f"  {case.name}: searching every strategy, no replica phase ...", file=sys.stderr, flush=True)
             rows.append(out | {"replicas": replicas}
                         | _search(graph, topology, case, budget_s, replicas, fitting, best_reference, bound,
                                   replica_phase=False))
     return rows
 
 
-def _space(replicas: int | None, replica_phase: int | bool = 0) -> str:
-    """The row's name: the replicas searched, and for a search of every strategy its replica phase (the
-    phase's replicas, 0 without one, False where it was turned off)."""
-    if replicas is not None:
-        return f"{replicas} replicas"
-    if replica_phase is False:
-        return "every strategy, no replica phase"
-    return f"every strategy ({replica_phase} replicas first)" if replica_phase else "every strategy"
+def _space(replicas: int | None) -> str:
+    return "every strategy" if replicas is None else f"{replicas} replicas"
 
 
 def _row_name(r: dict) -> str:
-    """A result row's name (`_space`), with how many of its proposals its replica phase made."""
-    name = _space(r["replicas"], r.get("replica_phase", 0))
+    """A result row's name: the space searched (`_space`), and over every strategy its replica phase (how
+    many of its proposals the phase made), or that the phase was turned off."""
+    if r.get("replica_phase_off"):
+        return "every strategy, no replica phase"
     if r.get("replica_phase"):
-        name += f": {r['replica_phase_proposals']:,} of its {r['num_proposals']:,} proposals"
-    return name
+        return (f"every strategy ({r['replica_phase']} replicas first): {r['replica_phase_proposals']:,} of its "
+                f"{r['num_proposals']:,} proposals")
+    return _space(r["replicas"])
 
 
 def _search(graph, topology, case: Case, budget_s: float, replicas: int | None, fitting: dict,
@@ -172,8 +169,8 @@ def _search(graph, topology, case: Case, budget_s: float, replicas: int | None, 
         "found": True, "best_ms": result.best_cost.time_ms, "best_source": result.best_source,
         "best_at_ms": at, "num_proposals": result.num_proposals, "proposals_per_s": result.proposals_per_s,
         "costed_per_s": result.costed_per_s,
-        "replica_phase": result.replica_phase if replica_phase else False,
-        "replica_phase_proposals": result.replica_phase_proposals,
+        "replica_phase": result.replica_phase, "replica_phase_proposals": result.replica_phase_proposals,
+        "replica_phase_off": not replica_phase,
         "search_s": result.search_s, "elapsed_s": result.elapsed_s, "history": history,
         "gap": bound.gap(result.best_cost.time_ms),
         # where no reference fits, any strategy that fits is faster than all of them
