@@ -82,8 +82,9 @@ The method:
   replicas``) starts from that phase's best, after the recomputing one. Its proposals are many times
   cheaper (one device's tasks), so it finds the memory choices per op that such a model needs sooner
   than chains over every strategy do (GPT 1.7B on 32 A100s: `benchmarks/search_scale.py`); the chains
-  after it may still leave its layouts (pipelines, tensor parallelism). Half, not less: the phase
-  simulates its own starts first, and with a third of a 30 s budget it found nothing that fits for
+  after it may still leave its layouts (pipelines, tensor parallelism). The search hands the phase the
+  costs of the references it simulated in full (`simulated`), so the phase simulates only its own starts
+  (one replica each). Half, not less: with a third of a 30 s budget the phase found nothing that fits for
   ResNet-101 on k80-16x4 where half finds one (`benchmarks/search_quality.py`). The phase's chains are reported
   as ``N replicas: NAME``, its proposals and history come first in the result's (`SearchResult`'s
   `replica_phase` is N), and its best stands where the time left no chain to start from it. Off with
@@ -396,7 +397,8 @@ def check_budgets(*, budget_s: float | None, max_proposals: int | None, jobs: in
 def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: EvaluatorFactory,
            budget_s: float | None = None, max_proposals: int | None = None, seed: int = 0, jobs: int = 1,
            beta_scale: float = DEFAULT_BETA_SCALE, random_chains: int = 1, replicas: int | None = None,
-           replica_phase: bool = True, progress: Progress | None = None) -> SearchResult:
+           replica_phase: bool = True, progress: Progress | None = None,
+           simulated: tuple[tuple[Strategy, Cost], ...] = ()) -> SearchResult:
     """Find a fast strategy for `graph` on `topology` that fits in memory (see the module docstring).
 
     At least one budget is needed; `ValueError` for a budget <= 0, `jobs` < 1 or `random_chains` < 0,
@@ -406,6 +408,9 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     one replica per device first (module docstring; False: never). `progress` (optional) is called
     with {proposals, proposals_per_s, elapsed_s, best_ms} once the baselines are simulated (proposals 0,
     best_ms the best baseline's, inf if none fits), then on improvements and about twice a second.
+    `simulated`: (strategy, cost) pairs already simulated in full on `topology`; a search of replicas
+    takes a reference's cost from there instead of simulating it again where no chain can start from it
+    (the replica phase hands over the baselines and recomputing starts of its search).
     """
     check_budgets(budget_s=budget_s, max_proposals=max_proposals, jobs=jobs)
     if random_chains < 0:
@@ -427,8 +432,9 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
         except BaselineNotApplicable as exc:
             costs[name], errors[name] = None, str(exc)
             continue
-        probe, costs[name] = _probe(evaluators, graph, topology, strategies[name], space)
-        probes[name] = (probe, costs[name])
+        probe, costs[name] = _probe(evaluators, graph, topology, strategies[name], space, simulated)
+        if probe is not None:
+            probes[name] = (probe, costs[name])
     feasible = {n: c for n, c in costs.items() if c is not None and c.feasible}
     best_baseline = min(feasible, key=lambda n: feasible[n].time_ms) if feasible else None
     beta = _beta_per_ms(beta_scale, feasible[best_baseline].time_ms) if best_baseline else 0.0
@@ -446,14 +452,17 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     # When no baseline fits, the recomputing starts, simulated in full like the baselines while the time
     # budget lasts: one chain starts from the closest of them.
     recomputing: dict[str, Strategy] = {}
+    recomputing_costs: dict[str, Cost] = {}
     for name, strategy in ([] if feasible else recompute_starts(graph, topology)):
         if budget_s is not None and time.monotonic() - t0 >= budget_s:
             break
         recomputing[name] = strategy
-        probes[name] = _probe(evaluators, graph, topology, strategy, space)
-    closest_recomputing = min(recomputing, key=lambda n: _closeness(probes[n][1]), default=None)
+        probe, recomputing_costs[name] = _probe(evaluators, graph, topology, strategy, space, simulated)
+        if probe is not None:
+            probes[name] = (probe, recomputing_costs[name])
+    closest_recomputing = min(recomputing, key=lambda n: _closeness(recomputing_costs[n]), default=None)
     closest_baseline = min((_closeness(c) for c in costs.values() if c is not None), default=(1, math.inf))
-    if closest_recomputing is not None and _closeness(probes[closest_recomputing][1]) < closest_baseline:
+    if closest_recomputing is not None and _closeness(recomputing_costs[closest_recomputing]) < closest_baseline:
         starts.append(closest_recomputing)
     strategies_and_starts = strategies | recomputing
     # No baseline fits: a search of one replica per device first, whose best one more chain starts from.
@@ -462,12 +471,14 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
         phase = _replica_phase(graph, topology, evaluators=evaluators, seed=seed, jobs=jobs, beta_scale=beta_scale,
                                random_chains=random_chains, progress=progress,
                                budget_s=None if budget_s is None else budget_s - phase_start,
-                               max_proposals=max_proposals)
+                               max_proposals=max_proposals,
+                               simulated=tuple((strategies[n], c) for n, c in costs.items() if c is not None)
+                               + tuple((recomputing[n], c) for n, c in recomputing_costs.items()))
     if phase is not None:
         name = f"best of {phase.replicas} replicas"
         starts.append(name)
         strategies_and_starts[name] = phase.best
-        probes[name] = _probe(evaluators, graph, topology, phase.best, space)
+        probes[name] = _probe(evaluators, graph, topology, phase.best, space, ())
     named: list[tuple[str, Strategy]] = []
     for name in starts:
         if all(strategies_and_starts[name] != s for _, s in named) and space.holds(strategies_and_starts[name]):
@@ -549,9 +560,11 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
 
 def _replica_phase(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: EvaluatorFactory,
                    budget_s: float | None, max_proposals: int | None, seed: int, jobs: int, beta_scale: float,
-                   random_chains: int, progress: Progress | None) -> SearchResult | None:
+                   random_chains: int, progress: Progress | None,
+                   simulated: tuple[tuple[Strategy, Cost], ...]) -> SearchResult | None:
     """The replica phase of a search (module docstring) with what is left of its budgets `budget_s` and
-    `max_proposals`: a search of one replica per device with `REPLICA_PHASE_SHARE` of them; None where
+    `max_proposals`: a search of one replica per device with `REPLICA_PHASE_SHARE` of them (`simulated`:
+    the search's references simulated in full so far, not simulated again); None where
     there is none (one device, too little budget left, a factory that refuses such replicas on `topology`)
     or it found nothing that fits."""
     n = topology.num_devices
@@ -565,7 +578,8 @@ def _replica_phase(graph: OperatorGraph, topology: DeviceTopology, *, evaluators
         return None
     try:
         return search(graph, topology, evaluators=evaluators, budget_s=share_s, max_proposals=share, seed=seed,
-                      jobs=jobs, beta_scale=beta_scale, random_chains=random_chains, replicas=n, progress=progress)
+                      jobs=jobs, beta_scale=beta_scale, random_chains=random_chains, replicas=n, progress=progress,
+                      simulated=simulated)
     except NoFeasibleStrategy:
         return None
 
@@ -612,16 +626,22 @@ def _evaluator(evaluators: EvaluatorFactory, graph: OperatorGraph, topology: Dev
 
 
 def _probe(evaluators: EvaluatorFactory, graph: OperatorGraph, topology: DeviceTopology, strategy: Strategy,
-           space: ConfigSpace) -> tuple[Evaluator, Cost]:
+           space: ConfigSpace, simulated: tuple[tuple[Strategy, Cost], ...]) -> tuple[Evaluator | None, Cost]:
     """An evaluator started on a reference `strategy`, and its cost: of one replica where the search is one
     of replicas (`space.replicas`) and `strategy` is made of them and simulates so (a chain may start from
-    it), else of every device."""
-    if space.replicas is not None and space.holds(strategy):
-        probe = _evaluator(evaluators, graph, topology, space.replicas)
-        try:
-            return probe, probe.start(strategy)
-        except NotReplicable:
-            pass
+    it), else of every device. In a search of replicas, a strategy not made of them (no chain starts from
+    it) whose cost `simulated` holds has that cost and no evaluator."""
+    if space.replicas is not None:
+        if space.holds(strategy):
+            probe = _evaluator(evaluators, graph, topology, space.replicas)
+            try:
+                return probe, probe.start(strategy)
+            except NotReplicable:
+                pass
+        else:
+            known = next((cost for s, cost in simulated if s == strategy), None)
+            if known is not None:
+                return None, known
     probe = evaluators(graph, topology)
     return probe, probe.start(strategy)
 

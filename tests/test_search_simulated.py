@@ -141,6 +141,51 @@ def test_a_replica_phase_comes_first_where_no_baseline_fits(tmp_path):
     assert unlike.replica_phase == 0 and unlike.best_cost.feasible
 
 
+class _CountedStarts:
+    """`SimulatorEvaluators` that logs, in order, "replica" for each evaluator of one replica it makes and
+    the strategy of each start of an evaluator of every device."""
+
+    simulates_replicas = True
+
+    def __init__(self) -> None:
+        self.inner = SimulatorEvaluators()
+        self.log: list = []
+
+    def __call__(self, graph, topology, *, replicas=None):
+        evaluator = self.inner(graph, topology, replicas=replicas)
+        if replicas is not None:
+            self.log.append("replica")
+            return evaluator
+        start = evaluator.start
+
+        def counted(strategy):
+            self.log.append(strategy)
+            return start(strategy)
+
+        evaluator.start = counted
+        return evaluator
+
+
+def test_the_replica_phase_simulates_no_reference_again(tmp_path):
+    """The replica phase takes the costs of the references its search simulated in full (baselines,
+    recomputing starts) instead of simulating them again: between its first and last evaluator of one
+    replica, nothing is simulated on every device, and its result is that of a search of replicas that
+    simulates them itself."""
+    graph, topo, _ = tight_transformer_case(tmp_path)
+    counted = _CountedStarts()
+    result = search(graph, topo, evaluators=counted, max_proposals=200, seed=3)
+    assert result.replica_phase == 4
+    first = counted.log.index("replica")
+    last = len(counted.log) - 1 - counted.log[::-1].index("replica")
+    references = [s for s in counted.log[:first] if s != "replica"]
+    assert len(references) >= 2 and all(s == "replica" for s in counted.log[first:last + 1])
+    phase = search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=int(200 * mcmc.REPLICA_PHASE_SHARE),
+                   seed=3, replicas=4)
+    phased = [c for c in result.chains if c.name.startswith("4 replicas: ")]
+    assert [(c.name, c.start_ms, c.best_ms) for c in phased] == [
+        (f"4 replicas: {c.name}", c.start_ms, c.best_ms) for c in phase.chains]
+
+
 @pytest.mark.parametrize("graph_name, topology, replicas", [("rnn", "p100-2x2", 2), ("rnn", "a100-2x4", 2),
                                                             ("mlp", "a100-2x4", 4)])
 def test_a_search_of_replicas_finds_replicas_timed_as_in_full(graph_name, topology, replicas):
