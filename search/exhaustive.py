@@ -4,10 +4,12 @@ Owns `exhaustive` and `space_size`. Every op the search proposes for (`search.sp
 takes every config `ConfigSpace.configs` enumerates, depth first, each change costed by the caller's
 `Evaluator` (delta simulation: one op re-timed per step), and the best that fits is the optimum of that
 space under the simulator: the chains' space without its micro-batched and chunked configs (repeated
-devices), which the chains reach only through their own moves (`search.space`). The count
-is the product of the ops' config counts: `space_size` says it before anything runs, and `exhaustive`
-refuses more than `limit` strategies. Meant for tests and benchmarks on graphs of a few ops on a few
-devices. Must not import torch, the runtime or soapflow.
+devices), which the chains reach only through their own moves (`search.space`), or with `rounds` the
+whole space: each config also in every micro-batch count and then every chunk count its moves offer
+(`ConfigSpace.microbatch_options`, `chunk_options`). The count is the product of the ops' config counts:
+`space_size` says it before anything runs, and `exhaustive` refuses more than `limit` strategies. Meant
+for tests and benchmarks on graphs of a few ops on a few devices. Must not import torch, the runtime or
+soapflow.
 """
 
 from __future__ import annotations
@@ -22,23 +24,38 @@ from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
 
-def space_size(graph: OperatorGraph, topology: DeviceTopology) -> int:
-    """How many strategies the search's space holds for `graph` on `topology`."""
+def space_size(graph: OperatorGraph, topology: DeviceTopology, *, rounds: bool = False) -> int:
+    """How many strategies the search's space holds for `graph` on `topology` (`rounds`: module docstring)."""
     space = ConfigSpace(graph, topology)
-    return math.prod(space.num_configs(name) for name in space.ops)
+    if not rounds:
+        return math.prod(space.num_configs(name) for name in space.ops)
+    return math.prod(len(_options(space, name, rounds)) for name in space.ops)
+
+
+def _options(space: ConfigSpace, name: str, rounds: bool) -> list[ParallelConfig]:
+    """The configs of op `name` the exhaustive search goes through (module docstring)."""
+    configs = list(space.configs(name))
+    if not rounds:
+        return configs
+    with_microbatches = configs + [o for c in configs for o in space.microbatch_options(name, c)
+                                   if space.microbatch_count(name, o) != 1]
+    chunked = [o for c in with_microbatches for o in space.chunk_options(name, c)
+               if space.split_chunks(name, o).count != 1]
+    return list(dict.fromkeys(with_microbatches + chunked))
 
 
 def exhaustive(graph: OperatorGraph, topology: DeviceTopology, start: Strategy, evaluator: Evaluator, *,
-               limit: int = 200_000) -> tuple[Strategy, Cost, int]:
-    """The fastest strategy that fits among all of the search's space (module docstring), its cost and the
-    number of strategies costed. `start` gives the configs of the ops the space does not propose for
-    (sources). `ValueError` when the space holds more than `limit` strategies or none fits."""
-    size = space_size(graph, topology)
+               limit: int = 200_000, rounds: bool = False) -> tuple[Strategy, Cost, int]:
+    """The fastest strategy that fits among all of the search's space (module docstring; `rounds`: with
+    its micro-batched and chunked configs), its cost and the number of strategies costed. `start` gives
+    the configs of the ops the space does not propose for (sources). `ValueError` when the space holds
+    more than `limit` strategies or none fits."""
+    size = space_size(graph, topology, rounds=rounds)
     if size > limit:
         raise ValueError(f"{size} strategies is more than the limit of {limit}")
     space = ConfigSpace(graph, topology)
     names = list(space.ops)
-    options = [list(space.configs(name)) for name in names]
+    options = [_options(space, name, rounds) for name in names]
     current = dict(start.configs)
     cost = evaluator.start(start)
     best: tuple[Cost, dict[str, ParallelConfig]] | None = None

@@ -40,7 +40,8 @@ accepts are in the space: none where `soap.config.repeat_refusal` refuses repeat
 statistics, sharded parameters). Micro-batched configs are not drawn uniformly with the others (nor
 enumerated by `configs`): given the current strategy, `MICROBATCH_SHARE` of `propose_for`'s proposals
 change the op's micro-batch count (to 1, removing them, or to another count of the space), and its
-recompute and shard redraw keeps them.
+recompute and shard redraw keeps them, as does the uniform draw wherever the drawn layout takes them
+(`keeping_rounds`).
 
 *Chunks* (`soap.lowering`'s rules "Rounds" and "Carries"): an op's *chunk dim* (`chunk_dim`) is its
 carried dim (an LSTM's time steps), or, in a graph with one, for an op without parameters whose output is
@@ -54,7 +55,8 @@ parameters). Along a carried dim chunk k then starts from chunk k-1's state on t
 dropout runs chunk by chunk beside its LSTM. `split_chunks` recognizes them. Like micro-batches they are
 not drawn uniformly: `CHUNK_SHARE` of an op's proposals (given the current strategy, for an op with a
 chunk dim) change its chunk count (to 1, removing them, or another count), keeping its layout and
-micro-batches; the micro-batch move and the recompute and shard redraw keep the chunks, and
+micro-batches; the micro-batch move, the recompute and shard redraw and (where it can) the uniform draw
+keep the chunks, and
 `search.moves`' propagation carries a chunked layout from an LSTM to a dropout and back.
 
 *Replicas* (`ConfigSpace(..., replicas=Replicas(count=R, size=m))`, the search of replicas): only the configs
@@ -284,11 +286,14 @@ class ConfigSpace:
         included) and redraw only those (uniformly among `memory_options`), so that a chain can trade time
         for memory one op at a time, and `CHUNK_SHARE` change its chunk count (uniformly among
         `chunk_options`, for an op with a chunk dim). Where the op has no such choice the proposal is a
-        uniform draw. The recompute and shard redraw and the micro-batch and chunk moves are symmetric, and
-        so is the uniform draw, but not their mixture: a micro-batched or chunked config is left by a
-        uniform draw too and entered only by its move, so the chain is Metropolis-Hastings in its
-        acceptance rule without being an exact sampler (as with `search.moves`'s structural moves; the
-        search wants the best strategy it meets)."""
+        uniform draw, which keeps the op's micro-batch and chunk counts where the drawn layout takes them
+        (`keeping_rounds`): where an op fits in memory only in micro-batches, a draw that dropped them
+        would never be accepted, and the chain could not change that op's layout at all. The recompute and
+        shard redraw, the micro-batch and chunk moves and the uniform draw among the configs of one
+        micro-batch and chunk count are each symmetric, but not their mixture (a drawn layout that does not
+        take the counts comes without them), so the chain is Metropolis-Hastings in its acceptance rule
+        without being an exact sampler (as with `search.moves`'s structural moves; the search wants the
+        best strategy it meets)."""
         if current is not None:
             cfg = current[op_name]
             r = rng.random()
@@ -305,7 +310,22 @@ class ConfigSpace:
                 options = self.chunk_options(op_name, cfg)
                 if options:
                     return options[rng.randrange(len(options))]
+            return self.keeping_rounds(op_name, cfg, self.sample(op_name, rng))
         return self.sample(op_name, rng)
+
+    def keeping_rounds(self, op_name: str, cfg: ParallelConfig, drawn: ParallelConfig) -> ParallelConfig:
+        """`drawn` (a config of the op without micro-batches or chunks) in `cfg`'s micro-batch count and chunk
+        count, laid out as the micro-batch and chunk moves lay them out; `drawn` itself where `cfg` has
+        neither or where the space does not hold `drawn` in those counts."""
+        chunks = self.split_chunks(op_name, cfg)
+        count = self.microbatch_count(op_name, cfg)
+        if chunks.count == 1 and count in (1, None):
+            return drawn
+        kept = drawn if count in (1, None) else self.with_microbatches(op_name, drawn, count)
+        if kept is not None and chunks.count > 1:
+            kept = next((o for o in self.chunk_options(op_name, kept)
+                         if self.split_chunks(op_name, o).count == chunks.count), None)
+        return drawn if kept is None else kept
 
     @_per_kind
     def memory_options(self, op_name: str, cfg: ParallelConfig) -> tuple[ParallelConfig, ...]:

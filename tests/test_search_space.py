@@ -489,6 +489,44 @@ def test_chunk_moves_add_change_and_remove_chunks(topology: str):
         assert all(space.split_chunks(name, o).count == count and space.contains(name, o) for o in redraws)
 
 
+@pytest.mark.parametrize("topology", ["cpu-2", "p100-2x2"])
+def test_a_uniform_draw_keeps_the_micro_batch_and_chunk_counts(topology: str):
+    """From a config in M micro-batches and K chunks (an LSTM of the zoo's RNN LM), the uniform draw of
+    `propose_for` keeps M and K wherever the drawn layout takes them (`keeping_rounds`): it changes the
+    layout (a base other than the current one) in M micro-batches and K chunks, and every config it keeps
+    them for is in the space. A config without either is drawn as it is."""
+    graph, topo = rc.graph_of("rnnlm"), load_topology(topology)
+    space = ConfigSpace(graph, topo)
+    name = "lstms.0"
+    op, dim = graph[name], space.chunk_dim(name)
+    # (the batch is 4: data parallel over 2 devices leaves 2 micro-batches)
+    plain = next(c for c in space.configs(name) if dict(c.degrees) == {"sample": 2} and not c.recompute)
+    for m, k in ((2, 1), (1, 4), (2, 2)):
+        cfg = microbatched(op, plain, m) if m > 1 else plain
+        cfg = cut_chunks(op, cfg, dim, k) if k > 1 else cfg
+        assert space.contains(name, cfg)
+        kept = 0
+        for drawn in space.configs(name):
+            got = space.keeping_rounds(name, cfg, drawn)
+            if got == drawn:
+                continue
+            kept += 1
+            assert space.contains(name, got)
+            assert space.split_chunks(name, got).count == k and space.microbatch_count(name, got) == m
+            assert split_microbatches(op, space.split_chunks(name, got).rest).base == drawn
+        assert kept > 1
+        assert all(space.keeping_rounds(name, plain, drawn) == drawn for drawn in space.configs(name))
+    # and `propose_for` draws such layouts: other bases, still in 2 micro-batches
+    current = BASELINES["dp"](graph, topo).with_config(name, microbatched(op, plain, 2))
+    rng = random.Random(0)
+    moved = Counter()
+    for _ in range(400):
+        cfg = space.propose_for(name, rng, current)
+        split = split_microbatches(op, space.split_chunks(name, cfg).rest)
+        moved[split.count] += split.base != plain
+    assert moved[2] > 0
+
+
 @pytest.mark.parametrize("topology", ["cpu-2", "cpu-3", "p100-2x2", "p100-4x4"])
 @pytest.mark.parametrize("model", ["rnnlm", "nmt"])
 def test_chunked_baselines_of_the_zoo_lie_in_the_space(model: str, topology: str):
