@@ -50,12 +50,12 @@ def exhaustive(graph: OperatorGraph, topology: DeviceTopology, start: Strategy, 
     its micro-batched and chunked configs), its cost and the number of strategies costed. `start` gives
     the configs of the ops the space does not propose for (sources). `ValueError` when the space holds
     more than `limit` strategies or none fits."""
-    size = space_size(graph, topology, rounds=rounds)
-    if size > limit:
-        raise ValueError(f"{size} strategies is more than the limit of {limit}")
     space = ConfigSpace(graph, topology)
     names = list(space.ops)
-    options = [_options(space, name, rounds) for name in names]
+    options = [_options(space, name, rounds) for name in names]  # (per op: a few hundred configs at most)
+    size = math.prod(len(o) for o in options)
+    if size > limit:
+        raise ValueError(f"{size} strategies is more than the limit of {limit}")
     current = dict(start.configs)
     cost = evaluator.start(start)
     best: tuple[Cost, dict[str, ParallelConfig]] | None = None
