@@ -14,7 +14,8 @@ The method:
   for an op with a chunk dim (an LSTM's time steps) an eighth of the time its chunk count changed
   (`search.space`); and, beside those, moves over several ops that follow the model's
   structure (the same config for every copy of an op in repeated blocks, one block's layout for all the
-  copies, a neighbour's layout for one op, one micro-batch count for a whole pipeline stage), each
+  copies, a neighbour's layout for one op, an op's drawn layout for its neighbours too, one micro-batch
+  count for a whole pipeline stage), each
   counted as one proposal (`search.evaluate.Move`: one delta simulation, or one full simulation over more
   than a quarter of the ops). A proposal S' is accepted with
   min(1, exp(β·(cost(S) - cost(S')))); one that does not fit in memory is always rejected. A chain whose

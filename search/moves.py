@@ -15,6 +15,12 @@ the null move), and costs it as one proposal whatever its size. The mixture, fix
 - *propagation* (an eighth; FlexFlow's ``--enable-propagation``): an op drawn uniformly and one of its
   neighbours drawn uniformly; the op takes the neighbour's layout (`search.structure.carried`), so that
   a layout can travel along a chain of ops;
+- *spread* (a sixteenth): an op drawn uniformly, a config drawn for it as a single move draws one, and
+  every neighbour takes that config's layout (`search.structure.carried`: where a neighbour reads the
+  op's output or the op its, along the axes of the tensor between them): a layout that pays only when the
+  tensor between two ops stays in place (a linear split on its output features and its loss split on
+  that axis of its input) is one proposal, where one op at a time would have to go through a worse
+  strategy, each op's layout being the wrong one for the other's;
 - *module* (an eighth, where the chain was given reference strategies, the baselines): a class of copies
   of a module drawn uniformly (`search.structure.modules_of`: the attention of every layer, say), a
   reference drawn uniformly, and the ops of one module of the class (half the time) or of all of them
@@ -37,7 +43,7 @@ Every config a move gives is one of the op's configs in the space (`ConfigSpace.
 which it is not (a copy whose parameters another op shares cannot shard, a neighbour's layout the space
 does not hold) are left out of the move. None of the mixture is exactly symmetric: a uniform draw
 leaves a micro-batched or chunked config that only the micro-batch and chunk moves enter, and the tied,
-copy, propagation and stage moves are not as likely reversed as made; so, as in FlexFlow, the chain is
+copy, propagation, spread and stage moves are not as likely reversed as made; so, as in FlexFlow, the chain is
 Metropolis-Hastings in its acceptance rule but not an exact sampler of exp(-beta cost): the search wants
 the best strategy it meets, not the distribution.
 
@@ -58,6 +64,7 @@ from soap.strategy import Strategy
 TIED_SHARE = 0.25
 COPY_SHARE = 0.125
 PROPAGATION_SHARE = 0.125
+SPREAD_SHARE = 0.0625
 MODULE_SHARE = 0.125
 STAGE_SHARE = 0.0625
 
@@ -82,7 +89,8 @@ class Moves:
         tied = TIED_SHARE if classes else 0.0
         copy = tied + (COPY_SHARE if classes else 0.0)
         propagation = copy + (PROPAGATION_SHARE if self.movable else 0.0)
-        module = propagation + (MODULE_SHARE if self.modules else 0.0)
+        spread = propagation + (SPREAD_SHARE if self.movable else 0.0)
+        module = spread + (MODULE_SHARE if self.modules else 0.0)
         stage = module + (STAGE_SHARE if self.space.num_devices > 1 else 0.0)
         if r < tied:
             members = classes[rng.randrange(len(classes))]
@@ -97,6 +105,14 @@ class Moves:
             other = self.near[name][rng.randrange(len(self.near[name]))]
             cfg = carried(self.graph, name, current[name], current[other], self.space.num_devices, other_op=other)
             changes = {} if cfg is None else {name: cfg}
+        elif r < spread:
+            name = self.movable[rng.randrange(len(self.movable))]
+            cfg = self.space.propose_for(name, rng, current)
+            changes = {name: cfg}
+            for other in self.near[name]:
+                mine = carried(self.graph, other, current[other], cfg, self.space.num_devices, other_op=name)
+                if mine is not None:
+                    changes[other] = mine
         elif r < module:
             modules = self.modules[rng.randrange(len(self.modules))]
             reference = self.references[rng.randrange(len(self.references))]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from soap.config import ConfigError, ParallelConfig, param_replicas, repeat_refusal, validate
 from soap.graph import Operator, OperatorGraph
+from soap.opdef import full_box
 from soap.registry import dims_of, op_def
 
 _NUMBER = re.compile(r"\d+")
@@ -48,19 +49,22 @@ def neighbours(graph: OperatorGraph) -> dict[str, list[str]]:
 def carried(graph: OperatorGraph, name: str, own: ParallelConfig, other: ParallelConfig,
             num_devices: int, *, other_op: str | None = None) -> ParallelConfig | None:
     """`other`'s layout (degrees and devices) carried over to op `name`, which keeps its own `recompute`,
-    and its `shard` where still valid: the degrees of the dims the op also has (by name; given the op
-    `other` is a config of, `other_op`, a dim the op does not have by name carries over to the op's dim
-    that indexes the same axis of its output: an LSTM's time chunks, on its `seq`, to a dropout's `d1`),
-    on `other`'s devices; None where that is not a valid config of the op. A layout whose devices repeat
-    (micro-batches, chunks) carries over without the shard where the shard refuses them
-    (`soap.config.repeat_refusal`)."""
+    and its `shard` where still valid: the degrees of the dims the op also has (by name), on `other`'s
+    devices; None where that is not a valid config of the op. Given the op `other` is a config of,
+    `other_op`, a dim the op does not have by name carries over to the op's dim that indexes the same
+    axis of the tensor between them where one op reads the other's output (`_edge_axes`: a linear's
+    `out_features` to its loss's `d1`, which keeps that tensor in place), else to the op's dim that
+    indexes the same axis of its output (an LSTM's time chunks, on its `seq`, to a dropout's `d1`). A
+    layout whose devices repeat (micro-batches, chunks) carries over without the shard where the shard
+    refuses them (`soap.config.repeat_refusal`)."""
     op = graph[name]
     dims = {d.name for d in dims_of(op)}
     by_axis = {d.out_axis: d.name for d in dims_of(op) if d.out_axis is not None}
     axis_of = {} if other_op is None else {d.name: d.out_axis for d in dims_of(graph[other_op])}
+    across = {} if other_op is None else _edge_axes(graph, name, other_op)
     degrees: dict[str, int] = {}
     for d, g in other.degrees.items():
-        mine = d if d in dims else by_axis.get(axis_of.get(d))
+        mine = d if d in dims else across.get(d, by_axis.get(axis_of.get(d)))
         if mine is not None and mine not in degrees:
             degrees[mine] = g
     try:
@@ -73,6 +77,49 @@ def carried(graph: OperatorGraph, name: str, own: ParallelConfig, other: Paralle
     except (ConfigError, ValueError):
         return None
     return cfg
+
+
+def _edge_axes(graph: OperatorGraph, name: str, other_op: str) -> dict[str, str]:
+    """Per dim of `other_op`, the dim of op `name` that indexes the same axis of the tensor between them
+    (output 0 of one, read by the other; the first such input): the producer's dim indexes an axis of its
+    output (`DimSpec.out_axis`), the consumer's an axis of its input (`_input_axes`). Empty where neither
+    reads the other's output 0."""
+    op, other = graph[name], graph[other_op]
+    for consumer, producer, other_reads in ((op, other, False), (other, op, True)):
+        slot = next((s for s, ref in enumerate(consumer.inputs) if ref.op == producer.name and ref.index == 0),
+                    None)
+        if slot is None:
+            continue
+        reads = _input_axes(consumer, slot)  # consumer dim -> input axis
+        writes = {d.out_axis: d.name for d in dims_of(producer) if d.out_axis is not None}
+        pairs = {c: writes[a] for c, a in reads.items() if a in writes}  # consumer dim -> producer dim
+        return pairs if other_reads else {p: c for c, p in pairs.items()}
+    return {}
+
+
+def _input_axes(op: Operator, slot: int) -> dict[str, int]:
+    """Per dim of `op` that splits its input `slot` along one axis (a part covering half the dim reads
+    less of that axis of the input and all of the others), that axis."""
+    definition, dims = op_def(op.kind), dims_of(op)
+    full = full_box(dims)
+    try:
+        whole = definition.input_regions(op, full)[slot]
+    except (NotImplementedError, IndexError, ValueError):
+        return {}
+    if whole is None:
+        return {}
+    out = {}
+    for k, d in enumerate(dims):
+        if d.size < 2:
+            continue
+        try:
+            region = definition.input_regions(op, full[:k] + ((0, d.size // 2),) + full[k + 1:])[slot]
+        except ValueError:  # the half is not a box of the input (a reshape that merges axes)
+            continue
+        changed = [] if region is None else [a for a, (r, w) in enumerate(zip(region, whole, strict=True)) if r != w]
+        if len(changed) == 1:
+            out[d.name] = changed[0]
+    return out
 
 
 def _attrs_key(attrs: Mapping[str, object]) -> str:

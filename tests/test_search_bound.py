@@ -104,15 +104,17 @@ def test_the_exhaustive_search_with_rounds_goes_through_micro_batches(tmp_path):
 
 def test_the_search_reaches_the_optimum_that_needs_micro_batches(tmp_path):
     """Where ops fit only in micro-batches, the chains change their layouts in micro-batches (the uniform
-    draw keeps an op's count, `ConfigSpace.keeping_rounds`) and reach the optimum from most seeds: 4 of 5
-    here, never more than 15% above it (drawing without them, 1 of 5, the others 30% above it)."""
+    draw keeps an op's count, `ConfigSpace.keeping_rounds`) and reach the optimum from most seeds: 7 of 10
+    here, never more than 15% above it. Drawing without the counts, 1 of the first 5 reached it, the
+    others 30% above it; without the spread move (`search.moves`: the linear split on its output features
+    and the loss on that axis of its input, in one proposal) 5 of 10, 3 of them 30% above it."""
     graph, topo, setup = tight_memory_case(tmp_path)
     evaluators = SimulatorEvaluators(setup=setup)
     _, cost, _ = exhaustive(graph, topo, dp(graph, topo), evaluators(graph, topo), rounds=True)
     found = [search(graph, topo, evaluators=evaluators, max_proposals=10_000, seed=seed).best_cost.time_ms
-             for seed in range(5)]
+             for seed in range(10)]
     assert all(ms >= cost.time_ms * (1 - 1e-12) for ms in found)
-    assert sum(ms == pytest.approx(cost.time_ms, rel=1e-12) for ms in found) >= 4
+    assert sum(ms == pytest.approx(cost.time_ms, rel=1e-12) for ms in found) >= 6
     assert max(found) <= 1.15 * cost.time_ms
 
 

@@ -314,10 +314,11 @@ class CountingEvaluators:
 
 
 def without_stage_moves(monkeypatch):
-    """No stage moves (`search.moves.STAGE_SHARE`): on the MLP every other move changes one op, so that a
-    test can count the strategies simulated from scratch (a move over more than two ops is one) or let
-    every accepted change take one step of a fake walk."""
+    """No stage or spread moves (`search.moves.STAGE_SHARE`, `SPREAD_SHARE`): on the MLP every other move
+    changes one op, so that a test can count the strategies simulated from scratch (a move over more than
+    two ops is one) or let every accepted change take one step of a fake walk."""
     monkeypatch.setattr(search_moves, "STAGE_SHARE", 0.0)
+    monkeypatch.setattr(search_moves, "SPREAD_SHARE", 0.0)
 
 
 def test_chains_from_baselines_reuse_the_baselines_simulations(monkeypatch):

@@ -1,5 +1,5 @@
-"""`search.structure` and `search.moves`: copies of repeated blocks are found, the tied, copy and
-propagation moves change what they say, and a chain that makes moves over several ops keeps its
+"""`search.structure` and `search.moves`: copies of repeated blocks are found, the tied, copy,
+propagation and spread moves change what they say, and a chain that makes moves over several ops keeps its
 evaluator in step with the strategy it holds."""
 
 from __future__ import annotations
@@ -10,13 +10,23 @@ from collections import Counter
 
 import pytest
 import runtime_cases as rc
-from test_search_fixtures import GRAPHS
+from test_search_fixtures import GRAPHS, mlp
 from test_simulator_delta import accept_or_reject, propose_and_check
 
+import search.moves as search_moves
 from search.baselines import dp, parse_baseline, tp
 from search.evaluate import WHOLE_SHARE, Move, SimulatorEvaluators
 from search.mcmc import _Chain
-from search.moves import COPY_SHARE, MODULE_SHARE, PROPAGATION_SHARE, STAGE_SHARE, TIED_SHARE, Moves, stages_of
+from search.moves import (
+    COPY_SHARE,
+    MODULE_SHARE,
+    PROPAGATION_SHARE,
+    SPREAD_SHARE,
+    STAGE_SHARE,
+    TIED_SHARE,
+    Moves,
+    stages_of,
+)
 from search.space import MICROBATCH_COUNTS, ConfigSpace, cut_chunks, microbatched, split_microbatches
 from search.structure import carried, copies_of, modules_of, neighbours
 from simulator import AnalyticalCostModel, Simulator
@@ -65,16 +75,19 @@ def test_moves_are_tied_copied_propagated_or_single_and_stay_in_the_space():
             classes = {k for m in changes for k, members in enumerate(copies.classes) if m in members}
             kinds["several"] += 1
             # a tied move: one config for every copy it changes (unless it is a stage move, which gives
-            # each op its own layout in one micro-batch count)
-            if len(classes) == 1 and _stage_count(space, current, changes) is None:
+            # each op its own layout in one micro-batch count, or a spread move, an op and neighbours of it)
+            spread = any(set(changes) <= {m, *near} for m, near in moves.near.items())
+            kinds["spread"] += spread
+            if len(classes) == 1 and _stage_count(space, current, changes) is None and not spread:
                 assert len({cfg for cfg in changes.values()}) == 1
         else:
             kinds["one"] += 1
         if changes and rng.random() < 0.3:
             current = current.with_configs(changes)
-    # tied and copy moves change several ops; single and propagation moves one
+    # tied, copy and spread moves change several ops; single and propagation moves one
     assert kinds["several"] > 0.2 * 4000 * (TIED_SHARE + COPY_SHARE) and kinds["one"] > 0.5 * 4000 * (
-        1 - TIED_SHARE - COPY_SHARE - PROPAGATION_SHARE)
+        1 - TIED_SHARE - COPY_SHARE - PROPAGATION_SHARE - SPREAD_SHARE)
+    assert kinds["spread"] > 0.2 * 4000 * SPREAD_SHARE
 
 
 def test_a_copy_move_gives_every_block_the_layout_of_one():
@@ -401,6 +414,52 @@ def test_propagation_carries_micro_batches_and_drops_a_shard_they_refuse():
     refused = repeat_refusal(graph["fc0"], micro.replace(shard=2)) is not None
     assert cfg == micro.replace(shard=1 if refused else 2)
     assert ConfigSpace(graph, topo).contains("fc0", cfg)
+
+
+def test_carried_follows_the_tensor_between_a_producer_and_its_consumer():
+    """A dim the op does not have by name carries over to the dim that indexes the same axis of the tensor
+    between the two ops: a linear split on its output features to its loss split on that axis of its
+    input (`d1`), and back; without `other_op` nothing carries it. Dims shared by name keep their names."""
+    graph, topo = mlp(64, (32, 32)), load_topology("cpu-2")
+    space = ConfigSpace(graph, topo)
+    own = ParallelConfig(degrees={"sample": 2}, devices=(0, 1))
+    column = ParallelConfig(degrees={"out_features": 2, "sample": 2}, devices=(0, 1, 0, 1))
+    loss = carried(graph, "loss", own, column, topo.num_devices, other_op="fc0")
+    assert loss == ParallelConfig(degrees={"d1": 2, "sample": 2}, devices=(0, 1, 0, 1))
+    assert space.contains("loss", loss)
+    assert carried(graph, "fc0", own, loss, topo.num_devices, other_op="loss") == column
+    assert carried(graph, "loss", own, column, topo.num_devices) is None
+    # the loss reads the linear's output where it is (and each device holds its half of the weight whole):
+    # nothing moves, where the loss split on the sample alone needs the output gathered
+    strategy = dp(graph, topo).with_configs({"fc0": column, "loss": loss})
+    assert simulate(graph, strategy, topo).bytes_moved == 0
+    assert simulate(graph, strategy.with_config("loss", own), topo).bytes_moved > 0
+
+
+def test_a_spread_move_gives_the_neighbours_the_drawn_layout(monkeypatch):
+    """A spread move draws a config for one op and gives each neighbour that config's layout along the
+    tensor between them (`carried`): the linear split on its output features and its loss on that axis,
+    in one proposal, about `SPREAD_SHARE` of the time."""
+    graph, topo = mlp(64, (32, 32)), load_topology("cpu-2")
+    for share in ("TIED_SHARE", "COPY_SHARE", "PROPAGATION_SHARE", "MODULE_SHARE", "STAGE_SHARE"):
+        monkeypatch.setattr(search_moves, share, 0.0)  # spread and single moves only
+    space = ConfigSpace(graph, topo)
+    moves = Moves(graph, space)
+    rng = random.Random(0)
+    current = dp(graph, topo)
+    n, spread = 4000, 0
+    for _ in range(n):
+        changes = moves.propose(rng, current)
+        if {"fc0", "loss"} <= set(changes):
+            spread += 1
+            # one of them drawn, the other carried from it
+            assert changes["loss"] == carried(graph, "loss", current["loss"], changes["fc0"], topo.num_devices,
+                                              other_op="fc0") or \
+                changes["fc0"] == carried(graph, "fc0", current["fc0"], changes["loss"], topo.num_devices,
+                                          other_op="loss")
+            assert all(space.contains(m, cfg) for m, cfg in changes.items())
+    # the linear and the loss are each other's only neighbour in the space; most draws carry over
+    assert 0.1 * n * SPREAD_SHARE < spread <= n * SPREAD_SHARE + 5 * (n * SPREAD_SHARE) ** 0.5
 
 
 # -- time chunks and stage moves ---------------------------------------------------------------------------
