@@ -98,16 +98,22 @@ of one op at a time, as the runtime frees a part's transients before the next op
     micro-batch after micro-batch through the ops; the backward is its reverse (the last micro-batch's
     first). A device keeps every round's activations until the backward.
   - ``1f1b``: a list schedule on a rough clock (an item lasts its share of its op's FLOPs and memory
-    traffic): whenever a device is idle it starts, among the items ready, backwards first (earliest round,
-    then the op nearest the loss), then forwards (earliest round, lowest op), a forward only while the
-    device holds fewer of its op's rounds in flight (forward started, backward not done) than its cap:
-    one more than the pipeline stages after it (`pipeline_caps`; a stage boundary is an edge between ops
-    on different device sets). The order is that of the starts. On a P-stage pipeline that is 1F1B: stage
-    s warms up with P - s forwards, then alternates backward and forward, and holds at most P - s
-    micro-batches in flight. Should the caps leave nothing to run, the first ready forward runs anyway.
-    The clock matters because an exchange sits in the order of both its ends: a device that reaches it
-    early waits for the other, so the order should run each device's items about when their data
-    arrives.
+    traffic): whenever a device is idle it starts, among the items ready, first those of the rounds it
+    has begun (backward, then forward: a round's pass through a stage runs whole), then a new round's
+    forward while the device holds fewer of its op's rounds in flight (forward started, backward not
+    done) than its cap: one more than the pipeline stages after it (`pipeline_caps`; a stage boundary is
+    an edge between ops on different device sets), then a new round's backward, but below the cap only
+    once every forward of the op has started there (earliest round first; forwards by the lowest op,
+    backwards by the op nearest the loss). On a P-stage pipeline that is 1F1B whatever the stages'
+    times: stage s warms up with P - s forwards, then alternates one backward and one forward, then
+    cools down, holding at most P - s micro-batches in flight. Should these rules leave nothing to run,
+    the first ready item runs anyway (a forward if any). The order is that of the starts, except for a
+    backward whose gradients go to other devices (`_place_exchanges`): an exchange sits in the order of
+    all its devices and a receiver's next item waits for it, so the backward goes, for each receiver,
+    after the pass (its run of items of one phase and round: a micro-batch's forward or backward through
+    a stage) that the receiver is in when the clock has the backward end, before its next pass, where
+    1F1B receives it. At its start, the receiver would wait out the whole backward in the middle of
+    another micro-batch's forward.
   Every rank walks the same order and takes part in the exchanges of each round as it comes, so the ranks
   issue their collectives in one consistent order and a device two stages apart from another works on an
   earlier micro-batch while it works on a later one.
@@ -142,11 +148,13 @@ with numpy: must not import torch, the simulator, the search or the runtime.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import heapq
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from math import gcd
 
 import numpy as np
@@ -993,7 +1001,7 @@ def step_order(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep])
     else:
         after = _round_deps(flow, ops, edges, live)
         if interleaves(flow.setup):
-            return _one_f_one_b(flow, ops, live, after)
+            return _one_f_one_b(flow, ops, edges, live, after)
         fwd = _gpipe_forward(ops, live, after)
     return tuple((FORWARD, i, r) for i, r in fwd) + tuple(
         (BACKWARD, i, r) for i, r in reversed(fwd) if flow.needs_bwd[i])
@@ -1076,14 +1084,20 @@ _RIDGE_FLOPS_PER_BYTE = 50.0
 _PART_OVERHEAD_FLOPS = 1e6
 
 
-def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int],
+def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep], live: Sequence[int],
                  after: Mapping[tuple[int, int], set[tuple[int, int]]]) -> tuple[Item, ...]:
-    """The 1F1B order (module docstring, "Order"): a list schedule on a rough clock (`_RIDGE_FLOPS_PER_BYTE`).
-    Whenever a device is idle it starts, among the items ready, backwards first (earliest round, then the
-    op nearest the loss), then forwards (earliest round, lowest op) while it holds fewer of the op's rounds
-    in flight than its cap (`pipeline_caps`); an item of several devices starts when all are idle. If
-    nothing runs and nothing can start, the first ready forward starts anyway, so the schedule always
-    completes. The order is the order of the starts."""
+    """The 1F1B order (module docstring, "Order"): a list schedule on a rough clock (`_RIDGE_FLOPS_PER_BYTE`),
+    then its items placed so that a backward's gradients reach the devices that receive them where the
+    clock has them arrive (`_place_exchanges`).
+
+    Whenever a device is idle it starts, among the items ready: first the rounds it has begun (backward,
+    then forward), then a new round's forward while it holds fewer of the op's rounds in flight than its
+    cap (`pipeline_caps`), then a new round's backward, below the cap only once the op has no forward
+    left to start there (each by earliest round, forwards by lowest op, backwards by the op nearest the
+    loss); an item of several devices starts when all are idle. A device thus runs one backward at its
+    cap, then one forward, as 1F1B does, and waits for that forward rather than run another backward. If
+    nothing runs and nothing can start, the first ready item (a forward if any) starts anyway, so the
+    schedule always completes."""
     graph, needs_bwd = flow.graph, flow.needs_bwd
     caps = pipeline_caps(flow, ops, live)
     succ: dict[Item, list[Item]] = {}
@@ -1123,15 +1137,15 @@ def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int],
                 else op.bwd_flops + _RIDGE_FLOPS_PER_BYTE * op.bwd_bytes)
         return work / ops[i].num_parts + _PART_OVERHEAD_FLOPS
 
-    begun: set[tuple[int, int]] = set()  # (device, round) whose forward has started there
+    begun: set[tuple[int, int, int]] = set()  # (phase, device, round) that has started there
     share = _round_share(ops, live)
 
     def prio(item: Item) -> tuple:
         phase, i, r = item
+        going = all((phase, d, r) in begun for d in devices(i, r))
         if phase == BACKWARD:
-            return (1, share(i, r), -i)
-        going = all((d, r) in begun for d in devices(i, r))
-        return (0 if going else 2, share(i, r), i)
+            return (0 if going else 3, share(i, r), -i)
+        return (1 if going else 2, share(i, r), i)
 
     held: dict[tuple[int, int], int] = {}  # (op, device) -> its rounds in flight there
     counted = {i for i in live if ops[i].num_rounds > 1 and needs_bwd[i]}
@@ -1139,33 +1153,46 @@ def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int],
     total = sum(ops[i].num_rounds * (1 + needs_bwd[i]) for i in live)
     free_at: dict[int, float] = {}
     running: list[tuple[float, int, Item]] = []  # (end, start count, item): a heap
-    order: list[Item] = []
+    timed: list[tuple[Item, float, float]] = []  # (item, start, end) in the order of the starts
     now = 0.0
+
+    left = {(i, d): ops[i].devices.count(d) for i in counted for d in set(ops[i].devices)}  # forwards to start
 
     def start(item: Item) -> None:
         phase, i, r = item
-        order.append(item)
         end = now + duration(phase, i)
         for d in devices(i, r):
             free_at[d] = end
+            begun.add((phase, d, r))
             if phase == FORWARD and i in counted:
                 held[(i, d)] = held.get((i, d), 0) + 1
-                begun.add((d, r))
-        heapq.heappush(running, (end, len(order), item))
+                left[(i, d)] -= 1
+        heapq.heappush(running, (end, len(timed), item))
+        timed.append((item, now, end))
+
+    def waits(item: Item) -> bool:
+        """Whether a ready item waits for the cap: a new forward at it, a new backward below it while
+        forwards are left."""
+        phase, i, r = item
+        if i not in counted:
+            return False
+        ds = devices(i, r)
+        if phase == FORWARD:
+            return any(held.get((i, d), 0) >= caps[d] for d in ds)
+        return not all((BACKWARD, d, r) in begun for d in ds) and any(
+            held[(i, d)] < caps[d] and left[(i, d)] for d in ds)
 
     while ready or running:
         rest = []
         for entry in ready:
-            phase, i, r = item = entry[1]
-            ds = devices(i, r)
-            if any(free_at.get(d, 0.0) > now for d in ds) or (phase == FORWARD and i in counted and any(
-                    held.get((i, d), 0) >= caps[d] for d in ds)):
+            item = entry[1]
+            if any(free_at.get(d, 0.0) > now for d in devices(*item[1:])) or waits(item):
                 rest.append(entry)
             else:
                 start(item)
         ready = rest
         if not running:
-            first = next(e for e in ready if e[1][0] == FORWARD)
+            first = next((e for e in ready if e[1][0] == FORWARD), ready[0])
             ready.remove(first)
             start(first[1])
         now = running[0][0]
@@ -1180,8 +1207,108 @@ def _one_f_one_b(flow: GradFlow, ops: Sequence[OpStep], live: Sequence[int],
                 if not waiting[n]:
                     released.append((prio(n), n))
         ready = sorted([(prio(e[1]), e[1]) for e in ready] + released)
-    assert len(order) == total, "the rounds of a step form a cycle"
-    return tuple(order)
+    assert len(timed) == total, "the rounds of a step form a cycle"
+    return _place_exchanges(flow, ops, edges, set(live), timed, succ, devices)
+
+
+def _place_exchanges(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep], live: set[int],
+                     timed: Sequence[tuple[Item, float, float]], succ: Mapping[Item, list[Item]],
+                     devices: Callable[[int, int], tuple[int, ...]]) -> tuple[Item, ...]:
+    """1F1B's order from its list schedule `timed` ((item, start, end) in the order of the starts): a
+    topological order of the dependencies `succ` and of each device's items in the order they start that
+    takes first the item that started first, with each backward's gradients (its edges' exchanges and its
+    chunks' states, which come after its part) placed, for each device that receives them without running
+    the item, after the pass (a run of its items of one phase and round) it is in when the backward ends
+    on the clock, before its next pass. Every rank walks the order and a receiver's next item waits for
+    an exchange (`simulator.roundwalk`): at the backward's start, they would hold the receiver for the
+    whole backward though it had other items to run (a stage's forward of another micro-batch), and in
+    the middle of a pass wherever the clock runs ahead. Where these places contradict one another (a
+    cycle: devices that send gradients both ways, a pass that waits for the gradient), the first started
+    item whose dependencies and device predecessors are placed goes next."""
+    at = {item: k for k, (item, _, _) in enumerate(timed)}
+    mine: dict[int, list[int]] = {}  # device -> its items, in the order they start
+    for k, (item, _, _) in enumerate(timed):
+        for d in devices(*item[1:]):
+            mine.setdefault(d, []).append(k)
+    hard: list[list[int]] = [[] for _ in timed]  # dependencies and each device's items in turn
+    for item, k in at.items():
+        hard[k] += [at[n] for n in succ.get(item, ())]
+    for ks in mine.values():
+        for a, b in itertools.pairwise(ks):
+            hard[a].append(b)
+    receivers: dict[int, set[int]] = {}  # backward item -> the devices it sends gradients to
+    for e in edges:
+        edge = flow.edges[e.edge]
+        i, j = edge.dst, edge.src
+        if edge.grad and i in live and j in live:
+            for p, c in e.round_pairs:
+                k = at.get((BACKWARD, i, c))
+                if k is not None:
+                    own = devices(i, c)
+                    receivers.setdefault(k, set()).update(d for d in devices(j, p) if d not in own)
+    for i in live:
+        step = ops[i]
+        for c, prev in enumerate(step.carry_from):
+            k = at.get((BACKWARD, i, step.rounds[c]))
+            if prev is not None and k is not None and step.devices[prev] != step.devices[c]:
+                receivers.setdefault(k, set()).add(step.devices[prev])
+    soft: list[list[int]] = [[] for _ in timed]  # where the gradients meet their receivers
+
+    def pass_of(n: int) -> tuple[int, int]:
+        phase, _, r = timed[n][0]
+        return phase, r
+
+    for k, ds in receivers.items():
+        for d in ds:
+            ks = mine[d]
+            q = bisect.bisect_left(ks, timed[k][2], key=lambda n: timed[n][1])  # d's first start at the end
+            while 0 < q < len(ks) and pass_of(ks[q]) == pass_of(ks[q - 1]):
+                q += 1
+            if q < len(ks):
+                soft[k].append(ks[q])
+            if q:
+                soft[ks[q - 1]].append(k)
+    return tuple(timed[k][0] for k in _first_started_topological(hard, soft))
+
+
+def _first_started_topological(hard: Sequence[list[int]], soft: Sequence[list[int]]) -> list[int]:
+    """A topological order of nodes 0..n-1 under edges `hard` and `soft` (node -> the nodes after it) that
+    takes first the lowest node ready; where the soft edges close a cycle, the lowest node whose hard
+    predecessors are all placed."""
+    n = len(hard)
+    need_hard, need_soft = [0] * n, [0] * n
+    for outs, need in ((hard, need_hard), (soft, need_soft)):
+        for out in outs:
+            for b in out:
+                need[b] += 1
+    ready = [k for k in range(n) if not need_hard[k] and not need_soft[k]]
+    loose = [k for k in range(n) if not need_hard[k]]  # hard predecessors placed: a heap, lazily pruned
+    heapq.heapify(ready)
+    heapq.heapify(loose)
+    placed = [False] * n
+    out: list[int] = []
+    while len(out) < n:
+        if ready:
+            k = heapq.heappop(ready)
+        else:
+            k = heapq.heappop(loose)
+            while placed[k]:
+                k = heapq.heappop(loose)
+        if placed[k]:
+            continue
+        placed[k] = True
+        out.append(k)
+        for b in hard[k]:
+            need_hard[b] -= 1
+            if not need_hard[b]:
+                heapq.heappush(loose, b)
+                if not need_soft[b]:
+                    heapq.heappush(ready, b)
+        for b in soft[k]:
+            need_soft[b] -= 1
+            if not need_soft[b] and not need_hard[b]:
+                heapq.heappush(ready, b)
+    return out
 
 
 def flight_savings(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[EdgeStep], order: Sequence[Item]

@@ -19,9 +19,10 @@ setup it was found for.
   order (the lowering's bucket rule, `soap.lowering.GradFlow`): DDP's 25 MiB by default.
 - `schedule`: how the rounds of ops whose devices repeat (micro-batches) interleave forward and backward
   (the lowering's order rule, `soap.lowering.step_orders`): ``gpipe`` runs every forward before any
-  backward (all micro-batches' activations in flight at once); ``1f1b`` starts a micro-batch's backward
-  as soon as it can and lets a device run a new micro-batch's forward only while fewer than its number of
-  pipeline stages to the loss are in flight (PipeDream-Flush / Megatron-LM's non-interleaved schedule).
+  backward (all micro-batches' activations in flight at once); ``1f1b`` lets a device run a new
+  micro-batch's forward only while fewer than its number of pipeline stages to the loss are in flight,
+  and at that cap one backward, then one forward (PipeDream-Flush / Megatron-LM's non-interleaved
+  schedule).
   Without repeated devices both are the same step.
 
 Pure Python: must not import torch, the simulator, the search or the runtime.
