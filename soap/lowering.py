@@ -1239,13 +1239,12 @@ def _place_exchanges(flow: GradFlow, ops: Sequence[OpStep], edges: Sequence[Edge
     receivers: dict[int, set[int]] = {}  # backward item -> the devices it sends gradients to
     for e in edges:
         edge = flow.edges[e.edge]
-        i, j = edge.dst, edge.src
-        if edge.grad and i in live and j in live:
-            for p, c in e.round_pairs:
-                k = at.get((BACKWARD, i, c))
+        if edge.grad and edge.dst in live and edge.src in live:
+            # per exchange (consumer round c), the devices that receive its gradient (`EdgeStep.receivers`)
+            for (c, _, _), (_, producers) in zip(e.exchanges, e.receivers, strict=True):
+                k = at.get((BACKWARD, edge.dst, c))
                 if k is not None:
-                    own = devices(i, c)
-                    receivers.setdefault(k, set()).update(d for d in devices(j, p) if d not in own)
+                    receivers.setdefault(k, set()).update(producers.difference(devices(edge.dst, c)))
     for i in live:
         step = ops[i]
         for c, prev in enumerate(step.carry_from):
