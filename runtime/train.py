@@ -298,7 +298,7 @@ class LossScaler:
 
 def loss_scaler(setup: TrainSetup, *, across_ranks: bool = True) -> LossScaler | None:
     """The setup's loss scaler: one under fp16, none otherwise."""
-    return LossScaler(across_ranks=across_ranks) if setup.precision == "fp16" else None
+    return LossScaler(across_ranks=across_ranks) if setup.loss_scaling else None
 
 
 def train_step(executor: Executor, optimizer: torch.optim.Optimizer | None, batch: Sequence[torch.Tensor], *,

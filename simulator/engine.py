@@ -78,6 +78,7 @@ from simulator.taskgraph import (
     COMPUTE_CATS,
     FWD,
     REDUCE,
+    STEP_END,
     SUB_COMPUTE,
     SUB_SYNC,
     SUB_XFER,
@@ -184,8 +185,8 @@ class _Journal:
     proposal, the round order's edges and the old times and order of the replay."""
 
     __slots__ = ("noop", "op", "cfg", "plan", "params", "old_len", "mem", "moved", "iteration", "dead",
-                 "removed", "gone", "synced", "cut", "added", "links", "new_syncs", "order", "end", "rk", "cuts",
-                 "res_tails", "rounds", "walk", "round_cut", "unsorted", "flight", "steps", "busy", "k0",
+                 "removed", "gone", "synced", "cut", "ended", "added", "links", "new_syncs", "order", "end", "rk",
+                 "cuts", "res_tails", "rounds", "walk", "round_cut", "unsorted", "flight", "steps", "busy", "k0",
                  "replayed")
 
     def __init__(self, *, noop: bool = False):
@@ -224,6 +225,9 @@ class Simulator:
         self.comm = Comm(topology, getattr(self.cost_model, "comm_overhead", NO_OVERHEAD))
         self.planner = Planner(self.flow, topology, self.cost_model, self.keys, self.comm, replicas=replicas)
         self.num_devices = topology.num_devices
+        # the devices whose tasks are simulated (replica 0's under `replicas`): the first tasks of every
+        # build are their step ends, task id = device (`simulator.taskgraph`'s docstring)
+        self._num_ends = replicas.size if replicas is not None else self.num_devices
         self.num_resources = self.num_devices + len(topology.links)
         self.capacity = [d.memory_bytes for d in topology.devices]
         self._kb = self.keys.bits
@@ -240,7 +244,7 @@ class Simulator:
         second state, say to try a whole strategy while this one keeps the current."""
         twin = object.__new__(Simulator)
         for name in ("graph", "replicas", "topology", "setup", "cost_model", "flow", "keys", "comm", "planner",
-                     "num_devices", "num_resources", "capacity", "_kb", "_sh", "_routes_refusal", "_fits",
+                     "num_devices", "_num_ends", "num_resources", "capacity", "_kb", "_sh", "_routes_refusal", "_fits",
                      "_orders"):
             setattr(twin, name, getattr(self, name))
         twin._configs = None
@@ -568,6 +572,8 @@ class Simulator:
             if sub == SUB_XFER:
                 return f"grad {consumer} -> {op.name}" + (f" round {a}" if a else "")
             return f"{op.name} sum grads [{a}]"
+        if pos == 2 * n and sub < SUB_COMPUTE:
+            return f"step end[device {a}]" if sub == SUB_XFER else "overflow check"
         return f"{flow.ops[pos - 2 * n].name} update[device {a}]"
 
     # -- building ------------------------------------------------------------------------------------
@@ -608,6 +614,7 @@ class Simulator:
         self._plans: list[OpPlan] = [planner.op_plan(i, cfg) for i, cfg in enumerate(configs)]
         self._params: list[ParamPlan] = [self._param_plan(u) for u in range(len(flow.units))]
         links: list[Link] = []
+        self._add_step_ends(links)
         self._op_units = [self._add_op_unit(i, links) for i in range(flow.num_ops)]
         self._update_units = [self._add_update_unit(u, links) for u in range(len(flow.units))]
         self._edge_units = [self._add_edge_unit(e, links) for e in range(len(flow.edges))]
@@ -821,12 +828,28 @@ class Simulator:
                 busy[x] += d
         return list(range(t0, t0 + n))
 
+    def _add_step_ends(self, links: list[Link]) -> None:
+        """The step end of every simulated device (task id = device) and, under loss scaling, the overflow
+        check after them all (`simulator.taskgraph`'s docstring); `_update_after`: per device, the task its
+        updates wait for."""
+        n, keys = self._num_ends, self.keys
+        self._new_tasks([0] * n, [keys.step_end(d) for d in range(n)], [()] * n, STEP_END)
+        self._update_after = list(range(n))
+        if self.setup.loss_scaling:
+            _, ns = self.comm.collective(tuple(range(self.num_devices)), 4)  # one float32 flag, every rank
+            (check,) = self._new_tasks([ns], [keys.overflow_check()], [()], SYNC)
+            links += [(d, check) for d in range(n)]
+            self._update_after = [check] * n
+
     def _add_op_unit(self, i: int, links: list[Link]) -> _Unit:
         plan = self._plans[i]
-        res = [(d,) for d in plan.devices]
+        dev = plan.devices
+        res = [(d,) for d in dev]
         fwd = self._new_tasks(plan.fwd_ns, plan.fwd_keys, res[:len(plan.fwd_ns)], FWD) if plan.fwd_ns else []
         bwd = self._new_tasks(plan.bwd_ns, plan.bwd_keys, res[:len(plan.bwd_ns)], BWD) if plan.bwd_ns else []
         mine = list(zip(fwd, bwd, strict=False))
+        # the device's step end waits for each part's last pass (a backward, or a forward without one)
+        mine += [(t, dev[c]) for c, t in enumerate(bwd + fwd[len(bwd):])]
         for p, c in plan.carries:  # a chunk after the chunk whose state it starts from; backward back
             mine += [(fwd[p], fwd[c])] + ([(bwd[c], bwd[p])] if bwd else [])
         tids = fwd + bwd
@@ -839,9 +862,9 @@ class Simulator:
             carry = {}
             n = len(plan.carry_xfers)
             for k, (p, c, _, back) in enumerate(plan.carry_xfers):
-                mine += [(fwd[p], new[k]), (new[k], fwd[c])]
+                mine += [(fwd[p], new[k]), (new[k], fwd[c]), (new[k], dev[p])]  # (the sender's step end)
                 if back is not None:
-                    mine += [(bwd[c], new[n + k]), (new[n + k], bwd[p])]
+                    mine += [(bwd[c], new[n + k]), (new[n + k], bwd[p]), (new[n + k], dev[c])]
                 carry[c] = (new[k], new[n + k] if back is not None else None)
         links += mine
         return _Unit(tids, mine, fwd, bwd, carry=carry)
@@ -852,8 +875,8 @@ class Simulator:
             return None
         tids = self._new_tasks([x.ns for x in plan.updates], [x.key for x in plan.updates],
                                [(x.device,) for x in plan.updates], UPDATE)
-        units = self._op_units
-        mine = [(units[i].bwd[c], t) for x, t in zip(plan.updates, tids, strict=True) for i, c in plan.waits[x.device]]
+        after = self._update_after
+        mine = [(after[x.device], t) for x, t in zip(plan.updates, tids, strict=True)]
         links += mine
         return _Unit(tids, mine, by_device={x.device: t for x, t in zip(plan.updates, tids, strict=True)})
 
@@ -892,9 +915,11 @@ class Simulator:
         new = self._new_tasks([x.ns for x in xfers], [x.key for x in xfers], [x.resources for x in xfers], XFER,
                               [x.nbytes for x in xfers])
         tids += new
+        res = self._res
         for xfer, t in zip(xfers, new, strict=True):
             if src:
                 mine += [(src[p], t) for p in xfer.senders]
+                mine += [(t, d) for d in {res[src[p]][0] for p in xfer.senders}]  # the senders' step ends
             mine += [(t, target[c]) for c in xfer.receivers]
         return new
 
@@ -905,18 +930,19 @@ class Simulator:
         res, ns, key = self.planner.sync_task(group, bucket, nbytes)
         return res, ns, key, 2 * (len(group) - 1) * nbytes  # each device sends 2(n-1)/n of the buffer
 
-    def _sync_links(self, u: int, tid: int, share: SyncShare, group: tuple[int, ...]) -> list[Link]:
+    def _sync_links(self, u: int, tid: int, share: SyncShare) -> list[Link]:
         units = self._op_units
-        upd = self._update_units[u].by_device
-        # (under replicas, the updates of replica 0's devices: the others are not simulated)
-        return [(units[i].bwd[c], tid) for i, c in share.holders] + [(tid, upd[d]) for d in group if d in upd]
+        return [(units[i].bwd[c], tid) for i, c in share.holders]
 
     def _new_sync(self, sid: SyncId, members: dict[int, SyncShare], links: list[Link]) -> _Sync:
+        """A new all-reduce task with `members`, and its edges: from the parts of each member, to the step
+        end of every device of its group (under replicas, of replica 0's: the others are not simulated)."""
         res, ns, key, wire = self._sync_figures(sid, members)
         (tid,) = self._new_tasks([ns], [key], [res], SYNC, [wire])
-        mine = {u: self._sync_links(u, tid, members[u], sid[0]) for u in sorted(members)}
+        mine = {u: self._sync_links(u, tid, members[u]) for u in sorted(members)}
         for group_links in mine.values():
             links += group_links
+        links += [(tid, d) for d in sid[0] if d < self._num_ends]
         return _Sync(tid, members, mine)
 
     def _walk_rounds(self, changed: Iterable[int] | None = None) -> tuple[RoundWalk | None, list[Link], list[Link]]:
@@ -1050,7 +1076,7 @@ class Simulator:
         move.walk, move.unsorted, move.flight = self._walk, self._unsorted, self._flight
         self._walk, move.round_cut, move.links = self._walk_rounds(i for i, _ in items)
         if move.round_cut:
-            k0 = min(k0, self._unlink(move.round_cut, old_len))
+            k0 = self._unlink(move.round_cut, old_len, k0)
         if move.links:
             self._apply(move.links)
             links += move.links
@@ -1079,21 +1105,32 @@ class Simulator:
         move.k0, move.replayed = k0, False  # the replay: `_settle`
         self._journal = move
 
-    def _unlink(self, pairs: list[Link], old_len: int) -> int:
-        """Cut edges `pairs` where their ends live on; returns the earliest priority a cut target may now
-        have (the replay starts no later): its old one, or its priority with the old predecessors it keeps
-        (those that replay come before it anyway, and new ones replay; the others keep their ends)."""
+    def _unlink(self, pairs: list[Link], old_len: int, k0: int) -> int:
+        """Cut edges `pairs` where their ends live on; returns the smaller of `k0` and the earliest
+        priority a cut target may now have (the replay starts no later): its old one, or its priority with
+        the old predecessors it keeps (those that replay come before it anyway, and new ones replay; the
+        others keep their ends). A kept predecessor that ends after `k0`'s ready time shows the target no
+        earlier than `k0`: the scan stops there (a step end has a predecessor per task of its device)."""
         alive, preds, succs, rk, end, sh, kt = (self._alive, self._preds, self._succs, self._rk, self._end, self._sh,
                                                self._kt)
-        k0 = _NEW
         for a, v in pairs:
             if alive[a]:
                 succs[a].remove(v)
             if alive[v]:
                 preds[v].remove(a)
-                c = min(rk[v], (max((end[p] for p in preds[v] if p < old_len and alive[p]), default=0) << sh) | kt[v])
-                if c < k0:
-                    k0 = c
+                if rk[v] < k0:
+                    k0 = rk[v]
+                late = k0 >> sh
+                ready = 0
+                for p in preds[v]:
+                    if p < old_len and alive[p] and end[p] > ready:
+                        ready = end[p]
+                        if ready > late:
+                            break
+                else:
+                    c = (ready << sh) | kt[v]
+                    if c < k0:
+                        k0 = c
         return k0
 
     def _change(self, i: int, cfg: ParallelConfig, j: _Journal, old_len: int) -> int:
@@ -1133,10 +1170,11 @@ class Simulator:
                     k0 = rk[t]
             gone.update(unit.tids)
         for _, _, unit in removed:
-            k0 = min(k0, self._unlink(unit.links, old_len))
+            k0 = self._unlink(unit.links, old_len, k0)
         # the all-reduces the unit takes part in: edited in place (its edges out, its new ones in below)
         synced: list[_SyncEdit] = []
-        cut: list[Link] = []
+        cut: list[Link] = []  # edges from surviving tasks into an edited all-reduce
+        ended: list[Link] = []  # edges from a removed all-reduce to the step ends
         for sid in sids:
             sync = self._syncs.get(sid)
             if sync is None:
@@ -1162,8 +1200,11 @@ class Simulator:
                     busy[x] -= dur[t]
                 gone.add(t)
                 del self._syncs[sid]
+                for v in succs[t]:  # the step ends it fed (its own lists come back whole on `reject`)
+                    preds[v].remove(t)
+                    ended.append((t, v))
         self._dead += len(gone)
-        j.removed, j.gone, j.synced, j.cut = removed, gone, synced, cut
+        j.removed, j.gone, j.synced, j.cut, j.ended = removed, gone, synced, cut, ended
         # 2. put in the new units
         self._configs[i] = cfg
         self._plans[i] = new_plan
@@ -1187,7 +1228,7 @@ class Simulator:
                 new_syncs.append(sid)
             else:
                 sync.members[u] = share
-                sync.links[u] = self._sync_links(u, sync.tid, share, sid[0])
+                sync.links[u] = self._sync_links(u, sync.tid, share)
                 links += sync.links[u]
         for edit in synced:
             if edit.sync.members:  # duration and bytes follow the membership (the key and the group do not)
@@ -1339,6 +1380,8 @@ class Simulator:
                     preds[v].append(a)
         for a, t in j.cut:  # the all-reduce's own lists come back whole below
             succs[a].append(t)
+        for t, v in j.ended:
+            preds[v].append(t)
         self._rounds = j.rounds
         for sid in j.new_syncs:
             del self._syncs[sid]

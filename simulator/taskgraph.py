@@ -36,8 +36,14 @@ Tasks of a step plan:
   (`EdgeStep.grad_sums`);
 - per bucket and device group: one all-reduce (`simulator.comm`: one task, ring or tree) of the gradients
   of its entries, after the backward of every part holding them (every round of a device's parts);
-- per parameter unit and device: an optimizer update task after the backward of all the device's parts of
-  the unit's ops and the all-reduces it takes part in;
+- per device, a *step end* task (no duration, no resource) after everything the device's rank does
+  before its optimizer step, as the runtime steps once its walk of the step's order is over, its sends
+  have left and every all-reduce it takes part in has finished: every backward task on the device (and
+  forward task of an op that runs no backward), every exchange it sends in and every all-reduce over it;
+  under loss scaling (`TrainSetup.loss_scaling`) one *overflow check* after every device's step end: the
+  runtime's all-reduce of the overflow flag over every rank (a latency, on no resource);
+- per parameter unit and device: an optimizer update task after the device's step end (under loss
+  scaling, after the overflow check), so the updates never overlap the backward or the all-reduces;
 - the round order (edges built by `simulator.engine`, since they depend on every op's config): on each
   device, the tasks of an op's rounds but the first it runs in each pass (its parts, and the exchanges
   of its input edges for those rounds) wait for the task before them in the device's share of the
@@ -65,12 +71,12 @@ from soap.strategy import StrategyError
 from soap.topology import DeviceTopology
 
 # task categories
-FWD, BWD, XFER, REDUCE, SYNC, UPDATE = range(6)
-CATEGORY_NAMES = ("forward", "backward", "transfer", "reduce", "allreduce", "update")
+FWD, BWD, XFER, REDUCE, SYNC, UPDATE, STEP_END = range(7)
+CATEGORY_NAMES = ("forward", "backward", "transfer", "reduce", "allreduce", "update", "step end")
 # what a category counts as on the critical path
 COMPUTE_CATS = frozenset({FWD, BWD, REDUCE, UPDATE})
 COMM_CATS = frozenset({XFER})
-SYNC_CATS = frozenset({SYNC})
+SYNC_CATS = frozenset({SYNC, STEP_END})
 
 # sub-slots of a key position: transfers into an op, then its reduce tasks, then its compute, then the
 # all-reduces of the bucket that ends there
@@ -84,8 +90,9 @@ class KeySpace:
     in every strategy that has it, so ready-time ties break the same way in full and delta simulation.
 
     A key packs (position, sub, e, a, b): position i is op i's forward, 2N-1-i its backward, 2N+i the
-    update of the parameter unit whose first op is i; sub orders exchanges < reduces < compute <
-    all-reduces at a position; e is the input slot (forward), the consumer use (backward) or a hash of the
+    update of the parameter unit whose first op is i, and position 2N also holds the step ends (sub 0)
+    and the overflow check (sub 1), before every update (sub 2); sub orders exchanges < reduces <
+    compute < all-reduces at a position; e is the input slot (forward), the consumer use (backward) or a hash of the
     device group (all-reduce); a is a part index (compute, reduce), the consumer round (an exchange), the
     device (an update) or the group's first device (an all-reduce); b is the group's last device for an
     all-reduce, 1 for the transfer of a carry between chunks on two devices (a compute key right after
@@ -124,6 +131,14 @@ class KeySpace:
     def update_pos(self, i: int) -> int:
         return 2 * self.num_ops + i
 
+    def step_end(self, device: int) -> int:
+        """The key of `device`'s step end: after every forward, backward, exchange and all-reduce key."""
+        return self.make(2 * self.num_ops, SUB_XFER, 0, device, 0)
+
+    def overflow_check(self) -> int:
+        """The key of the overflow check: after every step end, before every update."""
+        return self.make(2 * self.num_ops, SUB_REDUCE, 0, 0, 0)
+
 
 def group_hash(group: tuple[int, ...]) -> int:
     """A 16-bit tag of a device group (the key field of its all-reduces); deterministic across runs."""
@@ -161,7 +176,7 @@ class Update(NamedTuple):
 
 class SyncShare(NamedTuple):
     """What one parameter unit puts into one all-reduce: the (op position, part) pairs whose backward it
-    waits for, the devices whose update waits for it, and its bytes."""
+    waits for and its bytes."""
 
     holders: tuple[tuple[int, int], ...]
     nbytes: int
@@ -216,16 +231,14 @@ class EdgePlan:
 
 class ParamPlan:
     """The timed tasks of one parameter unit: `updates`, `sync` ((group, bucket) -> `SyncShare`: all-
-    reduces over two or more devices), `waits` (device -> the (op, part) backward tasks its update waits
-    for) and `mem` (device -> parameter, gradient and optimizer-state bytes)."""
+    reduces over two or more devices) and `mem` (device -> parameter, gradient and optimizer-state bytes)."""
 
-    __slots__ = ("step", "updates", "sync", "waits", "mem")
+    __slots__ = ("step", "updates", "sync", "mem")
 
     def __init__(self, step: ParamStep):
         self.step = step
         self.updates: list[Update] = []
         self.sync: dict[tuple[tuple[int, ...], int], SyncShare] = {}
-        self.waits: dict[int, list[tuple[int, int]]] = {}
         self.mem: Mapping[int, int] = step.memory_bytes
 
 
@@ -428,8 +441,6 @@ class Planner:
         for d in sorted(step.update_bytes):
             ns = ms_to_ns(self.cost_model.update_ms(step.update_bytes[d], self.topology.devices[d], passes))
             plan.updates.append(Update(d, ns, keys.make(upos, SUB_COMPUTE, 0, d, 0)))
-            plan.waits[d] = [(i, c) for i in members if steps[i].runs_bwd
-                             for c, dev in enumerate(steps[i].devices) if dev == d]
         shares: dict[tuple[tuple[int, ...], int], tuple[set, int]] = {}
         for e in step.sync:
             if len(e.group) < 2:
@@ -449,5 +460,5 @@ class Planner:
 
 
 __all__ = ["BWD", "CATEGORY_NAMES", "COMM_CATS", "COMPUTE_CATS", "EdgePlan", "Exchange", "FWD", "KeySpace",
-           "MAX_ROUNDS", "OpPlan", "ParamPlan", "Planner", "REDUCE", "Reduce", "SYNC", "SYNC_CATS", "SyncShare",
-           "UPDATE", "Update", "XFER", "group_hash"]
+           "MAX_ROUNDS", "OpPlan", "ParamPlan", "Planner", "REDUCE", "Reduce", "STEP_END", "SYNC", "SYNC_CATS",
+           "SyncShare", "UPDATE", "Update", "XFER", "group_hash"]

@@ -14,7 +14,8 @@ setup it was found for.
   are in that dtype, and so are the tensors the exchanges move; the loss is computed in float32;
   parameter gradients arrive in float32 on the masters and are all-reduced and applied in float32
   (`soap.lowering.run_graph` states it for the lowering, the runtime executes it). ``fp16`` scales the
-  loss dynamically (the runtime's `LossScaler`).
+  loss dynamically (`loss_scaling`; the runtime's `LossScaler`): before any rank updates, every rank
+  learns whether any rank's gradients overflowed, one small all-reduce over every rank.
 - `bucket_mb`: gradient all-reduce bucket size in MiB, counted over full-size parameters in backward
   order (the lowering's bucket rule, `soap.lowering.GradFlow`): DDP's 25 MiB by default.
 - `schedule`: how the rounds of ops whose devices repeat (micro-batches) interleave forward and backward
@@ -95,6 +96,12 @@ class TrainSetup:
         if self.optimizer == "adamw":
             return 2
         return 1 if self.momentum else 0
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the loss is scaled (fp16): the step then skips its update when any rank's gradients
+        overflow, which every rank learns before it updates anything."""
+        return self.precision == "fp16"
 
     @property
     def update_passes(self) -> int:

@@ -175,10 +175,10 @@ def test_gradient_sync_only_among_devices_that_replicate_a_parameter():
 
 def test_task_counts_per_category():
     """Per part: one forward, one backward (where a gradient arrives), one update (where it holds
-    parameters); input ops have no tasks."""
+    parameters); input ops have no tasks; one step end per device of the topology (16)."""
     graph = _two_linears()
     dp4 = on(0, 1, 2, 3, sample=4)
     tl = simulate(graph, Strategy({name: dp4 for name in ("x", "fc1", "fc2", "y", "loss")}), TOPO, COSTS)
     counts = Counter(r.category for r in tl.tasks())
-    assert counts == {"forward": 12, "backward": 12, "update": 8, "allreduce": 1}
-    assert tl.num_tasks == 33
+    assert counts == {"forward": 12, "backward": 12, "update": 8, "allreduce": 1, "step end": 16}
+    assert tl.num_tasks == 49

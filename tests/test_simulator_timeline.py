@@ -14,6 +14,7 @@ from test_simulator_support import Net
 from simulator import FixedCostModel, Simulator, simulate
 from simulator.comm import Comm, CommOverhead
 from soap.config import ParallelConfig
+from soap.setup import TrainSetup
 from soap.strategy import Strategy
 from soap.topology import load_topology
 
@@ -55,6 +56,8 @@ def test_one_device_chain():
         "loss bwd[0]": (2 * MS, 4 * MS),
         "fc bwd[0]": (4 * MS, 6 * MS),
         "fc update[device 0]": (6 * MS, 6_500_000),
+        "step end[device 0]": (6 * MS, 6 * MS),  # the update waits for it; it takes no time
+        "step end[device 1]": (0, 0),  # a process with nothing to do
     }
     assert tl.iteration_time_ns == 6_500_000
     assert tl.iteration_time_ms == 6.5
@@ -82,6 +85,8 @@ def test_transfer_and_its_gradient_cross_both_links_of_the_route():
         "grad loss -> fc": (t1 + 3 * MS, t2),
         "fc bwd[0]": (t2, t2 + 2 * MS),
         "fc update[device 0]": (t2 + 2 * MS, t2 + 2_500_000),
+        "step end[device 0]": (t2 + 2 * MS, t2 + 2 * MS),
+        "step end[device 1]": (t2, t2),  # once the gradient it sends has left
     }
     assert tl.iteration_time_ns == 6_500_000 + 2 * T_128
     records = {r.name: r for r in tl.tasks()}
@@ -148,6 +153,9 @@ def test_transfers_sharing_a_link_run_one_at_a_time():
         "fa bwd[0]": (b0 + 2 * T, b0 + 2 * T + 2 * MS),
         "fb update[device 2]": (b0 + T + 2 * MS, b0 + T + 2_500_000),
         "fa update[device 0]": (b0 + 2 * T + 2 * MS, b0 + 2 * T + 2_500_000),
+        "step end[device 0]": (b0 + 2 * T + 2 * MS,) * 2,
+        "step end[device 1]": (b0 + 2 * T,) * 2,  # both gradients sent
+        "step end[device 2]": (b0 + T + 2 * MS,) * 2,
     }
     assert tl.iteration_time_ns == b0 + 2 * T + 2_500_000
 
@@ -171,13 +179,14 @@ def test_data_parallel_gradient_sync_is_a_ring_all_reduce_before_the_updates():
         assert got[f"loss bwd[{p}]"] == (2 * MS, 4 * MS)
         assert got[f"fc bwd[{p}]"] == (4 * MS, 6 * MS)
         assert got[f"fc update[device {p}]"] == (6 * MS + sync_ns, 6_500_000 + sync_ns)
+        assert got[f"step end[device {p}]"] == (6 * MS + sync_ns,) * 2
     (sync,) = [r for r in tl.tasks() if r.category == "allreduce"]
     assert (round(sync.start_ms * MS), round(sync.end_ms * MS)) == (6 * MS, 6 * MS + sync_ns)
     # every link of the ring, a link and its reverse being one resource
     assert set(sync.links) == {topo.capacity(i) for i in topo.route(0, 1) + topo.route(1, 0)}
     assert sync.devices == (0, 1)  # and both processes, which reduce with their own cores
     assert sync.nbytes == 2 * (2 - 1) * 288  # each process sends 2(n-1)/n of the 288-byte buffer
-    assert len(got) == 11  # 5 tasks per process and the all-reduce
+    assert len(got) == 13  # 5 tasks and a step end per process, and the all-reduce
     assert tl.iteration_time_ns == 6_500_000 + sync_ns
     assert tl.sync_ms == pytest.approx(sync_ns / MS, abs=1e-12)
     assert tl.compute_ms == pytest.approx(6.5, abs=1e-12)
@@ -314,3 +323,54 @@ def test_the_runtimes_communication_overhead_adds_to_exchanges_and_all_reduces()
     assert slow.iteration_time_ns - base.iteration_time_ns == 40_000 + round(288 * 5.0)
     with pytest.raises(ValueError, match="finite and >= 0"):
         CommOverhead(exchange_us=-1.0)
+
+
+def _two_linears(batch: int = 4):
+    """x[4, 8] -> fc1 -> fc2 (linear 8 -> 8 each) -> mse against y."""
+    net = Net("two_linears", batch)
+    h = net.linear("fc2", net.linear("fc1", net.input("x", (batch, 8)), 8), 8)
+    net.mse("loss", h, net.input("y", (batch, 8), role="target"))
+    return net.graph()
+
+
+def test_updates_wait_for_every_all_reduce_of_the_step():
+    """Data parallel over two GPUs with one bucket per linear: fc2's gradients are all-reduced while fc1's
+    backward runs, fc1's after it. A rank steps its optimizer once its walk is over and every all-reduce has
+    finished (the runtime's `sync.finish()` before `optimizer.step()`), so fc2's update does not start in
+    the shadow of fc1's all-reduce: both updates follow the last all-reduce, one after the other."""
+    dp2 = on(0, 1, sample=2)
+    graph = _two_linears()
+    setup = TrainSetup(bucket_mb=1e-6)  # every parameter unit its own bucket
+    tl = simulate(graph, Strategy({name: dp2 for name in ("x", "fc1", "fc2", "y", "loss")}),
+                  load_topology("p100-1x2"), COSTS, setup=setup, symmetry=False)
+    got = times(tl)
+    syncs = [r for r in tl.tasks() if r.category == "allreduce"]
+    assert len(syncs) == 2
+    last = max(round(r.end_ms * MS) for r in syncs)
+    assert last > got["fc1 bwd[0]"][1]  # fc1's own all-reduce runs after its backward
+    for p in (0, 1):
+        assert got[f"step end[device {p}]"] == (last, last)
+        starts = sorted(got[f"{op} update[device {p}]"][0] for op in ("fc1", "fc2"))
+        assert starts == [last, last + MS // 2]  # one update after the other, 0.5 ms each
+    assert tl.iteration_time_ns == last + MS
+
+
+def test_loss_scaling_makes_every_rank_wait_for_the_overflow_check():
+    """fc1 on GPU 0, fc2 and the loss on GPU 1: GPU 1 is done once fc2's input gradient has left, GPU 0
+    two backward milliseconds later. In fp32 GPU 1 updates fc2 at once; in fp16 every rank first learns
+    whether any rank's gradients overflowed (the loss scaler's all-reduce of a flag over every rank), so
+    fc2's update waits for GPU 0's end and that all-reduce's latency."""
+    topo = load_topology("p100-1x2")
+    strategy = Strategy({"x": on(0), "fc1": on(0), "fc2": on(1), "y": on(1), "loss": on(1)})
+    graph = _two_linears()
+    fp32 = times(simulate(graph, strategy, topo, COSTS))
+    assert "overflow check" not in fp32
+    assert fp32["fc2 update[device 1]"][0] == fp32["step end[device 1]"][1] < fp32["step end[device 0]"][1]
+    assert fp32["fc1 update[device 0]"][0] == fp32["step end[device 0]"][1]
+    fp16 = times(simulate(graph, strategy, topo, COSTS, setup=TrainSetup(precision="fp16")))
+    end0, end1 = fp16["step end[device 0]"][1], fp16["step end[device 1]"][1]
+    assert end1 < end0
+    latency = Comm(topo).collective((0, 1), 4)[1]
+    assert latency > 0
+    assert fp16["overflow check"] == (end0, end0 + latency)
+    assert fp16["fc1 update[device 0]"][0] == fp16["fc2 update[device 1]"][0] == end0 + latency
