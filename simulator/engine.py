@@ -835,6 +835,10 @@ class Simulator:
         n, keys = self._num_ends, self.keys
         self._new_tasks([0] * n, [keys.step_end(d) for d in range(n)], [()] * n, STEP_END)
         self._update_after = list(range(n))
+        # the ops whose backward tasks link to their step ends themselves: those with no input gradient to
+        # pass on (the others' do where their backward passes leave them nowhere else, `_add_pass`)
+        flow = self.flow
+        self._sinks = [not any(flow.edges[e].grad for e in flow.in_edges[i]) for i in range(flow.num_ops)]
         if self.setup.loss_scaling:
             _, ns = self.comm.collective(tuple(range(self.num_devices)), 4)  # one float32 flag, every rank
             (check,) = self._new_tasks([ns], [keys.overflow_check()], [()], SYNC)
@@ -848,8 +852,9 @@ class Simulator:
         fwd = self._new_tasks(plan.fwd_ns, plan.fwd_keys, res[:len(plan.fwd_ns)], FWD) if plan.fwd_ns else []
         bwd = self._new_tasks(plan.bwd_ns, plan.bwd_keys, res[:len(plan.bwd_ns)], BWD) if plan.bwd_ns else []
         mine = list(zip(fwd, bwd, strict=False))
-        # the device's step end waits for each part's last pass (a backward, or a forward without one)
-        mine += [(t, dev[c]) for c, t in enumerate(bwd + fwd[len(bwd):])]
+        # the device's step end waits for each part's last pass: a forward without a backward, and a
+        # backward that passes no gradient on (the edges link the others that need it, `_add_pass`)
+        mine += [(t, dev[c]) for c, t in enumerate(bwd + fwd[len(bwd):]) if c >= len(bwd) or self._sinks[i]]
         for p, c in plan.carries:  # a chunk after the chunk whose state it starts from; backward back
             mine += [(fwd[p], fwd[c])] + ([(bwd[c], bwd[p])] if bwd else [])
         tids = fwd + bwd
@@ -886,19 +891,23 @@ class Simulator:
         prod, cons = self._op_units[edge.src], self._op_units[edge.dst]
         mine: list[Link] = []
         tids: list[int] = []
-        fwd = self._add_pass(ep.fwd_dep, ep.fwd_xfer, ep.fwd_reduce, prod.fwd, cons.fwd, mine, tids)
+        fwd = self._add_pass(ep.fwd_dep, ep.fwd_xfer, ep.fwd_reduce, prod.fwd, cons.fwd, mine, tids, False)
         bwd = []
         if edge.grad:
-            bwd = self._add_pass(ep.bwd_dep, ep.bwd_xfer, ep.bwd_reduce, cons.bwd, prod.bwd, mine, tids)
+            bwd = self._add_pass(ep.bwd_dep, ep.bwd_xfer, ep.bwd_reduce, cons.bwd, prod.bwd, mine, tids, True)
         links += mine
         return _Unit(tids, mine, fwd, bwd, step=ep.step)
 
     def _add_pass(self, deps: list[tuple[int, int]], xfers: list[Exchange], reduces: list[Reduce],
-                  src: list[int], dst: list[int], mine: list[Link], tids: list[int]) -> list[int]:
+                  src: list[int], dst: list[int], mine: list[Link], tids: list[int], ends: bool) -> list[int]:
         """The tasks and data edges of one pass of an edge, from the tasks `src` of the sending parts to
         the tasks `dst` of the receiving parts (a reduce task, where there is one, stands before its
         part's task and receives in its place): each exchange (one per consumer round) after the parts
-        that send its pieces and before those that receive them. Returns the exchange tasks."""
+        that send its pieces and before those that receive them, and before its senders' step ends.
+        `ends` (the backward pass): a sending part that neither sends in an exchange nor feeds a part on
+        its own device (either way it reaches its step end through them) links to its step end, so
+        that each backward task reaches its device's step end with about one edge per device and
+        step, not one per task. Returns the exchange tasks."""
         target = dst
         if reduces:
             target = list(dst)
@@ -910,6 +919,10 @@ class Simulator:
                 target[r.part] = t
         if src:
             mine += [(src[p], target[c]) for p, c in deps]
+            if ends:
+                reached = {p for p, _ in deps}.union(*(xfer.senders for xfer in xfers))
+                res = self._res
+                mine += [(t, res[t][0]) for p, t in enumerate(src) if p not in reached]
         if not xfers:
             return []
         new = self._new_tasks([x.ns for x in xfers], [x.key for x in xfers], [x.resources for x in xfers], XFER,
