@@ -835,10 +835,6 @@ class Simulator:
         n, keys = self._num_ends, self.keys
         self._new_tasks([0] * n, [keys.step_end(d) for d in range(n)], [()] * n, STEP_END)
         self._update_after = list(range(n))
-        # the ops whose backward tasks link to their step ends themselves: those with no input gradient to
-        # pass on (the others' do where their backward passes leave them nowhere else, `_add_pass`)
-        flow = self.flow
-        self._sinks = [not any(flow.edges[e].grad for e in flow.in_edges[i]) for i in range(flow.num_ops)]
         if self.setup.loss_scaling:
             _, ns = self.comm.collective(tuple(range(self.num_devices)), 4)  # one float32 flag, every rank
             (check,) = self._new_tasks([ns], [keys.overflow_check()], [()], SYNC)
@@ -854,7 +850,8 @@ class Simulator:
         mine = list(zip(fwd, bwd, strict=False))
         # the device's step end waits for each part's last pass: a forward without a backward, and a
         # backward that passes no gradient on (the edges link the others that need it, `_add_pass`)
-        mine += [(t, dev[c]) for c, t in enumerate(bwd + fwd[len(bwd):]) if c >= len(bwd) or self._sinks[i]]
+        sink = not any(self.flow.grad_inputs[i])
+        mine += [(t, dev[c]) for c, t in enumerate(bwd + fwd[len(bwd):]) if sink or c >= len(bwd)]
         for p, c in plan.carries:  # a chunk after the chunk whose state it starts from; backward back
             mine += [(fwd[p], fwd[c])] + ([(bwd[c], bwd[p])] if bwd else [])
         tids = fwd + bwd
@@ -921,8 +918,7 @@ class Simulator:
             mine += [(src[p], target[c]) for p, c in deps]
             if ends:
                 reached = {p for p, _ in deps}.union(*(xfer.senders for xfer in xfers))
-                res = self._res
-                mine += [(t, res[t][0]) for p, t in enumerate(src) if p not in reached]
+                mine += [(t, self._res[t][0]) for p, t in enumerate(src) if p not in reached]
         if not xfers:
             return []
         new = self._new_tasks([x.ns for x in xfers], [x.key for x in xfers], [x.resources for x in xfers], XFER,
