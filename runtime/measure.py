@@ -313,7 +313,7 @@ def measure_parts(jobs: Sequence[PartJob], db_path: str | None, *, device_kind: 
 # ---------------------------------------------------------------------- communication
 
 
-COMM_KINDS = ("p2p", "allreduce", "allgather")
+COMM_KINDS = ("p2p", "allreduce", "allgather", "reduce_scatter")
 
 
 def time_comm(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int = 5, warmup: int = 2,
@@ -322,19 +322,25 @@ def time_comm(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int 
 
     `p2p`: rank 0 sends `bytes` to rank 1 and rank 1 sends them back; half the round trip is one
     transfer. `allreduce`: `bytes` on every rank, summed. `allgather`: `bytes` in all, `bytes / world`
-    from each rank. A barrier starts every repeat, so the ranks start together.
+    from each rank. `reduce_scatter`: `bytes` on every rank, summed, each rank keeping `bytes / world` of
+    the sum. The collectives are the calls the executor makes (`all_reduce`, `all_gather_single`,
+    `reduce_scatter_single`). A barrier starts every repeat, so the ranks start together.
     """
     out: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
     # the first transfers of a fresh process group set up connections and buffers: not timed
-    warm = torch.ones(max(sizes) // 4 if sizes else 1)
+    warm_chunk = max(1, (max(sizes) if sizes else 4) // 4 // world_size)
+    warm, warm_piece = torch.ones(warm_chunk * world_size), torch.ones(warm_chunk)
     for _ in range(warmup):
         dist.all_reduce(warm)
-        dist.all_gather([torch.empty_like(warm) for _ in range(world_size)], warm)
+        dist.all_gather_single(warm, warm_piece)
+        dist.reduce_scatter_single(warm_piece, warm)
     for kind in kinds:
         for nbytes in sizes:
             numel = max(1, nbytes // 4)
+            chunk = max(1, numel // world_size)
+            numel = chunk * world_size if kind in ("allgather", "reduce_scatter") else numel
             x = torch.ones(numel)
-            chunks = [torch.empty(max(1, numel // world_size)) for _ in range(world_size)]
+            piece = torch.ones(chunk)
             times = []
             for i in range(warmup + repeats):
                 dist.barrier()
@@ -349,7 +355,9 @@ def time_comm(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int 
                 elif kind == "allreduce":
                     dist.all_reduce(x)
                 elif kind == "allgather":
-                    dist.all_gather(chunks, chunks[rank].clone())
+                    dist.all_gather_single(x, piece)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter_single(piece, x)
                 else:
                     raise ValueError(f"unknown communication kind {kind!r}; known: {', '.join(COMM_KINDS)}")
                 elapsed = (time.perf_counter() - t0) * 1e3

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.comm import ALLGATHER, ALLREDUCE, NO_OVERHEAD, Comm, CommOverhead
+from simulator.comm import ALLGATHER, ALLREDUCE, NO_OVERHEAD, REDUCE_SCATTER, Comm, CommOverhead
 from simulator.costmodel import (
     FREE_KINDS,
     VIEW_KINDS,
@@ -101,10 +101,14 @@ class OpSample:
             raise ValueError(f"op sample {self.op.name}: times must be >= 0, got {self.fwd_ms}, {self.bwd_ms}")
 
 
+COMM_SAMPLE_KINDS = (P2P, ALLREDUCE, ALLGATHER, REDUCE_SCATTER)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommSample:
-    """A timed transfer (`p2p`, device 0 to device 1) or collective (`allreduce`, `allgather` over devices
-    0..world-1) of `nbytes` (the whole tensor: a collective's result size) taking `time_ms`."""
+    """A timed transfer (`p2p`, device 0 to device 1) or collective (`allreduce`, `allgather`,
+    `reduce_scatter` over devices 0..world-1) of `nbytes` (the whole tensor: an all-gather's result, a
+    reduce-scatter's input) taking `time_ms`."""
 
     kind: str
     nbytes: int
@@ -112,8 +116,8 @@ class CommSample:
     world: int = 2
 
     def __post_init__(self) -> None:
-        if self.kind not in (P2P, ALLREDUCE, ALLGATHER):
-            raise ValueError(f"unknown communication kind {self.kind!r}; known: {P2P}, {ALLREDUCE}, {ALLGATHER}")
+        if self.kind not in COMM_SAMPLE_KINDS:
+            raise ValueError(f"unknown communication kind {self.kind!r}; known: {', '.join(COMM_SAMPLE_KINDS)}")
         if self.nbytes < 0 or not self.time_ms > 0 or self.world < 2:
             raise ValueError(f"comm sample needs nbytes >= 0, time_ms > 0, world >= 2; got {self}")
 
@@ -289,8 +293,9 @@ def fit_comm(samples: Sequence[CommSample], topology: DeviceTopology, *,
     """One latency (us per hop) and one bandwidth (GB/s) for every link of `topology` that make the
     simulator's transfer and collective times fit the samples of `kinds` (relative least squares).
 
-    The simulator prices all-reduces (gradient synchronization) and point-to-point transfers
-    (redistribution); all-gather samples are reported (`alpha_beta`) but not fitted by default.
+    The links are fitted to the point-to-point transfers (redistribution) and the all-reduces (gradient
+    synchronization); what the backend's all-gather and reduce-scatter cost beyond their rings on those
+    links is `fit_collective_overhead`'s. Every kind's line is reported (`alpha_beta`).
     """
     from scipy.optimize import nnls
 
@@ -313,6 +318,45 @@ def fit_comm(samples: Sequence[CommSample], topology: DeviceTopology, *,
     return CommFit(latency_us=latency_us, bandwidth_gbps=bandwidth, alpha_beta=by_kind,
                    median_abs_error=float(np.median(errors)), max_abs_error=float(errors.max()),
                    default_median_abs_error=float(np.median(default)))
+
+
+# Each kind whose cost beyond the ring calibration fits, and the `CommOverhead` fields of that cost
+COLLECTIVE_OVERHEAD_FIELDS = {ALLGATHER: ("allgather_us", "allgather_ms_per_gb"),
+                              REDUCE_SCATTER: ("reduce_scatter_us", "reduce_scatter_ms_per_gb")}
+
+
+def fit_collective_overhead(samples: Sequence[CommSample], topology: DeviceTopology) -> dict[str, float]:
+    """What each collective of `COLLECTIVE_OVERHEAD_FIELDS` costs beyond the rings `simulator.comm`
+    prices on `topology` (the fitted links): per kind with at least two samples, a fixed cost (us) and a
+    cost per GB of its buffer, the robust non-negative least-squares fit of measured - ring in relative
+    residuals. Returned as `CommOverhead` fields; a kind without samples is left out (it costs its ring)."""
+    out: dict[str, float] = {}
+    for kind, (fixed, per_gb) in COLLECTIVE_OVERHEAD_FIELDS.items():
+        used = [s for s in samples if s.kind == kind]
+        if len(used) < 2:
+            continue
+        t = np.asarray([s.time_ms for s in used])
+        ring = np.asarray([simulated_comm_ms(topology, s) for s in used])
+        a = np.stack([np.full(len(used), 1e-3), np.asarray([s.nbytes / 1e9 for s in used])], axis=1)
+        coef = _robust_nnls(a / t[:, None], (t - ring) / t)
+        out[fixed], out[per_gb] = float(coef[0]), float(coef[1])
+    return out
+
+
+def _robust_nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """x >= 0 minimizing |a x - b| with a robust loss (soft L1: one sample disturbed by another job on the
+    machine must not set a constant), from the plain non-negative least-squares solution; the columns
+    of `a` that are all zero (no sample exercises them) stay 0."""
+    from scipy.optimize import least_squares, nnls
+
+    coef = np.zeros(a.shape[1])
+    used = [j for j in range(a.shape[1]) if a[:, j].any()]
+    if used:
+        x0 = nnls(a[:, used], b)[0]
+        robust = least_squares(lambda x: a[:, used] @ x - b, x0, bounds=(0.0, np.inf), loss="soft_l1",
+                               f_scale=0.1, x_scale=np.maximum(x0, 1e-6))
+        coef[used] = robust.x
+    return coef
 
 
 # ------------------------------------------------------------------------------------------ overhead fit
@@ -341,20 +385,12 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     pieces. The per-exchange and per-GB-exchanged terms are told apart only by steps whose exchanges
     differ in size: calibration's workloads include one of few ops with large activations and a
     strategy that reshards every other op. A term no sample exercises stays 0 (a factor of 1)."""
-    from scipy.optimize import least_squares, nnls
-
     if not samples:
         return OverheadFit()
     a = np.asarray([s.slopes() for s in samples]) / \
         np.asarray([s.measured_ms for s in samples])[:, None]
     b = np.asarray([(s.measured_ms - s.base_ms) / s.measured_ms for s in samples])
-    used = [j for j in range(a.shape[1]) if a[:, j].any()]
-    coef = np.zeros(a.shape[1])
-    if used:
-        x0 = nnls(a[:, used], b)[0]
-        robust = least_squares(lambda x: a[:, used] @ x - b, x0, bounds=(0.0, np.inf), loss="soft_l1",
-                               f_scale=0.1, x_scale=np.maximum(x0, 1e-6))
-        coef[used] = robust.x
+    coef = _robust_nnls(a, b)
     return OverheadFit(compute_scale=1.0 + float(coef[0]), overhead_ms=float(coef[1]),
                        comm=CommOverhead(exchange_us=float(coef[2]) * 1e3, sync_us=float(coef[3]) * 1e3,
                                          allreduce_ms_per_gb=float(coef[4]), exchange_ms_per_gb=float(coef[5])))
@@ -558,6 +594,7 @@ def profile_devices(topology: DeviceTopology, fit: ComputeFit, *, dtype: str = "
     return topo, eff, fit.bandwidth_efficiency / bw_scale
 
 
-__all__ = ["P2P", "PROFILE_FORMAT", "CommFit", "CommSample", "ComputeFit", "MachineProfile", "OpSample",
-           "OverheadFit", "StepSample", "alpha_beta", "cost_model_for", "fit_comm", "fit_compute", "fit_overhead",
-           "profile_devices", "read_profile", "simulated_comm_ms", "write_profile"]
+__all__ = ["COLLECTIVE_OVERHEAD_FIELDS", "COMM_SAMPLE_KINDS", "P2P", "PROFILE_FORMAT", "CommFit", "CommSample",
+           "ComputeFit", "MachineProfile", "OpSample", "OverheadFit", "StepSample", "alpha_beta", "cost_model_for",
+           "fit_collective_overhead", "fit_comm", "fit_compute", "fit_overhead", "profile_devices", "read_profile",
+           "simulated_comm_ms", "write_profile"]

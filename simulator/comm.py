@@ -125,12 +125,22 @@ class CommOverhead:
     makes it wait for); milliseconds per GB an all-reduce reduces (its buffer's size); milliseconds per
     GB of an exchange's pieces that its busiest process sends plus receives (`exchange_ms_per_gb`: the
     copies that pack strided slices into the send buffer, assemble the received pieces into the
-    consumer's input, and accumulate gradients: on CPU processes they cost about as much as the wire)."""
+    consumer's input, and accumulate gradients: on CPU processes they cost about as much as the wire).
+
+    The all-gather and reduce-scatter terms (`allgather_us`, `allgather_ms_per_gb`, `reduce_scatter_us`,
+    `reduce_scatter_ms_per_gb`: a fixed cost and a cost per GB of the gathered or reduced buffer) are
+    what the backend's own algorithm for that collective costs beyond the rings priced on the links: NCCL
+    runs those rings (0 on the presets), gloo between CPU processes does not (a reduce-scatter of 16 MiB
+    between two processes here takes as long as an all-reduce of it, twice the ring's time)."""
 
     exchange_us: float = 0.0
     sync_us: float = 0.0
     allreduce_ms_per_gb: float = 0.0
     exchange_ms_per_gb: float = 0.0
+    allgather_us: float = 0.0
+    allgather_ms_per_gb: float = 0.0
+    reduce_scatter_us: float = 0.0
+    reduce_scatter_ms_per_gb: float = 0.0
 
     def __post_init__(self) -> None:
         bad = {k: getattr(self, k) for k in self.__slots__
@@ -140,6 +150,18 @@ class CommOverhead:
 
     def to_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__slots__}
+
+    def collective_ns(self, kind: str, nbytes: int) -> float:
+        """What the runtime adds to the wire of one `kind` collective on `nbytes` (ns, not rounded): the
+        wait for the later rank, and the kind's own cost (the all-reduce's bucket copies, the backend's
+        all-gather and reduce-scatter beyond their rings)."""
+        if kind == ALLREDUCE:
+            own = nbytes * self.allreduce_ms_per_gb * 1e-3
+        elif kind == ALLGATHER:
+            own = self.allgather_us * 1e3 + nbytes * self.allgather_ms_per_gb * 1e-3
+        else:
+            own = self.reduce_scatter_us * 1e3 + nbytes * self.reduce_scatter_ms_per_gb * 1e-3
+        return self.sync_us * 1e3 + own
 
 
 NO_OVERHEAD = CommOverhead()
@@ -283,9 +305,7 @@ class Comm:
         the resources of all of them, whichever is picked (the same for every size of the group's call)."""
         resources, algorithms = self._plan(group, kind)
         wire_ns = min(algorithm.wire_ns(nbytes) for algorithm in algorithms)
-        extra = (nbytes * self.overhead.allreduce_ms_per_gb * 1e-3 if kind == ALLREDUCE else 0.0) \
-            + self.overhead.sync_us * 1e3
-        return resources, max(0, round(wire_ns + extra))
+        return resources, max(0, round(wire_ns + self.overhead.collective_ns(kind, nbytes)))
 
     def _plan(self, group: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], tuple[Algorithm, ...]]:
         hit = self._plans.get((group, kind))

@@ -51,6 +51,7 @@ from simulator.calibration import (
     MachineProfile,
     OpSample,
     StepSample,
+    fit_collective_overhead,
     fit_comm,
     fit_compute,
     fit_overhead,
@@ -144,8 +145,12 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
     # `timeout_s` bounds each step (time_strategies), not the whole job
     measured = launch(time_strategies, nproc, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
                       num_threads=1)[0]
-    one = {"exchange_us": CommOverhead(exchange_us=1e3), "sync_us": CommOverhead(sync_us=1e3),
-           "allreduce_gb": CommOverhead(allreduce_ms_per_gb=1.0), "exchange_gb": CommOverhead(exchange_ms_per_gb=1.0)}
+    # the profile's own communication overhead (the backend's collectives) plus one unit of each term
+    have = profile.comm_overhead
+    one = {"exchange_us": dataclasses.replace(have, exchange_us=have.exchange_us + 1e3),
+           "sync_us": dataclasses.replace(have, sync_us=have.sync_us + 1e3),
+           "allreduce_gb": dataclasses.replace(have, allreduce_ms_per_gb=have.allreduce_ms_per_gb + 1.0),
+           "exchange_gb": dataclasses.replace(have, exchange_ms_per_gb=have.exchange_ms_per_gb + 1.0)}
     out = []
     for name, strategy in strategies.items():
         def sim(strategy=strategy, **changes: Any) -> float:
@@ -304,7 +309,9 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
     profile = MachineProfile(topology=topology, efficiency={device.kind: efficiency},
                              bandwidth_efficiency={device.kind: bw_eff}, launch_us={device.kind: compute.launch_us})
     update_scale = fit_update_scale(update_samples, profile.analytical(), topology.devices[0], setup.update_passes)
-    profile = dataclasses.replace(profile, update_scale=update_scale)
+    # what the backend's all-gather and reduce-scatter cost beyond their rings on the fitted links
+    collectives = fit_collective_overhead(comm_samples, fitted_links)
+    profile = dataclasses.replace(profile, update_scale=update_scale, comm_overhead=CommOverhead(**collectives))
 
     # 4. the step's factor and the runtime's overheads (per op part pass, per exchange, per synchronizing
     # collective, per GB all-reduced), from training steps of the workloads
@@ -316,6 +323,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                                nproc=nproc, backend=backend, steps=overhead_steps, rounds=overhead_rounds,
                                timeout_s=timeout_s)
     extra = fit_overhead(steps)
+    extra = dataclasses.replace(extra, comm=dataclasses.replace(extra.comm, **collectives))
     overhead_ms = extra.overhead_ms
 
     try:
@@ -393,6 +401,10 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
                  f"(+ {ov['sync_us']:.1f} us per all-reduce and per exchange where several processes send), "
                  f"{ov['allreduce_ms_per_gb']:.0f} ms per GB all-reduced, "
                  f"{ov['exchange_ms_per_gb']:.0f} ms per GB a process sends or receives in an exchange")
+    lines.append(f"backend beyond the rings: all-gather {ov.get('allgather_us', 0.0):.1f} us + "
+                 f"{ov.get('allgather_ms_per_gb', 0.0):.0f} ms per GB gathered, reduce-scatter "
+                 f"{ov.get('reduce_scatter_us', 0.0):.1f} us + {ov.get('reduce_scatter_ms_per_gb', 0.0):.0f} ms "
+                 "per GB reduced")
     for kind, ab in comm["alpha_beta"].items():
         lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")
     lines.append("")

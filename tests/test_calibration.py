@@ -16,6 +16,7 @@ from simulator.calibration import (
     StepSample,
     alpha_beta,
     cost_model_for,
+    fit_collective_overhead,
     fit_comm,
     fit_compute,
     fit_overhead,
@@ -24,7 +25,7 @@ from simulator.calibration import (
     simulated_comm_ms,
     write_profile,
 )
-from simulator.comm import CommOverhead
+from simulator.comm import Comm, CommOverhead
 from simulator.costmodel import AnalyticalCostModel, MeasuredCostModel
 from soap.config import ParallelConfig, parts
 from soap.setup import TrainSetup
@@ -98,6 +99,34 @@ def test_fit_comm_recovers_link_figures() -> None:
     assert fit.median_abs_error < 1e-3 < fit.default_median_abs_error
     alpha, beta = fit.alpha_beta["p2p"]
     assert alpha == pytest.approx(66.0, rel=1e-2) and beta == pytest.approx(1.7, rel=1e-2)  # 2 hops
+
+
+def test_fit_collective_overhead_recovers_the_backends_cost_beyond_the_ring() -> None:
+    """Samples that cost their ring on the links plus a known fixed cost and cost per GB per kind: the fit
+    returns those, one outlier (a sample disturbed by another job) does not move them much, and a kind
+    without samples is left out."""
+    topology = load_topology("cpu-2")
+    truth = {"allgather": (80.0, 250.0), "reduce_scatter": (300.0, 560.0)}
+    sizes = (4096, 65536, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+    samples = []
+    for kind, (us, per_gb) in truth.items():
+        for n in sizes:
+            ring = simulated_comm_ms(topology, CommSample(kind=kind, nbytes=n, time_ms=1.0))
+            samples.append(CommSample(kind=kind, nbytes=n, time_ms=ring + us * 1e-3 + n / 1e9 * per_gb))
+    fit = fit_collective_overhead(samples, topology)
+    assert (fit["allgather_us"], fit["allgather_ms_per_gb"]) == pytest.approx(truth["allgather"], rel=1e-3)
+    assert (fit["reduce_scatter_us"], fit["reduce_scatter_ms_per_gb"]) == pytest.approx(truth["reduce_scatter"],
+                                                                                          rel=1e-3)
+    disturbed = [CommSample(kind=s.kind, nbytes=s.nbytes, time_ms=s.time_ms * (8.0 if s.nbytes == 1 << 18 else 1.0))
+                 for s in samples]
+    robust = fit_collective_overhead(disturbed, topology)
+    assert robust["reduce_scatter_ms_per_gb"] == pytest.approx(560.0, rel=0.1)
+    only = fit_collective_overhead([s for s in samples if s.kind == "allgather"], topology)
+    assert set(only) == {"allgather_us", "allgather_ms_per_gb"}
+    # the profile carries them to the simulator: a reduce-scatter then costs what was measured
+    profiled = Comm(topology, CommOverhead(**fit))
+    for s in samples:
+        assert profiled.collective((0, 1), s.nbytes, s.kind)[1] / 1e6 == pytest.approx(s.time_ms, rel=1e-3)
 
 
 def test_alpha_beta_line() -> None:

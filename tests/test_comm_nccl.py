@@ -220,6 +220,24 @@ def test_overheads_ride_on_the_faster_algorithm():
         assert charged.collective(group, nbytes, ALLGATHER)[1] == plain.collective(group, nbytes, ALLGATHER)[1] + 7_000
 
 
+def test_the_backends_all_gather_and_reduce_scatter_cost_their_own_terms():
+    """A backend whose all-gather and reduce-scatter are not the rings (gloo) pays each kind's fixed cost
+    and cost per GB of its buffer on top of the ring; the all-reduce pays neither."""
+    topo = load_topology("cpu-4")
+    overhead = CommOverhead(sync_us=5.0, allgather_us=40.0, allgather_ms_per_gb=200.0, reduce_scatter_us=300.0,
+                            reduce_scatter_ms_per_gb=600.0)
+    plain, charged = Comm(topo), Comm(topo, overhead)
+    group = (0, 1, 2, 3)
+    for nbytes in (64 << 10, 16 << 20):
+        ring = {k: min(a.wire_ns(nbytes) for a in plain.algorithms(group, k))
+                for k in (ALLREDUCE, ALLGATHER, REDUCE_SCATTER)}
+        assert charged.collective(group, nbytes, ALLGATHER)[1] == \
+            round(ring[ALLGATHER] + 5_000 + 40_000 + nbytes * 200.0 * 1e-3)
+        assert charged.collective(group, nbytes, REDUCE_SCATTER)[1] == \
+            round(ring[REDUCE_SCATTER] + 5_000 + 300_000 + nbytes * 600.0 * 1e-3)
+        assert charged.collective(group, nbytes, ALLREDUCE)[1] == round(ring[ALLREDUCE] + 5_000)
+
+
 # -- single nodes: unchanged -------------------------------------------------------------------------------
 
 
