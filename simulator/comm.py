@@ -131,7 +131,10 @@ class CommOverhead:
     `reduce_scatter_ms_per_gb`: a fixed cost and a cost per GB of the gathered or reduced buffer) are
     what the backend's own algorithm for that collective costs beyond the rings priced on the links: NCCL
     runs those rings (0 on the presets), gloo between CPU processes does not (a reduce-scatter of 16 MiB
-    between two processes here takes as long as an all-reduce of it, twice the ring's time)."""
+    between two processes here takes as long as an all-reduce of it, twice the ring's time).
+    `shard_us` is what each of them costs more inside a training step than alone, where the runtime
+    gathers and reduce-scatters sharded parameters around every op's passes (fitted from steps, as
+    `sync_us` is)."""
 
     exchange_us: float = 0.0
     sync_us: float = 0.0
@@ -141,6 +144,7 @@ class CommOverhead:
     allgather_ms_per_gb: float = 0.0
     reduce_scatter_us: float = 0.0
     reduce_scatter_ms_per_gb: float = 0.0
+    shard_us: float = 0.0
 
     def __post_init__(self) -> None:
         bad = {k: getattr(self, k) for k in self.__slots__
@@ -158,9 +162,9 @@ class CommOverhead:
         if kind == ALLREDUCE:
             own = nbytes * self.allreduce_ms_per_gb * 1e-3
         elif kind == ALLGATHER:
-            own = self.allgather_us * 1e3 + nbytes * self.allgather_ms_per_gb * 1e-3
+            own = (self.allgather_us + self.shard_us) * 1e3 + nbytes * self.allgather_ms_per_gb * 1e-3
         else:
-            own = self.reduce_scatter_us * 1e3 + nbytes * self.reduce_scatter_ms_per_gb * 1e-3
+            own = (self.reduce_scatter_us + self.shard_us) * 1e3 + nbytes * self.reduce_scatter_ms_per_gb * 1e-3
         return self.sync_us * 1e3 + own
 
 

@@ -7,11 +7,12 @@ The stages, in order:
    accuracy benchmark checks), take every distinct part of each op under the strategies of stage 4, and
    time them forward and backward alone and in N concurrent processes (`runtime.measure.measure_parts`;
    parts already in the cost database are not timed again);
-2. communication: time point-to-point, all-reduce and all-gather between N local processes over a
+2. communication: time point-to-point, all-reduce, all-gather and reduce-scatter between N local processes over a
    spread of sizes (`runtime.measure.time_comm`), and the runtime's optimizer step (the setup's) over
    parameters beyond the caches (`runtime.measure.time_update`);
 3. fits (`simulator.calibration`): the analytical model's per-op-kind efficiency, bandwidth efficiency
-   and launch cost from the op parts; link latency and bandwidth from the transfers; the factor on the
+   and launch cost from the op parts; link latency and bandwidth from the transfers, and what the
+   backend's all-gather and reduce-scatter cost beyond their rings on those links; the factor on the
    optimizer step's ideal passes over the parameter bytes (`update_scale`, against the setup's
    `TrainSetup.update_passes`);
 4. runtime overhead: train each calibration workload under `STEP_STRATEGIES`, interleaved in one job
@@ -150,7 +151,8 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
     one = {"exchange_us": dataclasses.replace(have, exchange_us=have.exchange_us + 1e3),
            "sync_us": dataclasses.replace(have, sync_us=have.sync_us + 1e3),
            "allreduce_gb": dataclasses.replace(have, allreduce_ms_per_gb=have.allreduce_ms_per_gb + 1.0),
-           "exchange_gb": dataclasses.replace(have, exchange_ms_per_gb=have.exchange_ms_per_gb + 1.0)}
+           "exchange_gb": dataclasses.replace(have, exchange_ms_per_gb=have.exchange_ms_per_gb + 1.0),
+           "shard_us": dataclasses.replace(have, shard_us=have.shard_us + 1e3)}
     out = []
     for name, strategy in strategies.items():
         def sim(strategy=strategy, **changes: Any) -> float:
@@ -166,7 +168,8 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
         out.append(StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=statistics.median(measured[name]),
                               base_ms=base, num_passes=passes, num_exchanges=comm["exchange_us"],
                               num_syncs=comm["sync_us"], allreduce_gb=comm["allreduce_gb"],
-                              exchange_gb=comm["exchange_gb"], compute_ms=compute))
+                              exchange_gb=comm["exchange_gb"], num_shard_collectives=comm["shard_us"],
+                              compute_ms=compute))
     return out
 
 
@@ -174,15 +177,16 @@ def _single(graph, device: int = 0) -> Strategy:
     return Strategy({op.name: ParallelConfig.single(device) for op in graph})
 
 
-STEP_STRATEGIES = ("single", "dp", "tp", "mp", "expert", "mixed", "reshard", "alternate")
+STEP_STRATEGIES = ("single", "dp", "tp", "mp", "expert", "fsdp", "mixed", "reshard", "alternate")
 
 
 def _strategies(graph, topology: DeviceTopology) -> dict[str, Strategy]:
-    """The strategies calibration times parts of and trains: one device, the baselines that apply, and
+    """The strategies calibration times parts of and trains: one device, the baselines that apply (fsdp
+    among them: the steps see the runtime gather and reduce-scatter sharded parameters), and
     `mixed`: dp with every other op (in graph order) given a config drawn at random (seed 0), so that the
     steps also see strategies with many small exchanges, as a search's candidates have."""
     out = {"single": _single(graph)}
-    for name in ("dp", "tp", "mp", "expert"):
+    for name in ("dp", "tp", "mp", "expert", "fsdp"):
         try:
             out[name] = BASELINES[name](graph, topology)
         except BaselineNotApplicable:
@@ -344,7 +348,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                     "num_samples": compute.num_samples},
         "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
                    "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_exchanges": s.num_exchanges,
-                   "num_syncs": s.num_syncs, "allreduce_gb": s.allreduce_gb, "exchange_gb": s.exchange_gb}
+                   "num_syncs": s.num_syncs, "allreduce_gb": s.allreduce_gb, "exchange_gb": s.exchange_gb,
+                   "num_shard_collectives": s.num_shard_collectives}
                   for s in steps],
     }
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
@@ -404,7 +409,7 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
     lines.append(f"backend beyond the rings: all-gather {ov.get('allgather_us', 0.0):.1f} us + "
                  f"{ov.get('allgather_ms_per_gb', 0.0):.0f} ms per GB gathered, reduce-scatter "
                  f"{ov.get('reduce_scatter_us', 0.0):.1f} us + {ov.get('reduce_scatter_ms_per_gb', 0.0):.0f} ms "
-                 "per GB reduced")
+                 f"per GB reduced; {ov.get('shard_us', 0.0):.1f} us more for each inside a training step")
     for kind, ab in comm["alpha_beta"].items():
         lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")
     lines.append("")
