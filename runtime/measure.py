@@ -369,12 +369,13 @@ def time_comm(rank: int, world_size: int, *, sizes: Sequence[int], repeats: int 
 
 def time_update(rank: int, world_size: int, *, sizes: Sequence[int], setup: TrainSetup, repeats: int = 5,
                 warmup: int = 2, chunk_bytes: int = 4 << 20) -> list[tuple[int, float]]:
-    """(bytes, median ms) of the runtime's optimizer step (`runtime.train.make_optimizer` with `setup`)
-    over `bytes` of float32 parameters in tensors of at most `chunk_bytes`, as a
-    model's parameters are, with their gradients set; every rank at once (a barrier starts each repeat),
-    as data-parallel replicas update together. Sizes beyond the caches show the memory-bound cost a
-    training step sees."""
-    from runtime.train import make_optimizer
+    """(bytes, median ms) of the runtime's optimizer step (`runtime.train.make_optimizer` with `setup`;
+    under loss scaling, after the loss scaler's check and division of the gradients, as a training step
+    runs them, with a scale of 1 so that repeats keep the same values) over `bytes` of float32 parameters
+    in tensors of at most `chunk_bytes`, as a model's parameters are, with their gradients set; every
+    rank at once (a barrier starts each repeat), as data-parallel replicas update together. Sizes beyond
+    the caches show the memory-bound cost a training step sees."""
+    from runtime.train import LossScaler, make_optimizer
 
     out = []
     for nbytes in sizes:
@@ -385,11 +386,14 @@ def time_update(rank: int, world_size: int, *, sizes: Sequence[int], setup: Trai
         for p in params:
             p.grad = torch.randn_like(p)
         optimizer = make_optimizer(params, setup)
+        scaler = LossScaler(scale=1.0, across_ranks=False) if setup.loss_scaling else None
         times = []
         for i in range(warmup + repeats):
             if world_size > 1:
                 dist.barrier()
             t0 = time.perf_counter()
+            if scaler is not None:
+                scaler.unscale(params)
             optimizer.step()
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)

@@ -277,18 +277,21 @@ class LossScaler:
 
     def unscale(self, params: Sequence[torch.Tensor]) -> bool:
         """Divide the gradients of `params` by the scale and return True, or return False (the step is to
-        be skipped) when any rank found a non-finite gradient; updates the scale."""
+        be skipped; the gradients are divided all the same) when any rank found a non-finite gradient;
+        updates the scale. The check and the division are one pass that reads and writes each gradient
+        (torch.amp.GradScaler's fused kernel): the update's passes count it (`TrainSetup.update_passes`)."""
         grads = [p.grad for p in params if p.grad is not None]
-        bad = torch.tensor(0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0,
-                           device=grads[0].device if grads else None)
+        device = grads[0].device if grads else None
+        bad = torch.zeros(1, device=device)
+        if grads:
+            inv_scale = torch.full((1,), 1.0 / self.scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, bad, inv_scale)
         if self.across_ranks and dist.is_available() and dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item():
             self.scale /= 2.0
             self._good = 0
             return False
-        for g in grads:
-            g.div_(self.scale)
         self._good += 1
         if self._good == self.growth_interval:
             self.scale *= 2.0

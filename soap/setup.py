@@ -15,7 +15,8 @@ setup it was found for.
   parameter gradients arrive in float32 on the masters and are all-reduced and applied in float32
   (`soap.lowering.run_graph` states it for the lowering, the runtime executes it). ``fp16`` scales the
   loss dynamically (`loss_scaling`; the runtime's `LossScaler`): before any rank updates, every rank
-  learns whether any rank's gradients overflowed, one small all-reduce over every rank.
+  learns whether any rank's gradients overflowed, one small all-reduce over every rank, and the check
+  and the division by the scale stream the gradients once more (`update_passes` counts them).
 - `bucket_mb`: gradient all-reduce bucket size in MiB, counted over full-size parameters in backward
   order (the lowering's bucket rule, `soap.lowering.GradFlow`): DDP's 25 MiB by default.
 - `schedule`: how the rounds of ops whose devices repeat (micro-batches) interleave forward and backward
@@ -47,6 +48,8 @@ COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # moments and writes parameter and moments (7).
 _NUMBERS = ("lr", "momentum", "weight_decay", "bucket_mb")  # the fields that hold numbers
 _UPDATE_PASSES = {("sgd", False): 3, ("sgd", True): 5, ("adamw", False): 7, ("adamw", True): 7}
+# the loss scaler's check and division of the gradients before the update: a read and a write of each
+_UNSCALE_PASSES = 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,8 +108,9 @@ class TrainSetup:
 
     @property
     def update_passes(self) -> int:
-        """Passes over the parameter bytes one optimizer step streams (module constants)."""
-        return _UPDATE_PASSES[(self.optimizer, bool(self.momentum))]
+        """Passes over the parameter bytes one optimizer step streams (module constants), counting under
+        loss scaling the scaler's check and division of the gradients (`_UNSCALE_PASSES`)."""
+        return _UPDATE_PASSES[(self.optimizer, bool(self.momentum))] + (_UNSCALE_PASSES if self.loss_scaling else 0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -56,6 +56,8 @@ def test_derived_figures():
     assert TrainSetup(optimizer="adamw").optimizer_state_copies == 2
     assert [TrainSetup(momentum=0.0).update_passes, TrainSetup().update_passes,
             TrainSetup(optimizer="adamw").update_passes] == [3, 5, 7]
+    # fp16's loss scaler reads and writes every gradient once more before the update; bf16 has none
+    assert [TrainSetup(optimizer="adamw", precision=p).update_passes for p in ("bf16", "fp16")] == [7, 9]
 
 
 def test_mixed_precision_lowers_to_compute_dtype_activations_and_float32_masters():
@@ -95,3 +97,24 @@ def test_mixed_precision_lowers_to_compute_dtype_activations_and_float32_masters
     assert times["bf16"] < times["fp32"]  # an A100 runs bfloat16 at 16x its float32 peak
     with pytest.raises(ValueError, match=r"precision fp16 computes in float16, which device 0 \(k80\)"):
         Simulator(graph, load_topology("k80-1x2"), setup=TrainSetup(precision="fp16"))
+
+
+def test_the_loss_scaler_divides_finite_gradients_and_skips_an_overflowing_step():
+    """One process: finite gradients are divided by the scale and the step goes on; an inf or a NaN in any
+    gradient skips the step and halves the scale; `growth_interval` good steps double it."""
+    import torch
+
+    from runtime.train import LossScaler
+
+    scaler = LossScaler(scale=8.0, growth_interval=2, across_ranks=False)
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True), torch.zeros(1)]
+    params[0].grad, params[1].grad = torch.tensor([8.0, 16.0, -4.0]), torch.tensor([2.0, 0.0])
+    assert scaler.unscale(params) and scaler.scale == 8.0
+    assert params[0].grad.tolist() == [1.0, 2.0, -0.5] and params[1].grad.tolist() == [0.25, 0.0]
+    for bad in (float("inf"), float("nan")):
+        params[1].grad = torch.tensor([1.0, bad])
+        before = scaler.scale
+        assert not scaler.unscale(params) and scaler.scale == before / 2
+    params[1].grad = torch.ones(2)
+    assert scaler.unscale(params) and scaler.unscale(params) and scaler.scale == 4.0  # 2 good steps: doubled
+    assert scaler.unscale([torch.zeros(1)])  # no gradient at all: nothing overflowed
