@@ -102,6 +102,12 @@ def pieces_needed(plan: StepPlan, rank: int) -> list[PieceKey]:
     return list(dict.fromkeys(out))
 
 
+def recurrent_kinds(graph: OperatorGraph) -> list[str]:
+    """The kinds of `graph`'s recurrent ops (a dim carried from step to step), sorted: their CPU kernels
+    have no float16 form, so an fp16 step with one of them cannot run on CPU processes."""
+    return sorted({op.kind for op in graph if any(d.carried for d in op_def(op.kind).dims(op))})
+
+
 class Executor:
     """Runs `graph` under the step plan `plan` on rank `rank` (torch.distributed already initialized when
     the plan spans more than one device).
@@ -129,7 +135,7 @@ class Executor:
         self.device = torch.device(device)
         mixed = plan.flow.setup.compute_dtype != "float32"
         self.compute_dtype = TORCH_DTYPES[plan.flow.setup.compute_dtype] if mixed else float_dtype
-        recurrent = sorted({op.kind for op in graph if any(d.carried for d in op_def(op.kind).dims(op))})
+        recurrent = recurrent_kinds(graph)
         if self.compute_dtype == torch.float16 and recurrent and self.device.type == "cpu":
             raise ValueError(f"precision fp16 cannot run a recurrent op ({', '.join(recurrent)}) on a CPU (its "
                              "kernel has no float16 form); use bf16")

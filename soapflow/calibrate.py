@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.executor import recurrent_kinds
 from runtime.launch import launch
 from runtime.measure import measure_parts, part_jobs, time_comm, time_update
 from runtime.train import TrainOptions, time_strategies
@@ -279,6 +280,11 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         strategies = _strategies(graph, preset)
         captured.append((ref, graph, strategies))
         jobs += part_jobs(graph, strategies.values(), device_kind=device.kind)
+        recurrent = recurrent_kinds(graph) if setup.compute_dtype == "float16" else []
+        if recurrent:  # the runtime would refuse its steps, after the minutes of timing before them
+            raise ValueError(f"calibrate --precision fp16: the calibration workload {ref.rpartition(':')[2]} "
+                             f"has a recurrent op ({', '.join(recurrent)}), whose CPU kernel has no float16 "
+                             "form; calibrate with --precision bf16 or fp32")
     stage("op parts", parts=len(jobs))
     db, num_timed = measure_parts(jobs, os.fspath(db_path), device_kind=device.kind, nproc=nproc,
                                   repeats=repeats, timeout_s=timeout_s, source="calibrate")

@@ -292,6 +292,7 @@ def test_run_prints_the_collectives_table(capsys):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["calibrate", "--nproc", "1"], "--nproc must be at least 2"),
+    (["calibrate", "-o", "never-written.json", "--precision", "fp16"], "recurrent op (lstm)"),
     (["validate", "mlp", "-t", "p100-4x4"], "cpu-N"),
     (["validate", "mlp", "-t", "cpu-2", "--strategies", "0"], "must be positive"),
     (["validate", "no_such_model", "-t", "cpu-2", "--strategies", "2"], "neither a zoo model"),
