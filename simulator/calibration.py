@@ -131,8 +131,8 @@ class StepSample:
     (`num_exchanges`), per millisecond per synchronizing collective (`num_syncs`: all-reduces and the
     exchanges in which several devices send), per millisecond per GB all-reduced (`allreduce_gb`), per
     millisecond per GB an exchange's busiest process sends plus receives (`exchange_gb`) and per
-    millisecond per all-gather or reduce-scatter of sharded parameters (`num_shard_collectives`), each
-    on the critical path."""
+    millisecond per all-gather or reduce-scatter of sharded parameters (`num_shard_collectives`) and per
+    millisecond per GB they gather or reduce (`shard_gb`), each on the critical path."""
 
     name: str
     measured_ms: float
@@ -144,10 +144,11 @@ class StepSample:
     compute_ms: float = 0.0
     exchange_gb: float = 0.0
     num_shard_collectives: float = 0.0
+    shard_gb: float = 0.0
 
-    def slopes(self) -> tuple[float, float, float, float, float, float, float]:
+    def slopes(self) -> tuple[float, ...]:
         return (self.compute_ms, self.num_passes, self.num_exchanges, self.num_syncs, self.allreduce_gb,
-                self.exchange_gb, self.num_shard_collectives)
+                self.exchange_gb, self.num_shard_collectives, self.shard_gb)
 
     def __post_init__(self) -> None:
         if not (self.measured_ms > 0 and self.base_ms >= 0 and all(v >= 0 for v in self.slopes())):
@@ -380,16 +381,16 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     one step disturbed by another job on the machine must not set a constant), of measured = base +
     compute_ms x (compute scale - 1) + num_passes x overhead + num_exchanges x cost per exchange +
     num_syncs x cost per synchronizing collective + allreduce_gb x cost per GB all-reduced + exchange_gb
-    x cost per GB exchanged + num_shard_collectives x cost per sharded-parameter collective. The
-    communication terms are what the runtime adds to the wire: per exchange,
+    x cost per GB exchanged + num_shard_collectives x cost per sharded-parameter collective + shard_gb
+    x cost per GB of them. The communication terms are what the runtime adds to the wire: per exchange,
     the collective call; per all-reduce and per exchange in which several ranks send, waiting for the
     later one (their arrival jitters with the load of the machine); per GB all-reduced, the buckets'
     copies; per GB a process sends and receives in an exchange, packing, unpacking and accumulating the
-    pieces; per all-gather and reduce-scatter of sharded parameters, what it costs inside a step beyond
-    its time alone (calibration's steps include fsdp). The per-exchange and per-GB-exchanged terms are told
-    apart only by steps whose exchanges differ in size: calibration's workloads include one of few ops
-    with large activations and a strategy that reshards every other op. A term no sample exercises stays
-    0 (a factor of 1)."""
+    pieces; per all-gather and reduce-scatter of sharded parameters and per GB of them, what they cost
+    inside a step beyond their time alone (calibration's steps include fsdp). The per-exchange and
+    per-GB-exchanged terms are told apart only by steps whose exchanges differ in size: calibration's
+    workloads include one of few ops with large activations and a strategy that reshards every other op.
+    A term no sample exercises stays 0 (a factor of 1)."""
     if not samples:
         return OverheadFit()
     a = np.asarray([s.slopes() for s in samples]) / \
@@ -399,7 +400,7 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     return OverheadFit(compute_scale=1.0 + float(coef[0]), overhead_ms=float(coef[1]),
                        comm=CommOverhead(exchange_us=float(coef[2]) * 1e3, sync_us=float(coef[3]) * 1e3,
                                          allreduce_ms_per_gb=float(coef[4]), exchange_ms_per_gb=float(coef[5]),
-                                         shard_us=float(coef[6]) * 1e3))
+                                         shard_us=float(coef[6]) * 1e3, shard_ms_per_gb=float(coef[7])))
 
 
 def fit_update_scale(samples: Sequence[tuple[int, float]], model: AnalyticalCostModel, device: Device,

@@ -132,9 +132,10 @@ class CommOverhead:
     what the backend's own algorithm for that collective costs beyond the rings priced on the links: NCCL
     runs those rings (0 on the presets), gloo between CPU processes does not (a reduce-scatter of 16 MiB
     between two processes here takes as long as an all-reduce of it, twice the ring's time).
-    `shard_us` is what each of them costs more inside a training step than alone, where the runtime
-    gathers and reduce-scatters sharded parameters around every op's passes (fitted from steps, as
-    `sync_us` is)."""
+    `shard_us` and `shard_ms_per_gb` are what each of them costs more inside a training step than alone
+    (a fixed cost, and per GB of its buffer), where the runtime gathers and reduce-scatters sharded
+    parameters around every op's passes, on data the passes have pushed out of the caches (fitted from
+    steps, as `sync_us` is)."""
 
     exchange_us: float = 0.0
     sync_us: float = 0.0
@@ -145,6 +146,7 @@ class CommOverhead:
     reduce_scatter_us: float = 0.0
     reduce_scatter_ms_per_gb: float = 0.0
     shard_us: float = 0.0
+    shard_ms_per_gb: float = 0.0
 
     def __post_init__(self) -> None:
         bad = {k: getattr(self, k) for k in self.__slots__
@@ -162,9 +164,11 @@ class CommOverhead:
         if kind == ALLREDUCE:
             own = nbytes * self.allreduce_ms_per_gb * 1e-3
         elif kind == ALLGATHER:
-            own = (self.allgather_us + self.shard_us) * 1e3 + nbytes * self.allgather_ms_per_gb * 1e-3
+            own = (self.allgather_us + self.shard_us) * 1e3 \
+                + nbytes * (self.allgather_ms_per_gb + self.shard_ms_per_gb) * 1e-3
         else:
-            own = (self.reduce_scatter_us + self.shard_us) * 1e3 + nbytes * self.reduce_scatter_ms_per_gb * 1e-3
+            own = (self.reduce_scatter_us + self.shard_us) * 1e3 \
+                + nbytes * (self.reduce_scatter_ms_per_gb + self.shard_ms_per_gb) * 1e-3
         return self.sync_us * 1e3 + own
 
 

@@ -153,7 +153,8 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
            "sync_us": dataclasses.replace(have, sync_us=have.sync_us + 1e3),
            "allreduce_gb": dataclasses.replace(have, allreduce_ms_per_gb=have.allreduce_ms_per_gb + 1.0),
            "exchange_gb": dataclasses.replace(have, exchange_ms_per_gb=have.exchange_ms_per_gb + 1.0),
-           "shard_us": dataclasses.replace(have, shard_us=have.shard_us + 1e3)}
+           "shard_us": dataclasses.replace(have, shard_us=have.shard_us + 1e3),
+           "shard_gb": dataclasses.replace(have, shard_ms_per_gb=have.shard_ms_per_gb + 1.0)}
     out = []
     for name, strategy in strategies.items():
         def sim(strategy=strategy, **changes: Any) -> float:
@@ -170,6 +171,7 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
                               base_ms=base, num_passes=passes, num_exchanges=comm["exchange_us"],
                               num_syncs=comm["sync_us"], allreduce_gb=comm["allreduce_gb"],
                               exchange_gb=comm["exchange_gb"], num_shard_collectives=comm["shard_us"],
+                              shard_gb=comm["shard_gb"],
                               compute_ms=compute))
     return out
 
@@ -355,7 +357,7 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
         "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
                    "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_exchanges": s.num_exchanges,
                    "num_syncs": s.num_syncs, "allreduce_gb": s.allreduce_gb, "exchange_gb": s.exchange_gb,
-                   "num_shard_collectives": s.num_shard_collectives}
+                   "num_shard_collectives": s.num_shard_collectives, "shard_gb": s.shard_gb}
                   for s in steps],
     }
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
@@ -415,7 +417,8 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
     lines.append(f"backend beyond the rings: all-gather {ov.get('allgather_us', 0.0):.1f} us + "
                  f"{ov.get('allgather_ms_per_gb', 0.0):.0f} ms per GB gathered, reduce-scatter "
                  f"{ov.get('reduce_scatter_us', 0.0):.1f} us + {ov.get('reduce_scatter_ms_per_gb', 0.0):.0f} ms "
-                 f"per GB reduced; {ov.get('shard_us', 0.0):.1f} us more for each inside a training step")
+                 f"per GB reduced; {ov.get('shard_us', 0.0):.1f} us + {ov.get('shard_ms_per_gb', 0.0):.0f} ms "
+                 "per GB more for each inside a training step")
     for kind, ab in comm["alpha_beta"].items():
         lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")
     lines.append("")

@@ -145,14 +145,17 @@ def test_fit_overhead_recovers_known_overhead() -> None:
     rows = ((10.0, 20, 0, 0, 0.01, 0.0, 0), (100.0, 300, 40, 30, 0.0, 0.002, 0), (3.0, 10, 12, 2, 0.0, 0.001, 0),
             (50.0, 60, 100, 10, 0.02, 0.004, 0), (20.0, 5, 3, 3, 0.0, 0.02, 0), (40.0, 80, 0, 0, 0.03, 0.0, 0),
             (30.0, 40, 20, 0, 0.0, 0.0, 0), (60.0, 20, 0, 12, 0.0, 0.0, 12), (90.0, 70, 0, 30, 0.0, 0.0, 30))
+    # GB gathered and reduce-scattered: few large collectives in one step, many small ones in the other
+    shard_gb = (0.0,) * 7 + (0.15, 0.01)
     both = [StepSample(name=str(i), base_ms=b, num_passes=n, num_exchanges=x, num_syncs=sx, allreduce_gb=ar,
-                       exchange_gb=xg, num_shard_collectives=sh,
-                       measured_ms=b + n * 0.08 + x * 0.03 + sx * 0.5 + ar * 250.0 + xg * 600.0 + sh * 0.7)
-            for i, (b, n, x, sx, ar, xg, sh) in enumerate(rows)]
+                       exchange_gb=xg, num_shard_collectives=sh, shard_gb=sg,
+                       measured_ms=b + n * 0.08 + x * 0.03 + sx * 0.5 + ar * 250.0 + xg * 600.0 + sh * 0.7
+                       + sg * 400.0)
+            for i, ((b, n, x, sx, ar, xg, sh), sg) in enumerate(zip(rows, shard_gb, strict=True))]
     fit = fit_overhead(both)
     assert fit.overhead_ms == pytest.approx(0.08)
-    assert (fit.comm.exchange_us, fit.comm.sync_us, fit.comm.allreduce_ms_per_gb,
-            fit.comm.exchange_ms_per_gb, fit.comm.shard_us) == pytest.approx((30.0, 500.0, 250.0, 600.0, 700.0))
+    assert (fit.comm.exchange_us, fit.comm.sync_us, fit.comm.allreduce_ms_per_gb, fit.comm.exchange_ms_per_gb,
+            fit.comm.shard_us, fit.comm.shard_ms_per_gb) == pytest.approx((30.0, 500.0, 250.0, 600.0, 700.0, 400.0))
     assert fit_overhead([StepSample(name="x", base_ms=10.0, num_passes=5, measured_ms=8.0)]).overhead_ms < 1e-9
     assert fit.compute_scale == 1.0  # no sample exercises it
 

@@ -225,8 +225,8 @@ def test_the_backends_all_gather_and_reduce_scatter_cost_their_own_terms():
     and cost per GB of its buffer on top of the ring, and both the extra cost of a sharded parameter's
     collective inside a step; the all-reduce pays none of them."""
     topo = load_topology("cpu-4")
-    overhead = CommOverhead(sync_us=5.0, allgather_us=30.0, allgather_ms_per_gb=200.0, reduce_scatter_us=290.0,
-                            reduce_scatter_ms_per_gb=600.0, shard_us=10.0)
+    overhead = CommOverhead(sync_us=5.0, allgather_us=30.0, allgather_ms_per_gb=180.0, reduce_scatter_us=290.0,
+                            reduce_scatter_ms_per_gb=580.0, shard_us=10.0, shard_ms_per_gb=20.0)
     plain, charged = Comm(topo), Comm(topo, overhead)
     group = (0, 1, 2, 3)
     for nbytes in (64 << 10, 16 << 20):
