@@ -122,6 +122,13 @@ class CommSample:
             raise ValueError(f"comm sample needs nbytes >= 0, time_ms > 0, world >= 2; got {self}")
 
 
+# The step fit's communication terms: the `StepSample` slope, the `CommOverhead` field it prices, and the
+# field's unit in the slope's (a slope is per millisecond of the term: 1e3 for a field in us, 1 for ms/GB)
+STEP_COMM_TERMS = (("num_exchanges", "exchange_us", 1e3), ("num_syncs", "sync_us", 1e3),
+                   ("allreduce_gb", "allreduce_ms_per_gb", 1.0), ("exchange_gb", "exchange_ms_per_gb", 1.0),
+                   ("num_shard_collectives", "shard_us", 1e3), ("shard_gb", "shard_ms_per_gb", 1.0))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepSample:
     """A timed training step: `measured_ms`; the simulated time of the same step with no runtime overhead
@@ -147,8 +154,8 @@ class StepSample:
     shard_gb: float = 0.0
 
     def slopes(self) -> tuple[float, ...]:
-        return (self.compute_ms, self.num_passes, self.num_exchanges, self.num_syncs, self.allreduce_gb,
-                self.exchange_gb, self.num_shard_collectives, self.shard_gb)
+        """(compute_ms, num_passes, then the slopes of `STEP_COMM_TERMS` in order)."""
+        return (self.compute_ms, self.num_passes, *(getattr(self, slope) for slope, _, _ in STEP_COMM_TERMS))
 
     def __post_init__(self) -> None:
         if not (self.measured_ms > 0 and self.base_ms >= 0 and all(v >= 0 for v in self.slopes())):
@@ -398,9 +405,8 @@ def fit_overhead(samples: Sequence[StepSample]) -> OverheadFit:
     b = np.asarray([(s.measured_ms - s.base_ms) / s.measured_ms for s in samples])
     coef = _robust_nnls(a, b)
     return OverheadFit(compute_scale=1.0 + float(coef[0]), overhead_ms=float(coef[1]),
-                       comm=CommOverhead(exchange_us=float(coef[2]) * 1e3, sync_us=float(coef[3]) * 1e3,
-                                         allreduce_ms_per_gb=float(coef[4]), exchange_ms_per_gb=float(coef[5]),
-                                         shard_us=float(coef[6]) * 1e3, shard_ms_per_gb=float(coef[7])))
+                       comm=CommOverhead(**{field: float(x) * unit
+                                            for (_, field, unit), x in zip(STEP_COMM_TERMS, coef[2:], strict=True)}))
 
 
 def fit_update_scale(samples: Sequence[tuple[int, float]], model: AnalyticalCostModel, device: Device,
@@ -601,7 +607,7 @@ def profile_devices(topology: DeviceTopology, fit: ComputeFit, *, dtype: str = "
     return topo, eff, fit.bandwidth_efficiency / bw_scale
 
 
-__all__ = ["COLLECTIVE_OVERHEAD_FIELDS", "COMM_SAMPLE_KINDS", "P2P", "PROFILE_FORMAT", "CommFit", "CommSample",
-           "ComputeFit", "MachineProfile", "OpSample", "OverheadFit", "StepSample", "alpha_beta", "cost_model_for",
-           "fit_collective_overhead", "fit_comm", "fit_compute", "fit_overhead", "profile_devices", "read_profile",
-           "simulated_comm_ms", "write_profile"]
+__all__ = ["COLLECTIVE_OVERHEAD_FIELDS", "COMM_SAMPLE_KINDS", "P2P", "PROFILE_FORMAT", "STEP_COMM_TERMS", "CommFit",
+           "CommSample", "ComputeFit", "MachineProfile", "OpSample", "OverheadFit", "StepSample", "alpha_beta",
+           "cost_model_for", "fit_collective_overhead", "fit_comm", "fit_compute", "fit_overhead", "profile_devices",
+           "read_profile", "simulated_comm_ms", "write_profile"]

@@ -162,14 +162,10 @@ class CommOverhead:
         wait for the later rank, and the kind's own cost (the all-reduce's bucket copies, the backend's
         all-gather and reduce-scatter beyond their rings)."""
         if kind == ALLREDUCE:
-            own = nbytes * self.allreduce_ms_per_gb * 1e-3
-        elif kind == ALLGATHER:
-            own = (self.allgather_us + self.shard_us) * 1e3 \
-                + nbytes * (self.allgather_ms_per_gb + self.shard_ms_per_gb) * 1e-3
-        else:
-            own = (self.reduce_scatter_us + self.shard_us) * 1e3 \
-                + nbytes * (self.reduce_scatter_ms_per_gb + self.shard_ms_per_gb) * 1e-3
-        return self.sync_us * 1e3 + own
+            return self.sync_us * 1e3 + nbytes * self.allreduce_ms_per_gb * 1e-3
+        fixed_us, ms_per_gb = ((self.allgather_us, self.allgather_ms_per_gb) if kind == ALLGATHER
+                               else (self.reduce_scatter_us, self.reduce_scatter_ms_per_gb))
+        return (self.sync_us + fixed_us + self.shard_us) * 1e3 + nbytes * (ms_per_gb + self.shard_ms_per_gb) * 1e-3
 
 
 NO_OVERHEAD = CommOverhead()

@@ -49,6 +49,7 @@ from runtime.train import TrainOptions, time_strategies
 from search.baselines import BASELINES, BaselineNotApplicable
 from search.space import ConfigSpace
 from simulator.calibration import (
+    STEP_COMM_TERMS,
     CommSample,
     MachineProfile,
     OpSample,
@@ -147,14 +148,11 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
     # `timeout_s` bounds each step (time_strategies), not the whole job
     measured = launch(time_strategies, nproc, kwargs=kwargs, backend=backend, timeout_s=timeout_s,
                       num_threads=1)[0]
-    # the profile's own communication overhead (the backend's collectives) plus one unit of each term
+    # per slope of the step fit: the profile's own communication overhead (the backend's collectives)
+    # with one millisecond (per unit) more of that term
     have = profile.comm_overhead
-    one = {"exchange_us": dataclasses.replace(have, exchange_us=have.exchange_us + 1e3),
-           "sync_us": dataclasses.replace(have, sync_us=have.sync_us + 1e3),
-           "allreduce_gb": dataclasses.replace(have, allreduce_ms_per_gb=have.allreduce_ms_per_gb + 1.0),
-           "exchange_gb": dataclasses.replace(have, exchange_ms_per_gb=have.exchange_ms_per_gb + 1.0),
-           "shard_us": dataclasses.replace(have, shard_us=have.shard_us + 1e3),
-           "shard_gb": dataclasses.replace(have, shard_ms_per_gb=have.shard_ms_per_gb + 1.0)}
+    one = {slope: dataclasses.replace(have, **{field: getattr(have, field) + unit})
+           for slope, field, unit in STEP_COMM_TERMS}
     out = []
     for name, strategy in strategies.items():
         def sim(strategy=strategy, **changes: Any) -> float:
@@ -168,11 +166,7 @@ def _step_samples(ref: str, graph, strategies: Mapping[str, Strategy], *, topolo
         passes = max(0.0, sim(overhead_us=profile.overhead_us + 1e3) - base)
         comm = {k: max(0.0, sim(comm_overhead=v) - base) for k, v in one.items()}
         out.append(StepSample(name=f"{ref.rpartition(':')[2]}/{name}", measured_ms=statistics.median(measured[name]),
-                              base_ms=base, num_passes=passes, num_exchanges=comm["exchange_us"],
-                              num_syncs=comm["sync_us"], allreduce_gb=comm["allreduce_gb"],
-                              exchange_gb=comm["exchange_gb"], num_shard_collectives=comm["shard_us"],
-                              shard_gb=comm["shard_gb"],
-                              compute_ms=compute))
+                              base_ms=base, num_passes=passes, compute_ms=compute, **comm))
     return out
 
 
@@ -355,9 +349,8 @@ def calibrate(nproc: int = 2, backend: str = "gloo", output: str | os.PathLike =
                     "default_median_abs_error": compute.default_median_abs_error,
                     "num_samples": compute.num_samples},
         "steps": [{"workload": s.name, "measured_ms": s.measured_ms, "simulated_ms": s.base_ms,
-                   "compute_ms": s.compute_ms, "num_passes": s.num_passes, "num_exchanges": s.num_exchanges,
-                   "num_syncs": s.num_syncs, "allreduce_gb": s.allreduce_gb, "exchange_gb": s.exchange_gb,
-                   "num_shard_collectives": s.num_shard_collectives, "shard_gb": s.shard_gb}
+                   "compute_ms": s.compute_ms, "num_passes": s.num_passes,
+                   **{slope: getattr(s, slope) for slope, _, _ in STEP_COMM_TERMS}}
                   for s in steps],
     }
     profile = MachineProfile(topology=topology, efficiency=profile.efficiency,
@@ -414,10 +407,10 @@ def calibrate_text(report: Mapping[str, Any]) -> str:
                  f"(+ {ov['sync_us']:.1f} us per all-reduce and per exchange where several processes send), "
                  f"{ov['allreduce_ms_per_gb']:.0f} ms per GB all-reduced, "
                  f"{ov['exchange_ms_per_gb']:.0f} ms per GB a process sends or receives in an exchange")
-    lines.append(f"backend beyond the rings: all-gather {ov.get('allgather_us', 0.0):.1f} us + "
-                 f"{ov.get('allgather_ms_per_gb', 0.0):.0f} ms per GB gathered, reduce-scatter "
-                 f"{ov.get('reduce_scatter_us', 0.0):.1f} us + {ov.get('reduce_scatter_ms_per_gb', 0.0):.0f} ms "
-                 f"per GB reduced; {ov.get('shard_us', 0.0):.1f} us + {ov.get('shard_ms_per_gb', 0.0):.0f} ms "
+    lines.append(f"backend beyond the rings: all-gather {ov['allgather_us']:.1f} us + "
+                 f"{ov['allgather_ms_per_gb']:.0f} ms per GB gathered, reduce-scatter "
+                 f"{ov['reduce_scatter_us']:.1f} us + {ov['reduce_scatter_ms_per_gb']:.0f} ms "
+                 f"per GB reduced; {ov['shard_us']:.1f} us + {ov['shard_ms_per_gb']:.0f} ms "
                  "per GB more for each inside a training step")
     for kind, ab in comm["alpha_beta"].items():
         lines.append(f"  {kind:<10} alpha {ab['alpha_us']:8.1f} us   beta {ab['beta_gbps']:.3f} GB/s")
