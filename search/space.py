@@ -350,9 +350,12 @@ class ConfigSpace:
         """The configs a micro-batch move gives the op from `cfg`: its base without micro-batches (where
         `cfg` has them), then the base in each other count of `MICROBATCH_COUNTS` that `soap.config.validate`
         accepts, laid out as `cfg` is (its `inner`; 1 where it has no micro-batches), each in `cfg`'s chunks
-        where it has them (within `MAX_ROUNDS` rounds per device). Empty where `cfg` is not a config of the
-        space, or a micro-batched or chunked config of one."""
+        where it has them (within `MAX_ROUNDS` rounds per device). Empty where the op has no sample dim (a
+        scalar loss term after the loss, say), or `cfg` is not a config of the space, or a micro-batched or
+        chunked config of one."""
         op = self.graph[op_name]
+        if sample_dim(op) is None:
+            return ()
         chunks = self.split_chunks(op_name, cfg)
         split = split_microbatches(op, chunks.rest)
         if split is None or not self.contains(op_name, split.base):

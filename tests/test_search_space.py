@@ -598,3 +598,34 @@ def test_a_space_of_replicas_needs_a_sample_dim_everywhere_and_replicas_that_mak
     graph, topo = rc.graph_of("mlp"), load_topology("p100-2x2")
     with pytest.raises(ValueError, match="do not make the topology's 4 devices"):
         ConfigSpace(graph, topo, Replicas(count=3, size=1))
+
+
+def test_ops_without_a_sample_dim_get_no_micro_batches():
+    """A loss with arithmetic after the cross entropy (a scaled loss plus a regulariser) leaves scalar ops
+    with no sample dim: the micro-batch move offers them nothing, and a search from dp proposes only valid
+    configs."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from soap.capture import capture
+
+    def loss_fn(out, target):
+        return 0.5 * F.cross_entropy(out, target) + 1e-3 * out.pow(2).mean()
+
+    module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    graph = capture(module, torch.empty(8, 16, device="meta"), torch.empty(8, dtype=torch.long, device="meta"),
+                    loss_fn)
+    scalar = [op.name for op in graph.ops if sample_dim(op) is None]
+    assert scalar, "the loss arithmetic should leave ops without a sample dim"
+    topo = load_topology("cpu-2")
+    current = BASELINES["dp"](graph, topo)
+    space = ConfigSpace(graph, topo)
+    for name in scalar:
+        assert space.microbatch_options(name, current[name]) == ()
+    rng = random.Random(3)
+    for _ in range(2000):
+        name = rng.choice(space.ops)
+        cfg = space.propose_for(name, rng, current)
+        validate(graph[name], cfg, topo.num_devices)
+        assert space.contains(name, cfg)
