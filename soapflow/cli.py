@@ -552,6 +552,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`soapflow ... | head`): no more output, as other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return 141  # 128 + SIGPIPE, the shell's code for a writer whose reader left
+    verify = out.get("verify")
+    if verify and not verify["passed"]:  # a check that failed fails the command, so that scripts see it
+        print("soapflow: error: --verify failed: the run does not compute what single-process training "
+              "computes (differences above)", file=sys.stderr)
+        return 1
     return 0
 
 

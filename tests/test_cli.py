@@ -328,3 +328,12 @@ def test_progress_in_a_log_prints_a_line_per_stage(capsys):
     quiet = Progress("validating", enabled=False)  # --json
     quiet({"elapsed_s": 6.0, "stage": "capture"})
     assert capsys.readouterr().err == ""
+
+
+def test_a_failed_verify_fails_the_command(capsys):
+    # a learning rate that blows the weights up to inf and NaN: nothing can match the reference
+    code, out, err = run_cli(capsys, "run", "mlp", "--batch", "8", "-s", "dp", "--steps", "3", "--lr", "1e8",
+                             "--verify")
+    assert code == 1
+    assert "verify against single-process training: FAILED" in out
+    assert "--verify failed" in err
