@@ -182,7 +182,8 @@ class Executor:
                     fqn = key[0]
                     if key not in self.shards:
                         value = take_piece(tensors, fqn, key[1])
-                        self.shards[key] = self._cast(value).detach().to(self.device, copy=True).requires_grad_(True)
+                        self.shards[key] = self._cast(value).detach().to(self.device, copy=True).requires_grad_(
+                            op.params[name].trainable)
                     params[name] = self.shards[key]
                 if not sharded:
                     self.op_params[(i, c)] = params
@@ -402,8 +403,9 @@ class Executor:
             offset += chunk
 
     def parameters(self) -> list[torch.Tensor]:
-        """This rank's parameter shards (leaf tensors), in a fixed order: what the optimizer updates."""
-        return [self.shards[k] for k in sorted(self.shards)]
+        """This rank's shards of trainable parameters (leaf tensors), in a fixed order: what the optimizer
+        updates (a frozen parameter's shards do not require grad)."""
+        return [self.shards[k] for k in sorted(self.shards) if self.shards[k].requires_grad]
 
     def shard_items(self) -> list[tuple[str, Region, torch.Tensor, tuple[int, int] | None]]:
         """(fqn, region, tensor, chunk) per shard: `chunk` is None where the tensor is the region, else

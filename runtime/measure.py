@@ -135,7 +135,8 @@ def _params(op: Operator, box: Box, gen: torch.Generator) -> tuple[dict[str, tor
         dtype = TORCH_DTYPES[op.params[name].dtype]
         if compute is not None and not buffer_regions and dtype == torch.float32:
             dtype = TORCH_DTYPES[compute]
-        params[name] = (torch.randn(shape, generator=gen, device=gen.device) * 0.1).to(dtype).requires_grad_(True)
+        params[name] = (torch.randn(shape, generator=gen, device=gen.device) * 0.1).to(dtype).requires_grad_(
+            op.params[name].trainable)
     buffers = {}
     for name, region in buffer_regions.items():
         shape = tuple(hi - lo for lo, hi in region)

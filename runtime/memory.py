@@ -136,7 +136,7 @@ def measure_step(executor: Executor, optimizer: torch.optim.Optimizer | None, ba
     """The peak tensor bytes of one training step on this rank (`runtime.train.train_step`), counting
     what the rank holds when the step starts: parameter shards, optimizer state, buffers, sources (the
     constants and the previous batch) and `batch`."""
-    held = chain(executor.parameters(), executor.buffers.values(), executor.sources.values(), batch,
+    held = chain(executor.shards.values(), executor.buffers.values(), executor.sources.values(), batch,
                  [optimizer] if optimizer is not None else [])
     with track_peak(held, device=device) as peak:
         train_step(executor, optimizer, batch, step=step, scaler=scaler)

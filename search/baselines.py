@@ -312,8 +312,9 @@ def _follow_chunks(op: Operator, graph: OperatorGraph, configs: Mapping[str, Par
 
 def _sharded(op: Operator, cfg: ParallelConfig, shard: int, shared: Mapping[str, tuple[str, ...]]) -> ParallelConfig:
     """`cfg` with its parameters sharded over `shard` of their replicas where that is allowed (the op has
-    parameters no other op shares, and `shard` divides their replica count); `cfg` otherwise."""
-    if shard == 1 or not op.params or any(p.key in shared for p in op.params.values()):
+    parameters, none frozen, that no other op shares, and `shard` divides their replica count); `cfg`
+    otherwise."""
+    if shard == 1 or not op.params or any(p.key in shared or not p.trainable for p in op.params.values()):
         return cfg
     if param_replicas(op, cfg) % shard:
         return cfg

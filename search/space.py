@@ -210,12 +210,12 @@ class ConfigSpace:
 
     def shard_options(self, op_name: str, degrees: Degrees) -> tuple[int, ...]:
         """The shard degrees of the op under `degrees`: the divisors of its parameters' replica count
-        (only 1 for an op without parameters or with a parameter another op shares)."""
+        (only 1 for an op without parameters, with a parameter another op shares or with a frozen one)."""
         kind = self._kind(op_name)
         found = self._shards.get((kind, degrees))
         if found is None:
             op = self.graph[op_name]
-            if not op.params or any(p.key in self._shared for p in op.params.values()):
+            if not op.params or any(p.key in self._shared or not p.trainable for p in op.params.values()):
                 found = (1,)
             else:
                 n = math.prod(g for _, g in degrees)

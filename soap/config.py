@@ -17,7 +17,7 @@ moved from another (`soap.lowering`'s rule "Carries"); not with `shard` > 1 (`ca
   sharded over groups of S of those devices (S divides R; S = R is FSDP / ZeRO-3, S < R hybrid sharding):
   each device keeps 1/S of the region with its gradient and optimizer state, the group all-gathers the
   region before the op's forward and again before its backward, and reduce-scatters its gradient. Only
-  for ops with parameters that no other op shares.
+  for ops with parameters that no other op shares and none of which is frozen.
 
 Must not import torch, the simulator, the search or the runtime.
 """
@@ -144,6 +144,10 @@ def validate(op: Operator, cfg: ParallelConfig, num_devices: int | None = None) 
     if cfg.shard > 1:
         if not op.params:
             raise ConfigError(f"op {op.name!r} ({op.kind}) has no parameters to shard (shard {cfg.shard})")
+        frozen = [p.fqn for p in op.params.values() if not p.trainable]
+        if frozen:
+            raise ConfigError(f"op {op.name!r}: frozen parameters ({', '.join(frozen)}) are not sharded "
+                              f"(shard {cfg.shard}; not built yet)")
         replicas = param_replicas(op, cfg)
         if replicas % cfg.shard:
             raise ConfigError(f"op {op.name!r}: shard {cfg.shard} does not divide the {replicas} replica(s) "

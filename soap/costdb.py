@@ -12,22 +12,23 @@ File layout (JSON lines, UTF-8; one measurement per line, later lines win over e
      "attrs": "{\\"dilation\\": [1, 1], \\"groups\\": 1, \\"padding\\": [1, 1], \\"stride\\": [1, 1]}",
      "grads": "1", "fwd_ms": 0.41, "bwd_ms": 0.87, "repeats": 20, "source": "runtime"}
 
-The key is (device kind, op kind, dtype, part input shapes, part output shapes, part parameter shapes,
-attrs signature, gradient inputs). Shapes are those of the part's regions (`soap.opdef`), halos included,
-so a 2-way height split of a convolution is keyed by the shapes its part really reads. Parameter shapes
-and the attrs signature tell apart ops whose tensors have equal shapes but whose work differs (a 1x1 and
-a padded 3x3 convolution); the signature is canonical JSON of the attrs minus those that only name things
-(`NAMING_ATTRS`). The gradient inputs (`grads`: "1" or "0" per input of the op, "" when not given) say
-which inputs carry a gradient: a backward that also computes an input's gradient does about twice the
-work of one that does not (the first layer of an MLP reads the batch, a later one of the same shapes does
-not), so the two are timed apart. `fwd_ms` and `bwd_ms` are medians in milliseconds after warm-up, timed while every
-device of the machine runs a part at once (as under a split); the optional `solo_fwd_ms` and
-`solo_bwd_ms` are the same part timed alone (as when the part is a whole op and the other devices
-wait). They differ where devices share hardware - local processes on the cores of one CPU - and are
-equal on separate GPUs. `repeats` and `source` are informational; none of these is part of the key.
-A line that is not a valid measurement is skipped with a warning (a crashed writer leaves at most one);
-`append` and `save` write a temporary file in the same folder and rename it over the database, so
-readers never see a half-written file.
+The key is (device kind, op kind, dtype, part input shapes, part output shapes, part parameter shapes, attrs
+signature, gradient inputs). Shapes are those of the part's regions (`soap.opdef`), halos included, so a
+2-way height split of a convolution is keyed by the shapes its part really reads. Parameter shapes and the
+attrs signature tell apart ops whose tensors have equal shapes but whose work differs (a 1x1 and a padded
+3x3 convolution); the signature is canonical JSON of the attrs minus those that only name things
+(`NAMING_ATTRS`). The gradient inputs (`grads`: "1" or "0" per input of the op, "" when not given) say which
+inputs carry a gradient: a backward that also computes an input's gradient does about twice the work of one
+that does not (the first layer of an MLP reads the batch, a later one of the same shapes does not), so the
+two are timed apart; an op with frozen parameters (`ParamSpec.trainable` False) computes no gradient for
+them, and its flags go on with "/" and "1" or "0" per parameter (by name) that gets one. `fwd_ms` and
+`bwd_ms` are medians in milliseconds after warm-up, timed while every device of the machine runs a part at
+once (as under a split); the optional `solo_fwd_ms` and `solo_bwd_ms` are the same part timed alone (as when
+the part is a whole op and the other devices wait). They differ where devices share hardware - local
+processes on the cores of one CPU - and are equal on separate GPUs. `repeats` and `source` are
+informational; none of these is part of the key. A line that is not a valid measurement is skipped with a
+warning (a crashed writer leaves at most one); `append` and `save` write a temporary file in the same folder
+and rename it over the database, so readers never see a half-written file.
 
 Must not import torch, the simulator, the search or the runtime.
 """
@@ -99,8 +100,9 @@ class Measurement:
                 raise ValueError(f"measurement {name} must be a non-empty string, got {value!r}")
         if not isinstance(self.attrs, str):
             raise ValueError(f"measurement attrs must be a signature string, got {self.attrs!r}")
-        if not isinstance(self.grads, str) or set(self.grads) - {"0", "1"}:
-            raise ValueError(f"measurement grads must be a string of 0 and 1, got {self.grads!r}")
+        if not isinstance(self.grads, str) or set(self.grads) - {"0", "1", "/"} or self.grads.count("/") > 1:
+            raise ValueError(f"measurement grads must be a string of 0 and 1 (then / and 0 and 1 for the "
+                             f"parameters), got {self.grads!r}")
         object.__setattr__(self, "inputs", _shapes(self.inputs, "inputs"))
         object.__setattr__(self, "outputs", _shapes(self.outputs, "outputs"))
         object.__setattr__(self, "params", _shapes(self.params, "params"))
@@ -168,6 +170,8 @@ def part_key(op: Operator, box: Box, device_kind: str, grads: Sequence[bool] | N
     outputs = tuple(shape(entry.output_region(op, box, i)) for i in range(len(op.outputs)))
     params = tuple(shape(r) for _, r in sorted(entry.param_regions(op, box).items()))
     flags = "" if grads is None else "".join("1" if g else "0" for g in grads)
+    if any(not p.trainable for p in op.params.values()):  # frozen parameters: their gradients are not computed
+        flags += "/" + "".join("1" if op.params[name].trainable else "0" for name in sorted(op.params))
     return (device_kind, op.kind, op.outputs[0].dtype, inputs, outputs, params, attrs_signature(op), flags)
 
 

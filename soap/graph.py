@@ -67,6 +67,9 @@ class ParamSpec:
     `offset` its first index per axis in the parameter and `whole_shape` the parameter's shape. Regions
     the registry names are in the block's coordinates; `soap.config.param_pieces` moves them into the
     parameter's. Two ops share a parameter when they use the same block of it (`key`).
+
+    `trainable` False: a frozen parameter (``requires_grad`` False in the model): training reads it and
+    never changes it, so it gets no gradient, no synchronization, no update and no optimizer state.
     """
 
     shape: tuple[int, ...]
@@ -74,6 +77,7 @@ class ParamSpec:
     dtype: str = "float32"
     offset: tuple[int, ...] = ()
     whole_shape: tuple[int, ...] = ()
+    trainable: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -172,7 +176,8 @@ class Operator:
             "inputs": [[r.op, r.index] for r in self.inputs],
             "outputs": [{"shape": list(t.shape), "dtype": t.dtype} for t in self.outputs],
             "params": {k: {"shape": list(p.shape), "fqn": p.fqn, "dtype": p.dtype,
-                           **({"offset": list(p.offset), "whole_shape": list(p.whole_shape)} if p.offset else {})}
+                           **({"offset": list(p.offset), "whole_shape": list(p.whole_shape)} if p.offset else {}),
+                           **({} if p.trainable else {"trainable": False})}
                        for k, p in self.params.items()},
             "attrs": _thaw(self.attrs),
             "module": self.module,
@@ -190,7 +195,8 @@ class Operator:
             inputs=tuple(TensorRef(op=o, index=i) for o, i in d["inputs"]),
             outputs=tuple(TensorSpec(shape=tuple(t["shape"]), dtype=t["dtype"]) for t in d["outputs"]),
             params={k: ParamSpec(shape=tuple(p["shape"]), fqn=p["fqn"], dtype=p.get("dtype", "float32"),
-                                 offset=tuple(p.get("offset", ())), whole_shape=tuple(p.get("whole_shape", ())))
+                                 offset=tuple(p.get("offset", ())), whole_shape=tuple(p.get("whole_shape", ())),
+                                 trainable=bool(p.get("trainable", True)))
                     for k, p in d["params"].items()},
             attrs=d["attrs"],
             module=d.get("module", ""),
@@ -287,12 +293,14 @@ class OperatorGraph:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the structure: names, kinds, edges, shapes, parameter shapes and attributes."""
+        """sha256 of the structure: names, kinds, edges, shapes, parameter shapes (and which are frozen) and
+        attributes."""
         if self._fingerprint is None:
             structure = [
                 [op.name, op.kind, [[r.op, r.index] for r in op.inputs],
                  [[list(t.shape), t.dtype] for t in op.outputs],
-                 sorted([k, list(p.shape)] + ([list(p.offset)] if p.offset else []) for k, p in op.params.items()),
+                 sorted([k, list(p.shape)] + ([list(p.offset)] if p.offset else []) + ([] if p.trainable else [False])
+                        for k, p in op.params.items()),
                  _thaw(op.attrs)]
                 for op in self.ops
             ]

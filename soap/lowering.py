@@ -38,6 +38,12 @@ The rules, each stated once:
   (`AllReduce.after`).
 - **Optimizer.** Each device updates each shard it holds once, after its all-reduce; it keeps the
   parameter, its gradient and `TrainSetup.optimizer_state_copies` state tensors of the shard's size.
+- **Frozen parameters** (`ParamSpec.trainable` False) get no gradient: no bucket, no all-reduce, no
+  update, no gradient or optimizer state (a device keeps the shard alone, and its compute-dtype copy).
+  An op none of whose parameters is trainable needs a backward only for its inputs' gradients (none in a
+  frozen prefix of the model); its backward is still timed by its captured `bwd_flops`, which capture
+  counts without the frozen parameters' gradients. Frozen parameters are not sharded
+  (`soap.config.validate`).
 - **Precision.** A step runs `run_graph(graph, setup)`: the graph with every float32 activation (op
   outputs, the float batch and constants included) in the setup's compute dtype, except the loss; the
   parameters stay float32 masters. Everything above reads that graph, so exchanges move and activations
@@ -286,7 +292,7 @@ class GradFlow:
     (its parameter unit, -1 without parameters). Per unit u: `units[u]` (op positions, ascending),
     `unit_fqns[u]` (its parameters' `ParamSpec.key`s: an fqn, or an fqn and a block), `unit_first[u]` (its
     lowest op position). Per parameter key: `param_bucket[key]` (None when it gets no gradient) and
-    `first_user[key]`. Per bucket b:
+    `first_user[key]`; `frozen`, the keys of frozen parameters (`ParamSpec.trainable` False). Per bucket b:
     `bucket_first_op[b]` (the lowest first-user position in it: its backward ends the bucket).
     """
 
@@ -302,7 +308,7 @@ class GradFlow:
         requires = [False] * n
         for i, op in enumerate(ops):
             if not self.everywhere[i]:
-                requires[i] = bool(op.params) or any(
+                requires[i] = any(p.trainable for p in op.params.values()) or any(
                     requires[self.index[r.op]] and tensor_float[self.index[r.op]][r.index] for r in op.inputs)
         self.requires_grad = requires
         uses = {op.name: graph.consumers(op.name) for op in ops}
@@ -354,8 +360,8 @@ class GradFlow:
             fqns = [spec.fqn for spec in op.params.values()]
             inputs = tuple((self.ops[self.index[r.op]].outputs[r.index], self.ops[self.index[r.op]].kind == "input")
                            for r in op.inputs)
-            params = tuple((k, spec.shape, spec.dtype, spec.offset, spec.whole_shape, fqns.index(spec.fqn))
-                           for k, spec in op.params.items())
+            params = tuple((k, spec.shape, spec.dtype, spec.offset, spec.whole_shape, fqns.index(spec.fqn),
+                            spec.trainable) for k, spec in op.params.items())
             key = (op.kind, repr(sorted(op.attrs.items())), inputs, tuple(op.outputs), params, op.fwd_flops,
                    op.bwd_flops, op.fwd_bytes, op.bwd_bytes, self.everywhere[i], self.requires_grad[i],
                    self.needs_bwd[i], tuple(self.grad_inputs[i]))
@@ -404,6 +410,7 @@ class GradFlow:
 
     def _buckets(self, cap: int) -> None:
         users: dict[str, list[int]] = {}
+        self.frozen = {spec.key for op in self.ops for spec in op.params.values() if not spec.trainable}
         for i, op in enumerate(self.ops):
             for spec in op.params.values():
                 users.setdefault(spec.key, []).append(i)
@@ -413,8 +420,9 @@ class GradFlow:
         limit = min(FIRST_BUCKET_BYTES, cap)
         for i in range(self.num_ops - 1, -1, -1):
             mine = [f for f in dict.fromkeys(p.key for p in self.ops[i].params.values()) if self.first_user[f] == i]
-            # no gradient reaches a parameter none of whose users runs backward: nothing to synchronize
-            live = [f for f in mine if any(self.needs_bwd[u] for u in users[f])]
+            # no gradient reaches a frozen parameter, nor one none of whose users runs backward: nothing to
+            # synchronize or update
+            live = [f for f in mine if f not in self.frozen and any(self.needs_bwd[u] for u in users[f])]
             self.param_bucket.update(dict.fromkeys(mine))
             if not live:
                 continue

@@ -191,6 +191,16 @@ def zoo_build(name: str, batch: int, **sizes: Any) -> Workload:
                     loss_fn=result[2] if len(result) == 3 else default_loss)
 
 
+def frozen_build(build: Callable[[], Workload], prefixes: tuple[str, ...]) -> Workload:
+    """`build()`'s workload with the parameters whose names start with one of `prefixes` frozen
+    (``requires_grad`` False), as a fine-tuning run freezes part of a model."""
+    w = build()
+    for name, p in w.module.named_parameters():
+        if name.startswith(prefixes):
+            p.requires_grad_(False)
+    return w
+
+
 def cnn_build(batch: int, residual: bool = False, batchnorm: bool = False, size: int = 8) -> Workload:
     torch.manual_seed(0)
     return Workload(module=SmallCNN(residual=residual, batchnorm=batchnorm, size=size),
@@ -214,6 +224,14 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "transformer_explicit": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
                                               context=None, vocab=32, attention="explicit"),
     "llama": functools.partial(llama_build, 4),
+    # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
+    # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
+    # trainable ops (their backward computes only their inputs' gradients)
+    "mlp_frozen": functools.partial(frozen_build, functools.partial(zoo_build, "mlp", 8, sizes=(16, 32, 16)),
+                                    ("layers.0.",)),
+    "transformer_frozen": functools.partial(
+        frozen_build, functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
+                                        context=None, vocab=32), ("wpe.", "blocks.0.mlp.", "blocks.1.attn.")),
     # Verified in float64: its BatchNorm stack at a tiny batch makes float32 results differ by more than
     # 1e-5 between any two summation orders (float64 agrees to about 1e-14).
     "resnet18": functools.partial(zoo_build, "resnet18", 8, num_classes=4, image_size=64),

@@ -54,7 +54,8 @@ def random_cases(models: tuple[str, ...], count: int, nproc: int, seed: int) -> 
 
 def test_representative_strategies_match_single_process():
     """One launch: a baseline per model, the hand-written mixed strategy, 12 random strategies, tiny gradient
-    buckets (many all-reduces in flight), AdamW, and BatchNorm under a sample split against DDP."""
+    buckets (many all-reduces in flight), AdamW, BatchNorm under a sample split against DDP, and frozen
+    parameters (dp, fsdp, tp and a strategy of the search's space: frozen weights stay as they were)."""
     cases = [c for c in (rc.baseline_case("mlp", "tp", 2), rc.baseline_case("rescnn", "expert", 2),
                          rc.baseline_case("rnnlm", "dp", 2), rc.baseline_case("transformer", "tp", 2),
                          rc.baseline_case("llama", "tp", 2))
@@ -70,7 +71,12 @@ def test_representative_strategies_match_single_process():
     bn_graph = rc.graph_of("bncnn")
     bn_dp = rc.baseline_case("bncnn", "dp", 2)
     cases += [bn_dp, {**bn_dp, "label": "bncnn/ddp", "kind": "ddp"}]
-    assert len(cases) == 22 and bn_graph is not None
+    cases += [rc.baseline_case("mlp_frozen", "dp", 2), rc.baseline_case("transformer_frozen", "fsdp", 2),
+              rc.baseline_case("transformer_frozen", "tp", 2)]
+    graph = rc.graph_of("transformer_frozen")
+    cases.append(rc.train_case("transformer_frozen/space", "transformer_frozen",
+                               rc.space_strategy(graph, 2, random.Random(5)), graph))
+    assert len(cases) == 26 and bn_graph is not None and None not in cases
     run_and_check(cases)
 
 

@@ -94,6 +94,9 @@ class _Builder:
         self.counts: dict[str, int] = {}
         self.refs: dict[fx.Node, TensorRef] = {}
         self.no_grad: set[str] = set()
+        # the model's frozen parameters (``requires_grad`` False), by their names in `traced.params`
+        self.frozen = {name.removeprefix("model.") for name, p in root.named_parameters(remove_duplicate=False)
+                       if not p.requires_grad}
         self.num_dropouts = 0
         self.fused: dict[fx.Node, fx.Node] = {}
         self.fused_norms: dict[fx.Node, _Draft] = {}
@@ -313,7 +316,8 @@ class _Builder:
         base = self.base(call, draft.kind)
         inputs = tuple(self.ref(n) for n in draft.inputs)
         params = {k: ParamSpec(shape=tuple(p.meta["val"].shape), fqn=self.traced.params[p],
-                               dtype=_dtype_name(p.meta["val"].dtype)) for k, p in draft.params.items()}
+                               dtype=_dtype_name(p.meta["val"].dtype),
+                               trainable=self.traced.params[p] not in self.frozen) for k, p in draft.params.items()}
         if draft.outputs is None:
             pairs = _tensors_of(node.meta["val"])
             draft.outputs = [t for _, t in pairs]
@@ -391,10 +395,12 @@ class _Builder:
                 if not isinstance(val, torch.Tensor):
                     return val
                 producer = self.refs.get(value)
-                needs_grad = (value in self.traced.params or
-                              (val.is_floating_point() and value not in factories
-                               and value not in self.traced.buffers
-                               and (producer is None or producer.op not in self.no_grad)))
+                if value in self.traced.params:
+                    needs_grad = self.traced.params[value] not in self.frozen
+                else:
+                    needs_grad = (val.is_floating_point() and value not in factories
+                                  and value not in self.traced.buffers
+                                  and (producer is None or producer.op not in self.no_grad))
                 val = val.detach()
                 if needs_grad:
                     val = val.requires_grad_(True)

@@ -122,7 +122,7 @@ def _block(spec: ParamSpec, axis: int, start: int, size: int) -> ParamSpec:
     offset = [0] * len(shape)
     offset[axis] = start
     return ParamSpec(shape=tuple(shape), fqn=spec.fqn, dtype=spec.dtype, offset=tuple(offset),
-                     whole_shape=spec.shape)
+                     whole_shape=spec.shape, trainable=spec.trainable)
 
 
 def _linear_piece(op: Operator, name: str, start: int, size: int) -> Operator:
