@@ -9,8 +9,11 @@ They are presets of the general method (per-op `ParallelConfig`s), not special c
 the search and the runtime treat them like any other strategy. Every baseline gives every op of any graph
 a valid config for a topology of any size; where a preferred split does not fit an op (its dim does not
 divide, or the kind cannot split that way) the op falls back to the next preference, ending at "whole on
-one device". `dp` alone refuses graphs whose batch does not divide over the devices
-(`BaselineNotApplicable`), since data parallelism is then not defined.
+one device". A baseline refuses the graph (`BaselineNotApplicable`, the message says why) where it would
+not be what its name says: `dp` and `fsdp` where the batch does not divide over the devices (data
+parallelism is then not defined), `tp` and `expert` where every op would fall back to one device (the
+single-device layout under their name; `tp` where only the batch splits is dp, and runs), and
+``mp:microbatches=M`` where M does not divide the batch (as `hybrid`).
 
 Must not import torch or the runtime.
 """
@@ -84,17 +87,33 @@ def _data_parallel(op: Operator, devices: Sequence[int]) -> ParallelConfig:
     return ParallelConfig.single(devices[0])
 
 
-def dp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
-    """Data parallelism: every op split on its sample dim over all devices."""
-    n = topology.num_devices
-    devices = tuple(range(n))
+def _batch_refusal(graph: OperatorGraph, parts_per_batch: int) -> int | None:
+    """The batch (an input's sample dim) where it does not divide into `parts_per_batch` parts; None where
+    every input's does."""
     for op in graph:
         if op.kind == "input":
             sample = _sample(op)
-            if sample is not None and sample.size % n:
-                raise BaselineNotApplicable(
-                    f"dp needs the batch ({sample.size}) to divide over the {n} devices")
-    return Strategy({op.name: _data_parallel(op, devices) for op in graph})
+            if sample is not None and sample.size % parts_per_batch:
+                return sample.size
+    return None
+
+
+def _several_devices(strategy: Strategy, num_devices: int, refusal: str) -> Strategy:
+    """`strategy`, or `BaselineNotApplicable` with `refusal` where it runs every op on one device of several:
+    every preferred split fell back to "whole on one device", and the baseline would be the single-device
+    layout under its name."""
+    if num_devices > 1 and len(strategy.devices_used()) == 1:
+        raise BaselineNotApplicable(f"{refusal}: none does, so every op would run on one")
+    return strategy
+
+
+def dp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
+    """Data parallelism: every op split on its sample dim over all devices."""
+    n = topology.num_devices
+    batch = _batch_refusal(graph, n)
+    if batch is not None:
+        raise BaselineNotApplicable(f"dp needs the batch ({batch}) to divide over the {n} devices")
+    return Strategy({op.name: _data_parallel(op, tuple(range(n))) for op in graph})
 
 
 def _blocks(weights: Sequence[float], num_blocks: int) -> list[int]:
@@ -115,7 +134,12 @@ def mp(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8, micro
     on different chunks (a wavefront; no effect on models without recurrent ops). With `microbatches`
     M > 1 every other op runs its batch in M micro-batches on its device (`search.space.microbatched`;
     those that refuse repeated devices, or whose batch M does not divide, stay whole), so that the blocks
-    pipeline on micro-batches (``mp:microbatches=M``)."""
+    pipeline on micro-batches (``mp:microbatches=M``; `BaselineNotApplicable` where M does not divide the
+    batch, as in `hybrid`: micro-batches cut the batch)."""
+    if microbatches > 1:
+        batch = _batch_refusal(graph, microbatches)
+        if batch is not None:
+            raise BaselineNotApplicable(f"mp: the batch ({batch}) does not divide into {microbatches} micro-batches")
     weights = [op.fwd_flops + op.bwd_flops + (1.0 if op.params else 0.0) for op in graph]
     blocks = _blocks(weights, topology.num_devices)
     configs: dict[str, ParallelConfig] = {}
@@ -179,9 +203,12 @@ def tp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
     the layout) takes the reduction split instead (row parallel), so the pair needs one all-reduce. Ops
     without weights keep their producer's layout where they can (through reshapes and transposes, so that
     the output projection after attention is row parallel), except attention, which splits on its heads;
-    every other op runs data parallel.
+    every other op runs data parallel. `BaselineNotApplicable` where no op then splits (no weight dim, no
+    heads and not the batch divide over the devices). Where only the batch splits, tp is dp.
     """
-    return _tensor_parallel(graph, tuple(range(topology.num_devices)))
+    n = topology.num_devices
+    return _several_devices(_tensor_parallel(graph, tuple(range(n))), n,
+                            f"tp needs weights, attention heads or the batch to split over the {n} devices")
 
 
 def _tensor_parallel(graph: OperatorGraph, devices: tuple[int, ...]) -> Strategy:
@@ -213,7 +240,8 @@ def expert(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -
     data parallel across nodes, each in `chunks` time chunks (`chunked`; where the time steps divide), and the
     ops between them that keep their (sample, time) layout split as they are, chunk by chunk on the same
     device, so that layer i + 1 runs chunk k while layer i runs chunk k + 1 (FlexFlow's wavefront over
-    unrolled RNNs).
+    unrolled RNNs). `BaselineNotApplicable` where every op would then run on one device (no weights of a
+    linear or embedding and no batch divide over the devices, and no two recurrent layers to place apart).
     """
     devices = tuple(range(topology.num_devices))
     nodes = sorted({d.node for d in topology.devices})
@@ -243,7 +271,9 @@ def expert(graph: OperatorGraph, topology: DeviceTopology, *, chunks: int = 8) -
             cfg = _follow_chunks(op, graph, configs)
         configs[op.name] = cfg if cfg is not None else _data_parallel(op, devices)
     _lead_in(graph, configs)
-    return Strategy(configs)
+    return _several_devices(Strategy(configs), len(devices),
+                            f"expert needs fully connected weights or the batch to split over the {len(devices)} "
+                            f"devices, or recurrent layers to place on them")
 
 
 def _lead_in(graph: OperatorGraph, configs: dict[str, ParallelConfig]) -> None:
@@ -324,6 +354,10 @@ def _sharded(op: Operator, cfg: ParallelConfig, shard: int, shared: Mapping[str,
 def fsdp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
     """Fully sharded data parallelism (ZeRO-3): `dp` with every op's parameters sharded over all their
     replicas (parameters shared by several ops, tied embeddings, stay replicated)."""
+    n = topology.num_devices
+    batch = _batch_refusal(graph, n)
+    if batch is not None:
+        raise BaselineNotApplicable(f"fsdp needs the batch ({batch}) to divide over the {n} devices")
     base = dp(graph, topology)
     shared = graph.shared_params()
     return Strategy({op.name: _sharded(op, base[op.name], param_replicas(op, base[op.name]), shared)

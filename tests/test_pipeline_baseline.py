@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from search.baselines import hybrid, parse_baseline, pipeline_stages
+from search.baselines import BaselineNotApplicable, hybrid, parse_baseline, pipeline_stages
 from soap.config import parts
 from soap.lowering import lower
 from soap.registry import dims_of
@@ -121,3 +121,16 @@ def test_mp_with_micro_batches_pipelines_its_blocks():
     for bad in ("mp:microbatches=0", "mp:pipes=2", "expert:microbatches=2", "mp:chunks=2,chunks=4"):
         with pytest.raises(BaselineSpecError, match="malformed baseline"):
             parse_baseline(bad)
+
+
+@pytest.mark.parametrize("micro", [3, 32, 1000])
+def test_mp_micro_batches_that_do_not_divide_the_batch_are_refused_as_hybrids_are(micro):
+    """``mp:microbatches=M`` where M does not divide the batch (or exceeds it) refuses, as hybrid's
+    micro-batches do, rather than train plain mp under its name."""
+    batch = 16
+    graph = capture_model("mlp", batch_size=batch)[1]
+    topo = load_topology("cpu-2")
+    with pytest.raises(BaselineNotApplicable, match=rf"batch \({batch}\) does not divide into {micro} micro-batches"):
+        parse_baseline(f"mp:microbatches={micro}")(graph, topo)
+    with pytest.raises(BaselineNotApplicable, match=f"x {micro} micro-batches"):
+        parse_baseline(f"hybrid:tp=1,pp=2,microbatches={micro}")(graph, topo)
