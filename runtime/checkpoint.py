@@ -1,12 +1,12 @@
 """Checkpoints: every rank writes and reads only the pieces it holds (torch.distributed.checkpoint, DCP).
 
-Owns the checkpoint directory (`save_checkpoint`, `load_checkpoint`, `latest_checkpoint`, `verify_checkpoint`,
-`checkpoint_path`, `checkpoint_step`, `read_info`, `check_resumable`, `saved_tensors`), `CheckpointInfo`
-(what a checkpoint records besides tensors), `Boxes` and `boxes_of` (a tensor's pieces on this rank, as DCP
-sees them), `piece_boxes` and `flat_range_boxes` (a piece cut into boxes), `disjoint_plans` (the boxes
-every rank offers, made disjoint) and the state-dict keys (`param_key`, `buffer_key`,
-`optimizer_key`). Imports `soap`, torch and the standard library only (no runtime, no simulator, no search,
-no soapflow): the training loop (`runtime.train`) says what a rank holds.
+Owns the checkpoint directory (`save_checkpoint`, `load_checkpoint`, `latest_checkpoint`, `find_checkpoints`,
+`verify_checkpoint`, `checkpoint_path`, `checkpoint_step`, `read_info`, `check_resumable`, `saved_tensors`),
+`CheckpointInfo` (what a checkpoint records besides tensors), `Boxes` and `boxes_of` (a tensor's pieces on
+this rank, as DCP sees them), `piece_boxes` and `flat_range_boxes` (a piece cut into boxes),
+`disjoint_plans` (the boxes every rank offers, made disjoint) and the state-dict keys (`param_key`,
+`buffer_key`, `optimizer_key`). Imports `soap`, torch and the standard library only (no runtime, no
+simulator, no search, no soapflow): the training loop (`runtime.train`) says what a rank holds.
 
 What a rank holds of a tensor (a parameter, a buffer, or an optimizer state tensor shaped like its
 parameter: SGD's momentum, AdamW's moments) are pieces `(region, tensor, chunk)`: a box `region` of the
@@ -39,7 +39,8 @@ that name is moved aside first) and fsyncs DIR, and only then do the ranks go on
 any moment leaves the previous checkpoints and perhaps a stray temporary directory, never a partial
 checkpoint under a checkpoint name. A checkpoint whose manifest is missing, or a file of which is
 missing, cut short or corrupted, is skipped by `latest_checkpoint` with a warning naming it, and the next
-older one is used. The newest `keep` checkpoints are kept, older ones deleted after a successful write.
+older one is used (`find_checkpoints` returns the skipped ones instead, for a caller to decide). The
+newest `keep` checkpoints are kept, older ones deleted after a successful write.
 Without a process group (a single process) DCP runs in one process (its `no_dist`).
 """
 
@@ -452,16 +453,26 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
             raise ValueError(f"corrupt: the sha256 of {name} does not match the manifest")
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in `directory` (None: none); broken ones are skipped with a warning."""
+def find_checkpoints(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint in `directory` (None: none) and the broken ones newer than it, newest
+    first, each with what is wrong with it (`verify_checkpoint`'s message)."""
+    broken = []
     for path in _candidates(Path(directory)):
         try:
             verify_checkpoint(path)
         except ValueError as exc:
-            warnings.warn(f"ignoring checkpoint {path.name}: {exc}", stacklevel=2)
+            broken.append((path, str(exc)))
             continue
-        return path
-    return None
+        return path, broken
+    return None, broken
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `directory` (None: none); broken ones are skipped with a warning."""
+    found, broken = find_checkpoints(directory)
+    for path, problem in broken:
+        warnings.warn(f"ignoring checkpoint {path.name}: {problem}", stacklevel=2)
+    return found
 
 
 def read_info(path: str | os.PathLike) -> CheckpointInfo:
@@ -478,9 +489,13 @@ def read_info(path: str | os.PathLike) -> CheckpointInfo:
 
 
 def check_resumable(path: str | os.PathLike, info: CheckpointInfo, *, graph: str, fingerprint: str,
-                    optimizer: str) -> None:
+                    optimizer: str, seed: int | None = None) -> None:
     """ValueError (one line) unless a run training graph `graph` (its `OperatorGraph.fingerprint`) with
-    `optimizer` can resume from checkpoint `path`, whose info is `info`."""
+    `optimizer` and, unless None, the seed `seed` can resume from checkpoint `path`, whose info is `info`.
+
+    The seed draws the synthetic batches of every step (`runtime.train`), so a run resumed with another
+    seed than the one that wrote the checkpoint would go on with another data stream than the
+    uninterrupted run's."""
     saved = info.meta.get("fingerprint")
     if saved != fingerprint:
         raise ValueError(f"checkpoint {path} was saved for another model: graph {info.meta.get('graph')!r} "
@@ -488,6 +503,10 @@ def check_resumable(path: str | os.PathLike, info: CheckpointInfo, *, graph: str
                          f"{fingerprint[:12]}); the model, its batch size or its capture differ")
     if info.optimizer != optimizer:
         raise ValueError(f"checkpoint {path} was saved with optimizer {info.optimizer}, this run uses {optimizer}")
+    saved_seed = info.meta.get("seed")
+    if seed is not None and saved_seed is not None and saved_seed != seed:
+        raise ValueError(f"checkpoint {path} was saved by a run with seed {saved_seed}, this run has seed {seed}; "
+                         f"resume with seed {saved_seed} (the seed draws every step's batch)")
 
 
 def saved_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

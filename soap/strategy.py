@@ -192,6 +192,9 @@ def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices
             raise StrategyError(f"{source}: op {name!r} does not exist in model {graph.name!r}")
         if not isinstance(entry, dict) or not isinstance(entry.get("devices"), list):
             raise StrategyError(f"{source}: op {name!r} needs {{'degrees': {{...}}, 'devices': [...]}}")
+        if "degrees" not in entry and len(entry["devices"]) > 1:  # (a whole op may leave them out)
+            raise StrategyError(f"{source}: op {name!r} lists {len(entry['devices'])} devices but no degrees; "
+                                f"it needs {{'degrees': {{...}}, 'devices': [...]}}")
         degrees = entry.get("degrees", {})
         if not isinstance(degrees, dict) or not all(_is_integer(v) for v in degrees.values()):
             raise StrategyError(f"{source}: op {name!r} has degrees {degrees!r}; expected {{dim: integer}}")

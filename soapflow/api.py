@@ -8,19 +8,22 @@ built once by the caller (the command line) and passed to every stage that depen
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from search.baselines import BASELINES, BaselineNotApplicable, BaselineSpecError, dp, parse_baseline
 from soap.capture import capture
 from soap.graph import OperatorGraph
 from soap.setup import TrainSetup
-from soap.strategy import Strategy, StrategyError, load_strategy, validate_strategy
+from soap.strategy import Strategy, StrategyError, read_strategy_doc, strategy_from_dict, validate_strategy
 from soap.topology import DeviceTopology, load_topology
 from soapflow.models import ModelError, ModelSpec, default_loss, load_model
 
 __all__ = [
     "BASELINES", "BaselineNotApplicable", "ModelSpec", "TrainSetup", "capture_model", "load_model",
-    "load_topology", "resolve_strategy",
+    "load_topology", "recorded_batch", "resolve_strategy", "strategy_batch",
 ]
 
 
@@ -36,14 +39,50 @@ def capture_model(ref: str, *, batch_size: int | None = None) -> tuple[ModelSpec
     return spec, graph
 
 
-def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology,
-                     setup: TrainSetup) -> Strategy:
+def _is_strategy_file(ref: str) -> bool:
+    """Whether `resolve_strategy` reads `ref` as a strategy file (a baseline name comes first)."""
+    try:
+        return parse_baseline(ref) is None and Path(ref).is_file()
+    except BaselineSpecError:
+        return False
+
+
+def recorded_batch(ref: str) -> int | None:
+    """The global batch size the strategy file `ref` was made for (None: `ref` is a baseline, or a file that
+    records none)."""
+    return _batch_of(read_strategy_doc(ref), ref) if _is_strategy_file(ref) else None
+
+
+def _batch_of(doc: Mapping[str, Any], ref: str) -> int | None:
+    found = doc.get("batch_size")
+    if found is not None and (not isinstance(found, int) or isinstance(found, bool) or found < 1):
+        raise StrategyError(f"strategy file {ref!r} has batch_size {found!r}; expected a positive integer")
+    return found
+
+
+def strategy_batch(refs: Sequence[str], *, batch: int | None) -> int | None:
+    """The global batch to capture a model at for the strategies `refs`: `batch` when given, else the one
+    batch size the strategy files among them record (files that record different ones are an error), else
+    None (the model's default). `resolve_strategy` warns where a file meets another batch."""
+    if batch is not None:
+        return batch
+    found = {ref: size for ref in refs if (size := recorded_batch(ref)) is not None}
+    if len(set(found.values())) > 1:
+        raise StrategyError("the strategy files were made for different batch sizes ("
+                            + ", ".join(f"{ref!r}: {size}" for ref, size in found.items()) + "); pass --batch")
+    return next(iter(found.values()), None)
+
+
+def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology, setup: TrainSetup,
+                     processes: bool = False) -> Strategy:
     """A baseline name (dp, mp, tp, expert, fsdp, `search.baselines.parse_baseline`'s hybrid:...) or a
     strategy file, validated against graph and topology.
 
     Ops a file leaves out run data parallel (with a warning); where data parallelism is not defined
     for the graph, they run whole on device 0. A file found for another training setup than `setup`
-    warns, naming the fields that differ.
+    warns, naming the fields that differ; so does one made for another batch size (naming both) or
+    device count. `processes`: the topology's devices are the processes of a run
+    (`soapflow.runner.run`), and the device-count warning says so.
     """
     try:
         make = parse_baseline(ref)
@@ -56,8 +95,20 @@ def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology
     if not Path(ref).exists():
         raise StrategyError(f"strategy {ref!r} is neither a baseline ({', '.join(BASELINES)}, hybrid:tp=T[,pp=P]"
                             "[,microbatches=M][,shard=S][,recompute=none|full]) nor an existing file")
+    source = f"strategy file {os.fspath(ref)!r}"
+    doc = read_strategy_doc(ref)
+    made_for = _batch_of(doc, ref)
+    if made_for is not None and made_for != graph.batch_size:
+        warnings.warn(f"{source} was made for batch {made_for}, not {graph.batch_size} (fingerprint mismatch); "
+                      f"applying it by op name", stacklevel=2)
+        # The fingerprint covers the batch size: strategy_from_dict's own warning would repeat this one.
+        doc = {key: value for key, value in doc.items() if key != "fingerprint"}
+    if processes and doc.get("num_devices") not in (None, topology.num_devices):
+        warnings.warn(f"{source} was made for {doc['num_devices']} devices, this run has {topology.num_devices} "
+                      f"processes (one per device)", stacklevel=2)
+        doc = {key: value for key, value in doc.items() if key != "num_devices"}
     try:
         default = dp(graph, topology)
     except BaselineNotApplicable:
         default = BASELINES["mp"](graph, topology)
-    return load_strategy(os.fspath(ref), graph, topology.num_devices, default=default, setup=setup)
+    return strategy_from_dict(doc, graph, topology.num_devices, default=default, setup=setup, source=source)

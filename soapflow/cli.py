@@ -6,7 +6,9 @@ Every command that simulates, searches, runs, validates or calibrates takes the 
 (`--optimizer`, `--lr`, `--momentum`, `--weight-decay`, `--bucket-mb`, `--precision`, `--schedule`, defaults those of
 `soap.setup.TrainSetup`), built once into one `TrainSetup` (`train_setup`) and passed down. Every command that
 simulates on a preset (simulate, optimize, compare) takes `--no-shipped-costs`, passed down as
-`shipped_costs=False` (`simulator.shipped`).
+`shipped_costs=False` (`simulator.shipped`). Every command that takes a strategy file (simulate, compare, run)
+captures the model at the batch size the file records unless `--batch` says otherwise, which warns
+(`soapflow.api.strategy_batch`).
 """
 
 from __future__ import annotations
@@ -134,13 +136,13 @@ def cmd_topology(args: argparse.Namespace) -> tuple[dict, str]:
 def cmd_simulate(args: argparse.Namespace) -> tuple[dict, str]:
     from simulator.engine import simulator_of
     from simulator.shipped import shipped_report
-    from soapflow.api import capture_model, resolve_strategy
+    from soapflow.api import capture_model, resolve_strategy, strategy_batch
     from soapflow.optimize import topology_and_cost_model
     from soapflow.report import shipped_costs_text
 
     setup = train_setup(args)
     topo, cost_model = topology_and_cost_model(args.topology, args.costdb, shipped_costs=not args.no_shipped_costs)
-    spec, graph = capture_model(args.model, batch_size=args.batch)
+    spec, graph = capture_model(args.model, batch_size=strategy_batch([args.strategy], batch=args.batch))
     strategy = resolve_strategy(args.strategy, graph=graph, topology=topo, setup=setup)
     # a trace shows every device's tasks: no simulation by one replica then
     sim, timeline = simulator_of(graph, strategy, topo, cost_model, setup=setup, symmetry=not args.trace)
@@ -255,6 +257,7 @@ def cmd_optimize(args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
+    from soapflow.api import strategy_batch
     from soapflow.optimize import compare
     from soapflow.report import compare_text
     from soapflow.tables import write_csv
@@ -262,7 +265,8 @@ def cmd_compare(args: argparse.Namespace) -> tuple[dict, str]:
     if args.repeats < 1:
         raise CommandError(f"--repeats must be at least 1, got {args.repeats}")
     setup = train_setup(args)
-    out = compare(args.model, args.topology, strategies=args.strategy, batch=args.batch, measure=args.measure,
+    batch = strategy_batch(args.strategy or [], batch=args.batch)
+    out = compare(args.model, args.topology, strategies=args.strategy, batch=batch, measure=args.measure,
                   steps=args.steps, repeats=args.repeats, plot=args.plot, cost_model=args.costdb, setup=setup,
                   shipped_costs=not args.no_shipped_costs)
     text = compare_text(out)
@@ -374,10 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("topology", "describe a topology preset (KIND-NxM, cpu-N) or topology file")
     p.add_argument("topology", metavar="PRESET|FILE")
     p = add("simulate", "simulate one training iteration of a model under a strategy")
-    _model_args(p)
+    _model_args(p, strategy_file=True)
     _topology_arg(p)
-    p.add_argument("-s", "--strategy", required=True, metavar="STRATEGY",
-                   help="strategy file or baseline: dp, mp, tp, expert")
+    p.add_argument("-s", "--strategy", required=True, metavar="STRATEGY", help=_STRATEGY_HELP)
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace JSON of the simulated iteration")
     _costdb_arg(p)
     _shipped_costs_arg(p)
@@ -413,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_args(p)
 
     p = add("compare", "simulate the baselines and given strategies side by side (and measure them)")
-    _model_args(p)
+    _model_args(p, strategy_file=True)
     _topology_arg(p)
     p.add_argument("-s", "--strategy", action="append", metavar="STRATEGY",
                    help="strategy file to show beside the baselines; repeat for several")
@@ -429,9 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_args(p)
 
     p = add("run", "train a model under a strategy on real processes (torch.distributed)")
-    _model_args(p)
-    p.add_argument("-s", "--strategy", required=True, metavar="STRATEGY",
-                   help="strategy file or baseline: dp, mp, tp, expert")
+    _model_args(p, strategy_file=True)
+    p.add_argument("-s", "--strategy", required=True, metavar="STRATEGY", help=_STRATEGY_HELP)
     p.add_argument("--nproc", type=int, metavar="N",
                    help="processes to start, one per device (default: the strategy file's, else 2)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
@@ -513,10 +515,18 @@ def _shipped_costs_arg(p: argparse.ArgumentParser) -> None:
                         "GPU kind and shipped with soapflow (presets only: a topology file never uses it)")
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+# What -s takes: `soapflow.api.resolve_strategy`'s references (README.md's STRATEGY says what each is).
+_STRATEGY_HELP = ("strategy file or baseline: dp, mp, tp, expert, fsdp, mp:chunks=K,microbatches=M, expert:chunks=K "
+                  "or hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]")
+
+
+def _model_args(p: argparse.ArgumentParser, *, strategy_file: bool = False) -> None:
+    """MODEL and --batch; `strategy_file`: the command takes strategy files, whose batch size is the default."""
     p.add_argument("model", metavar="MODEL",
                    help="zoo name, path/to/file.py:function or package.module:function")
-    p.add_argument("--batch", type=int, help="global batch size (default: the model's)")
+    p.add_argument("--batch", type=int,
+                   help="global batch size (default: the strategy file's, else the model's)" if strategy_file
+                   else "global batch size (default: the model's)")
 
 
 def _topology_arg(p: argparse.ArgumentParser) -> None:
@@ -530,7 +540,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse's own check would print the top-level usage, not the command's
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     warnings.showwarning = _show_warning
     try:
         _check_output_paths(args)
@@ -565,10 +577,23 @@ _OUTPUT_FLAGS = {"output": "-o/--output", "trace": "--trace", "plot": "--plot", 
 
 
 def _check_output_paths(args: argparse.Namespace) -> None:
+    from soap.files import unwritable_reason
+
     for dest, flag in _OUTPUT_FLAGS.items():
         path = getattr(args, dest, None)
-        if path is not None and os.path.isdir(path):
+        if path is None:
+            continue
+        if os.path.isdir(path):
             raise CommandError(f"{flag} {path!r} is a directory; give a file name")
+        reason = unwritable_reason(os.path.dirname(path) or ".")
+        if reason is not None:
+            raise CommandError(f"{flag} {path!r} cannot be written: {reason}")
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of `command` (a subcommand of `parser`)."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
 
 
 def _error(exc: BaseException) -> int:

@@ -52,10 +52,14 @@ def _load_function(ref: str) -> Callable:
     if not location or not func_name:
         raise ModelError(f"model {ref!r} is neither a zoo model ({', '.join(zoo.ZOO)}) "
                          f"nor of the form path/to/file.py:function or package.module:function")
+    if ":" in location:
+        raise ModelError(f"model {ref!r} has {ref.count(':')} colons; expected one, as in path/to/file.py:function "
+                         f"or package.module:function")
     if location.endswith(".py"):
         path = Path(location)
         if not path.is_file():
-            raise ModelError(f"model file {location!r} does not exist")
+            raise ModelError(f"model file {location!r} does not exist"
+                             + (": it is a directory" if path.is_dir() else ""))
         mod_name = f"soapflow_user_{path.stem}_{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(mod_name, path)
         assert spec is not None and spec.loader is not None

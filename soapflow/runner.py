@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint import check_resumable, checkpoint_step, latest_checkpoint, read_info
+from runtime.checkpoint import check_resumable, checkpoint_path, checkpoint_step, find_checkpoints, read_info
 from runtime.launch import (
     DEFAULT_TIMEOUT_S,
     LaunchError,
@@ -34,12 +34,13 @@ from runtime.launch import (
     torchrun_env,
 )
 from runtime.train import TrainOptions, Workload, train_rank
+from soap.files import unwritable_reason
 from soap.graph import OperatorGraph
 from soap.lowering import lower
 from soap.setup import TrainSetup
 from soap.strategy import Strategy, read_strategy_doc
 from soap.topology import load_topology
-from soapflow.api import capture_model, resolve_strategy
+from soapflow.api import capture_model, resolve_strategy, strategy_batch
 from soapflow.models import default_loss, load_model
 
 BACKENDS = ("gloo", "nccl")
@@ -93,14 +94,18 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     per kind, the count and bytes of the collectives its last step issued: `StepPlan.collectives`'
     shape), `verify` (against single-process training, `runtime.train.compare`: `passed`,
     `max_loss_rel_diff`, `max_param_rel_diff` (of each parameter's update), `max_param_abs_diff`, ...; None
-    unless `verify`), `checkpoint` (the newest checkpoint directory or None), and the resolved `nproc`,
-    `batch_size`, `steps`, `strategy`, `setup`. `nproc` defaults to the strategy file's device count, else 2.
+    unless `verify`), `checkpoint` (the checkpoint directory this run wrote last, or resumed from when it
+    ran no step; None without `checkpoint_dir`), and the resolved `nproc`, `batch_size`, `steps`, `strategy`,
+    `setup`. `nproc` defaults to the strategy file's device count, else 2; `batch` to the strategy file's
+    batch size, else the model's (`soapflow.api.strategy_batch`).
 
     `checkpoint_dir` receives a checkpoint (a directory; each rank writes the pieces it holds) every
     `checkpoint_every` steps and after the last; `resume` continues from its newest complete checkpoint
-    (saved under any strategy and process count; one saved for another model is refused). Every
-    process group has the timeout `timeout_s`. Bad input raises `ValueError` (one line); a rank that fails
-    or dies raises `LaunchError` (a RuntimeError, one line naming the rank and, when known, the op).
+    (saved under any strategy and process count; one saved for another model, optimizer or `seed` is refused,
+    and so is a directory that holds checkpoints none of which is complete; an empty one starts from step 0
+    with a warning). Every process group has the timeout `timeout_s`. Bad input raises `ValueError` (one
+    line); a rank that fails or dies raises `LaunchError` (a RuntimeError, one line naming the rank and, when
+    known, the op).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -110,12 +115,19 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
     if checkpoint_dir is not None and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
         raise ValueError(f"checkpoint directory {os.fspath(checkpoint_dir)!r} is not a directory")
+    if checkpoint_dir is not None and (reason := unwritable_reason(checkpoint_dir)) is not None:
+        raise ValueError(f"cannot write checkpoints in {os.fspath(checkpoint_dir)!r}: {reason}")
     setup = setup if setup is not None else TrainSetup()
     resume_from = None
     if resume:
-        found = latest_checkpoint(checkpoint_dir)
+        found, broken = find_checkpoints(checkpoint_dir)
+        if found is None and broken:
+            raise ValueError(f"cannot resume: {checkpoint_dir} holds no complete checkpoint ("
+                             + "; ".join(f"{path.name}: {problem}" for path, problem in broken) + ")")
+        for path, problem in broken:
+            warnings.warn(f"ignoring checkpoint {path.name}: {problem}", stacklevel=2)
         if found is None:
-            warnings.warn(f"no complete checkpoint in {checkpoint_dir}: starting from step 0", stacklevel=2)
+            warnings.warn(f"no checkpoint in {checkpoint_dir}: starting from step 0", stacklevel=2)
         elif checkpoint_step(found) > steps:
             raise ValueError(f"the newest checkpoint in {checkpoint_dir} is at step {checkpoint_step(found)}, "
                              f"past the {steps} steps asked for")
@@ -132,12 +144,12 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     if backend == "nccl" and env is None and world > torch.cuda.device_count():
         raise ValueError(f"backend nccl runs one process per GPU: {world} processes need {world} GPUs, this "
                          f"machine has {torch.cuda.device_count()}")
-    spec, graph = capture_model(model_ref, batch_size=batch)
+    spec, graph = capture_model(model_ref, batch_size=strategy_batch([strategy_ref], batch=batch))
     if resume_from is not None:
         check_resumable(resume_from, read_info(resume_from), graph=graph.name, fingerprint=graph.fingerprint,
-                        optimizer=setup.optimizer)
+                        optimizer=setup.optimizer, seed=seed)
     topology = load_topology(f"cpu-{world}")
-    strategy = resolve_strategy(strategy_ref, graph=graph, topology=topology, setup=setup)
+    strategy = resolve_strategy(strategy_ref, graph=graph, topology=topology, setup=setup, processes=True)
     kwargs = {"build": functools.partial(build_workload, model_ref, spec.batch_size),
               "graph": graph.to_dict(),
               "strategy": {name: cfg.to_dict() for name, cfg in strategy.items()},
@@ -156,7 +168,9 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
                                              world=world), rank=exc.rank, signal=exc.signal) from None
     first = results[0]
     per_rank = first["step_time_ms_per_rank"]
-    newest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    # every step run ends in a checkpoint after the last (`runtime.train.train_rank`)
+    newest = (checkpoint_path(checkpoint_dir, steps) if checkpoint_dir is not None and first["first_step"] < steps
+              else resume_from)
     return {
         "model": model_ref,
         "strategy": strategy_ref,

@@ -3,14 +3,17 @@ bad input."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from search.baselines import dp
+from search.baselines import BASELINES, dp
+from soap.files import write_json
 from soap.setup import TrainSetup
 from soap.strategy import save_strategy
 from soap.topology import load_topology
@@ -170,6 +173,7 @@ def _bad_strategy(tmp_path, text: str) -> str:
     (["capture", f"{USER_MODEL}:nope"], "has no function 'nope'"),
     (["capture", f"{USER_MODEL}:not_a_model"], "must return"),
     (["capture", "no.such.module:f"], "cannot import module"),
+    (["capture", f"{USER_MODEL}:build:extra"], "has 2 colons; expected one, as in path/to/file.py:function"),
     (["capture", "mlp", "--batch", "0"], "--batch must be positive"),
     (["topology", "p100-4"], "p100-4"),
     (["topology", "tpu-2x2"], "tpu-2x2"),
@@ -207,6 +211,8 @@ def test_bad_input_one_line(capsys, argv, message):
      "does not divide"),
     ('{"format": "soapflow.strategy/1", "ops": {"layers.0": {"degrees": {"sample": 2}, "devices": [0, 9]}}}',
      "not in the topology"),
+    ('{"format": "soapflow.strategy/1", "ops": {"layers.0": {"devices": [0, 1]}}}',
+     "op 'layers.0' lists 2 devices but no degrees"),
 ])
 def test_bad_strategy_file_one_line(capsys, tmp_path, text, message):
     code, _, err = run_cli(capsys, "simulate", "mlp", "-t", "cpu-2", "-s", _bad_strategy(tmp_path, text))
@@ -337,3 +343,84 @@ def test_a_failed_verify_fails_the_command(capsys):
     assert code == 1
     assert "verify against single-process training: FAILED" in out
     assert "--verify failed" in err
+
+
+def _strategy_file(tmp_path, *, batch: int) -> str:
+    """A data-parallel strategy file for the mlp at `batch` on cpu-2."""
+    _, graph = capture_model("mlp", batch_size=batch)
+    path = tmp_path / f"mlp-{batch}.json"
+    save_strategy(path, dp(graph, load_topology("cpu-2")), graph, topology="cpu-2", num_devices=2,
+                  setup=TrainSetup())
+    return str(path)
+
+
+def test_a_strategy_file_sets_the_batch_unless_batch_is_given_which_warns(capsys, tmp_path):
+    default = capture_model("mlp")[0].batch_size
+    made_for = default // 4
+    path = _strategy_file(tmp_path, batch=made_for)
+    code, out, err = run_cli(capsys, "simulate", "mlp", "-t", "cpu-2", "-s", path, "--json")
+    assert code == 0 and err == "" and json.loads(out)["batch_size"] == made_for
+    code, out, err = run_cli(capsys, "compare", "mlp", "-t", "cpu-2", "-s", path, "--json")
+    assert code == 0 and err == "" and json.loads(out)["batch_size"] == made_for
+    code, out, err = run_cli(capsys, "simulate", "mlp", "-t", "cpu-2", "-s", path, "--batch", str(default), "--json")
+    lines = err.strip().splitlines()
+    assert code == 0 and json.loads(out)["batch_size"] == default
+    assert len(lines) == 1 and lines[0].startswith("soapflow: warning:"), err
+    assert f"made for batch {made_for}, not {default}" in lines[0]
+    other = _strategy_file(tmp_path, batch=made_for * 2)
+    code, _, err = run_cli(capsys, "compare", "mlp", "-t", "cpu-2", "-s", path, "-s", other)
+    assert code == 1 and "different batch sizes" in err and "pass --batch" in err, err
+
+
+def test_run_takes_the_batch_of_the_strategy_file_and_counts_processes(capsys, tmp_path):
+    made_for = capture_model("mlp")[0].batch_size // 8
+    code, out, err = run_cli(capsys, "run", "mlp", "-s", _strategy_file(tmp_path, batch=made_for), "--nproc", "3",
+                             "--steps", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["batch_size"] == made_for
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "was made for 2 devices, this run has 3 processes" in lines[0], err
+
+
+def test_the_help_of_the_commands_that_take_strategies(capsys):
+    for command in ("simulate", "run"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(f" {name}," in text or f" {name} " in text for name in BASELINES), text
+        assert "hybrid:" in text and "(default: the strategy file's, else the model's)" in text
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_work(capsys, tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    target = blocker / "best.json"
+    code, _, err = run_cli(capsys, "optimize", "mlp", "-t", "cpu-2", "--budget", "1", "--proposals", "1",
+                           "-o", str(target))
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("soapflow: error: -o/--output"), err
+    assert f"{str(blocker)!r} is not a directory" in lines[0]
+
+
+def test_a_failed_write_names_the_file_asked_for(tmp_path, monkeypatch):
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", src)
+
+    monkeypatch.setattr(os, "replace", refuse)
+    target = tmp_path / "out.json"
+    with pytest.raises(PermissionError) as info:
+        write_json(target, {})
+    assert str(target) in str(info.value) and ".tmp" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+def test_model_file_that_is_a_directory_and_extra_arguments(capsys, tmp_path):
+    folder = tmp_path / "models.py"
+    folder.mkdir()
+    code, _, err = run_cli(capsys, "capture", f"{folder}:build")
+    assert code == 1 and f"model file {str(folder)!r} does not exist: it is a directory" in err, err
+    with pytest.raises(SystemExit) as info:
+        main(["capture", "mlp", "--json", "extra"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith("usage: soapflow capture") and "unrecognized arguments: extra" in err, err

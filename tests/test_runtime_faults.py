@@ -14,7 +14,9 @@ import functools
 import math
 import platform
 import random
+import shutil
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -282,9 +284,45 @@ def test_resume_without_a_checkpoint_warns_and_bad_options_are_value_errors(tmp_
     if not torch.cuda.is_available():  # on a GPU machine nccl runs (tests/test_device_runtime.py)
         with pytest.raises(ValueError, match="nccl computes on CUDA GPUs"):
             run(SMALL_MLP, "dp", backend="nccl")
-    with pytest.warns(UserWarning, match="no complete checkpoint"):
-        out = run(SMALL_MLP, "dp", nproc=1, steps=1, resume=True, checkpoint_dir=tmp_path)
-    assert out["first_step"] == 0 and out["checkpoint"] == str(checkpoint_path(tmp_path, 1))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"^cannot write checkpoints in '\S+/sub': '\S+/afile' is not a directory$"):
+        run(SMALL_MLP, "dp", checkpoint_dir=tmp_path / "afile" / "sub")
+    absent = tmp_path / "absent"
+    with pytest.warns(UserWarning, match="no checkpoint in"):
+        out = run(SMALL_MLP, "dp", nproc=1, steps=1, resume=True, checkpoint_dir=absent)
+    assert out["first_step"] == 0 and out["checkpoint"] == str(checkpoint_path(absent, 1))
+
+
+def test_resume_refuses_broken_checkpoints_only_and_another_seed(tmp_path):
+    """A directory whose checkpoints are all broken is an error naming each and what is wrong, not a
+    silent start from step 0; so is a checkpoint saved with another seed (another stream of batches)."""
+    full = torch.arange(15.0).reshape(5, 3)
+    (_save_full(tmp_path / "cut", 2, full) / "__0_0.distcp").write_bytes(b"short")
+    (_save_full(tmp_path / "bare", 2, full) / "manifest.json").unlink()
+    for name, problem in (("cut", r"__0_0\.distcp has 5 bytes"), ("bare", r"no manifest\.json")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the error says it all: no warning before it
+            with pytest.raises(ValueError, match=rf"^cannot resume: \S+{name} holds no complete checkpoint "
+                                                 rf"\(step-00000002: {problem}"):
+                run(SMALL_MLP, "dp", nproc=1, steps=3, resume=True, checkpoint_dir=tmp_path / name)
+    _, graph = capture_model(SMALL_MLP)
+    save_checkpoint(tmp_path / "seeded", {"param/w": torch.zeros(2)},
+                    _info(2, graph=graph.name, fingerprint=graph.fingerprint, seed=0))
+    with pytest.raises(ValueError, match="was saved by a run with seed 0, this run has seed 7"):
+        run(SMALL_MLP, "dp", nproc=1, steps=3, resume=True, checkpoint_dir=tmp_path / "seeded", seed=7)
+
+
+def test_a_broken_checkpoint_newer_than_the_one_resumed_warns_once(tmp_path):
+    common = dict(nproc=1, checkpoint_dir=tmp_path, num_threads=1, timeout_s=30)
+    run(SMALL_MLP, "dp", steps=1, **common)
+    broken = checkpoint_path(tmp_path, 4)
+    shutil.copytree(checkpoint_path(tmp_path, 1), broken)
+    (broken / "manifest.json").unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(SMALL_MLP, "dp", steps=2, resume=True, **common)
+    assert [str(w.message) for w in caught] == ["ignoring checkpoint step-00000004: no manifest.json"]
+    assert out["first_step"] == 1 and out["checkpoint"] == str(checkpoint_path(tmp_path, 2))
 
 
 @pytest.mark.slow
