@@ -641,3 +641,46 @@ def test_a_view_read_after_an_in_place_write_to_its_base_is_a_clear_error():
     x = torch.empty(2, 3, device="meta")
     with pytest.raises(ValueError, match="taken before an in-place"):
         capture(StaleView(), x, x)
+
+
+class BufferWrite(nn.Module):
+    """A hand-written running mean: a buffer written in forward, by an in-place op or an assignment."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.stats = nn.Module()
+        self.stats.register_buffer("ema", torch.zeros(6))
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc(x))
+        with torch.no_grad():
+            if self.how == "in-place":
+                self.stats.ema.mul_(0.9).add_(0.1 * h.mean(0))
+            elif self.how == "slice":
+                self.stats.ema[:2] = h.mean(0)[:2]
+            elif self.how == "assign":
+                self.stats.ema = 0.9 * self.stats.ema + 0.1 * h.mean(0)
+        return h - self.stats.ema
+
+
+@pytest.mark.parametrize("path", ["export", "fx"])
+def test_a_forward_writing_a_buffer_is_refused_but_batchnorm_statistics_are_kept(monkeypatch, path):
+    x, y = torch.empty(8, 4, device="meta"), torch.empty(8, 6, device="meta")
+    if path == "fx":
+        def fail(*args, **kwargs):
+            raise RuntimeError("export unavailable")
+
+        monkeypatch.setattr(capture_module, "_trace_export", fail)
+    # the fx tracer cannot trace an assignment of a traced value to a buffer: it fails as untraceable
+    for how in ("in-place", "slice") if path == "fx" else ("in-place", "slice", "assign"):
+        with pytest.raises(ValueError, match=r"writes its buffer 'stats\.ema' .*cannot carry buffer updates") as err:
+            capture(BufferWrite(how), x, y)
+        assert "\n" not in str(err.value)
+    graph = capture(BufferWrite("read only").train(), x, y)
+    assert graph["norm"].kind == "batchnorm"
+    assert (graph["norm"].attrs["running_mean"], graph["norm"].attrs["running_var"]) == (
+        "norm.running_mean", "norm.running_var")
+    capture(SmallCNN().train(), torch.empty(2, 3, 32, 32), torch.empty(2, dtype=torch.long))

@@ -17,6 +17,12 @@ being ``{"step": i}`` (the value of step i), ``{"buffer": fqn}`` (a buffer of th
 Not folded: random ops and uninitialized memory (``rand``, ``dropout``, ``empty``), values an in-place op
 mutates, and the ``*_like``/``new_*`` factories read only for their shape (they fold as ``full``).
 
+Buffer writes. The runtime installs a model's buffers once and never writes them back, so a forward that
+writes a buffer (``self.ema.mul_(0.9).add_(...)``, ``self.ema[:2] = ...``, ``self.ema = ...``) would train
+every step from the initial value: the builder refuses it (`ValueError` naming the buffer) unless the buffer
+is a running statistic of a ``batchnorm`` op (``running_mean``, ``running_var``, which the kind carries
+across steps) or its module's ``num_batches_tracked``. Tracing lists the writes (`_Traced.buffer_writes`).
+
 Hand-written RMS norms. ``weight * (x * rsqrt(mean(x^2, -1, keepdim) + eps))``, with ``to`` casts that
 keep the dtype around it (Hugging Face's ``LlamaRMSNorm``), becomes one ``rmsnorm`` op named after the
 module whose forward computes it, as long as no intermediate value is used elsewhere.
@@ -121,7 +127,27 @@ class _Builder:
         for call in calls:
             if call.node not in skipped:
                 self.emit(call)
+        self.refuse_buffer_writes()
         return self.ops
+
+    def refuse_buffer_writes(self) -> None:
+        """Refuse a forward that writes a buffer of the model other than the running statistics of a
+        ``batchnorm`` op (and its ``num_batches_tracked``): the runtime installs buffers once, so every step
+        would read the initial value where PyTorch reads the last step's."""
+        kept: set[str] = set()
+        for op in self.ops:
+            if op.kind == "batchnorm" and op.attrs.get("running_mean"):
+                module = op.attrs["running_mean"].rpartition(".")[0]
+                kept |= {op.attrs["running_mean"], op.attrs["running_var"],
+                         f"{module}.num_batches_tracked" if module else "num_batches_tracked"}
+        model_buffers = {name.removeprefix("model.") for name, _ in self.root.named_buffers(remove_duplicate=False)}
+        for fqn, how in self.traced.buffer_writes.items():
+            if fqn in model_buffers and fqn not in kept:
+                raise ValueError(
+                    f"the forward of {type(self.root.model).__name__} writes its buffer {fqn!r} ({how}), but "
+                    f"soapflow cannot carry buffer updates across steps (only BatchNorm running statistics), so "
+                    f"every step would start from the initial value: update {fqn!r} outside forward instead "
+                    f"(after each step, from the step's outputs)")
 
     # names and references
 

@@ -23,7 +23,9 @@ its out-of-place form and, where it wrote through a chain of ``slice``, ``select
 scatters the new values back into the viewed tensor (``slice_scatter``, ...); later readers of the written
 tensor read the new value. So capture sees values, never aliases. A write through any other view, or a
 view taken before the write and read after it, is refused with a clear error rather than captured wrong.
-``detach_`` (an annotation on lifted constants) stays as it is.
+``detach_`` (an annotation on lifted constants) stays as it is. The model's buffers the forward writes, in
+place or by assignment, are listed in `_Traced.buffer_writes` for the builder to refuse (or keep, for
+BatchNorm): the rewrite gives later readers the new value within the step only.
 
 Imports torch only; must not import the later capture stages (`grouping`, `mappers`, `builder`), the
 simulator, the search, the runtime or soapflow.
@@ -67,16 +69,36 @@ def _flat_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
+@dataclasses.dataclass(slots=True)
+class _BufferWrites:
+    """Buffers written while tracing, by state-dict name. Not a plain dict attribute of the wrapper:
+    torch.export puts back the module's dict and list attributes after tracing."""
+
+    by_name: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 class _WithLoss(nn.Module):
-    """`model` and its loss as one module, so that one trace holds the whole training step's forward."""
+    """`model` and its loss as one module, so that one trace holds the whole training step's forward.
+
+    `writes` collects the model's buffers the forward replaced or changed in place as it ran while tracing
+    (state-dict name -> how), which the traced graph cannot show: an assignment ``self.b = ...`` under
+    torch.export, an in-place op on a buffer that torch.fx ran eagerly rather than traced."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.writes = _BufferWrites()
 
     def forward(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.model(*inputs), target)
+        before = {name: (b, b._version) for name, b in self.model.named_buffers(remove_duplicate=False)}
+        output = self.model(*inputs)
+        for name, b in self.model.named_buffers(remove_duplicate=False):
+            if name not in before or before[name][0] is not b:
+                self.writes.by_name.setdefault(name, "an assignment")
+            elif b._version != before[name][1]:
+                self.writes.by_name.setdefault(name, "an in-place op")
+        return self.loss_fn(output, target)
 
 
 @contextlib.contextmanager
@@ -103,6 +125,8 @@ class _Traced:
     `params` and `buffers` map placeholders to the state-dict names in the captured module (the
     wrapper's ``model.`` prefix removed); `user_inputs` are the inputs then the target. `constants` holds
     the values of the lifted constant tensors among the buffers (export's ``lifted_tensor_0``, ...).
+    `buffer_writes` names the model's buffers the forward writes (state-dict name -> the op or how) and
+    that the rewrite of in-place writes turned into values read within the step only.
     """
 
     nodes: list[fx.Node]
@@ -110,6 +134,7 @@ class _Traced:
     params: dict[fx.Node, str]
     buffers: dict[fx.Node, str]
     constants: dict[fx.Node, torch.Tensor] = dataclasses.field(default_factory=dict)
+    buffer_writes: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _model_fqn(fqn: str) -> str:
@@ -121,7 +146,7 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
 
     program = torch.export.export(wrapper, (inputs, target), strict=False)
     _inline_wrappers(program.graph_module)
-    _functionalize(program.graph)
+    written = _functionalize(program.graph)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -139,7 +164,15 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(node)
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
-    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers, constants=constants)
+    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers, constants=constants,
+                   buffer_writes=_buffer_writes(wrapper, written, buffers))
+
+
+def _buffer_writes(wrapper: _WithLoss, written: dict[fx.Node, str], buffers: dict[fx.Node, str]) -> dict[str, str]:
+    """The model's buffers the traced forward writes: those `_functionalize` rewrote writes to, then those
+    the wrapper saw change while the forward ran."""
+    writes = {buffers[n]: op for n, op in written.items() if n in buffers}
+    return writes | {_model_fqn(k): v for k, v in wrapper.writes.by_name.items() if _model_fqn(k) not in writes}
 
 
 def _wrapped(node: fx.Node) -> tuple[bool, fx.Node, tuple] | None:
@@ -253,8 +286,10 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     return value, anchor
 
 
-def _functionalize(graph: fx.Graph) -> None:
-    """Rewrite every in-place write of `graph` out of place (the module docstring's rules), in place."""
+def _functionalize(graph: fx.Graph) -> dict[fx.Node, str]:
+    """Rewrite every in-place write of `graph` out of place (the module docstring's rules), in place;
+    returns the placeholders written (through views or directly), each with the first op writing it."""
+    written_inputs: dict[fx.Node, str] = {}
     for node in list(graph.nodes):
         if not _writes_first_argument(node) or node.target is torch.ops.aten.detach_.default:
             continue
@@ -290,8 +325,11 @@ def _functionalize(graph: fx.Graph) -> None:
             for user in list(written.users):
                 if user in later:
                     user.replace_input_with(written, new)
+        if written.op == "placeholder":
+            written_inputs.setdefault(written, str(node.target.overloadpacket))
         node.replace_all_uses_with(value)
         graph.erase_node(node)
+    return written_inputs
 
 
 class _LeafTracer(fx.Tracer):
@@ -356,9 +394,10 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
             env[node] = _inline(out, _call_method(node.target), args, kwargs, stack)
         else:
             env[node] = _inline(out, node.target, args, kwargs, stack)
-    _functionalize(out)
+    written = _functionalize(out)
     nodes = [n for n in out.nodes if n.op == "call_function"]
-    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers)
+    return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers,
+                   buffer_writes=_buffer_writes(wrapper, written, buffers))
 
 
 def _get_attr(root: nn.Module, target: str) -> torch.Tensor:
@@ -395,10 +434,13 @@ def _inline(out: fx.Graph, fn: Callable, args: tuple, kwargs: dict, stack: dict)
         return fn(*a, **k)
 
     values = [flat[i].meta["val"] for i in slots]
+    versions = [v._version for v in values]
     fake_mode = torch._guards.detect_fake_mode(values)
     with fake_mode or contextlib.nullcontext():
         eager = call(*values)
-    if not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(eager)):
+    # a call returning no tensor still counts where it wrote one of its arguments (``x[:, :8] = 0``)
+    if (not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(eager))
+            and all(v._version == n for v, n in zip(values, versions, strict=True))):
         return eager
     sub = make_fx(call, pre_dispatch=True)(*values)
     _inline_wrappers(sub)
