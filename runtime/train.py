@@ -56,6 +56,7 @@ from runtime.checkpoint import (
     saved_tensors,
 )
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices, pieces_needed
+from runtime.kernels import dropout_keep
 from runtime.launch import rank_device
 from runtime.materialize import MaterializeError, install_buffers, record, replay
 from soap.config import ParallelConfig
@@ -585,14 +586,62 @@ def _batchnorm_module(graph: OperatorGraph, name: str) -> str:
     return op.module
 
 
+class _RuntimeDropout:
+    """One forward of the reference in which `torch.nn.functional.dropout` (what `nn.Dropout` and Hugging
+    Face models call) draws the runtime's masks, so that the reference trains on the masks the ``dropout``
+    ops draw. The forward's n-th call (from 0, whatever its p and training flag: capture numbers the ops so,
+    the op's ``seed``) keeps `runtime.kernels.dropout_keep` of the whole tensor with seed n and `step`,
+    scaled by 1/(1-p); with p = 0 or outside training it is the identity. A dropout of a parameter is no
+    ``dropout`` op (capture leaves it opaque): it keeps torch's. On leaving, the original is back; where
+    some mask mattered (a call of this forward drew one, or `masked`: a graph ``dropout`` op has p > 0), a
+    count of calls other than `num_ops` (the graph's ``dropout`` ops) is a `ValueError`: the masks could not
+    be matched, and comparing would report a false mismatch."""
+
+    def __init__(self, *, num_ops: int, masked: bool, step: int) -> None:
+        self.num_ops = num_ops
+        self.masked = masked
+        self.step = step
+        self.calls = 0
+
+    def __enter__(self) -> None:
+        self.original = torch.nn.functional.dropout
+        torch.nn.functional.dropout = self.dropout
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        torch.nn.functional.dropout = self.original
+        if exc_type is None and self.masked and self.calls != self.num_ops:
+            raise ValueError(
+                f"verification cannot reproduce the dropout masks: the reference's forward called "
+                f"torch.nn.functional.dropout {self.calls} times where the graph has {self.num_ops} dropout "
+                f"ops (a dropout called another way, or one capture left opaque); verify with dropout p=0")
+
+    def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True,
+                inplace: bool = False) -> torch.Tensor:
+        if isinstance(input, nn.Parameter):
+            return self.original(input, p, training, inplace)
+        seed = self.calls
+        self.calls += 1
+        if not training or p == 0.0:
+            return input
+        self.masked = True
+        if p >= 1.0:
+            out = input * 0.0
+        else:
+            keep = dropout_keep(tuple((0, n) for n in input.shape), tuple(input.shape), p=p, seed=seed,
+                                step=self.step, device=input.device)
+            out = input * keep.to(input.dtype) / (1.0 - p)
+        return input.copy_(out) if inplace else out
+
+
 def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
                     strategy: Mapping[str, Mapping[str, Any]], options: TrainOptions,
                     device: torch.device | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Single-process training of `build()`'s module on the same batches (under mixed precision with
     torch.autocast to the compute dtype, and fp16's loss scaling) on `device` (the CPU when None; the
-    verifying rank's GPU on GPUs, so that both sides run the same kernels); returns the losses, the final
-    parameters and the initial ones (by fully qualified name, on the CPU)."""
+    verifying rank's GPU on GPUs, so that both sides run the same kernels), its dropouts drawing the
+    runtime's masks (`_RuntimeDropout`); returns the losses, the final parameters and the initial ones (by
+    fully qualified name, on the CPU)."""
     dtype = TORCH_DTYPES[options.dtype]
     device = device if device is not None else torch.device("cpu")
     torch.manual_seed(options.seed)
@@ -612,10 +661,13 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
     losses = []
     scaler = loss_scaler(options.setup, across_ranks=False)
     compute = options.setup.compute_dtype
+    dropouts = [op for op in graph if op.kind == "dropout"]
+    masked = any(op.attrs.get("p") for op in dropouts)
     for step in range(options.steps):
         batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype,
                                 device=device)
-        with torch.autocast(device.type, dtype=TORCH_DTYPES[compute], enabled=compute != "float32"):
+        with (_RuntimeDropout(num_ops=len(dropouts), masked=masked, step=step),
+              torch.autocast(device.type, dtype=TORCH_DTYPES[compute], enabled=compute != "float32")):
             loss = workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).to(dtype)
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)

@@ -1,11 +1,27 @@
 """What `run --verify` compares (`runtime.train.compare`): a zero-gradient parameter is not a failure, a
-real error still is."""
+real error still is; dropout draws the runtime's masks in the reference, so a dropout model verifies."""
 
 from __future__ import annotations
 
-import torch
+import functools
+from pathlib import Path
 
-from runtime.train import VERIFY_TOLERANCES, compare
+import pytest
+import runtime_cases as rc
+import torch
+from torch import nn
+
+from runtime.kernels import compute_chunk
+from runtime.launch import launch
+from runtime.train import VERIFY_TOLERANCES, TrainOptions, _RuntimeDropout, compare
+from search.baselines import parse_baseline, split
+from soap.config import ParallelConfig
+from soap.graph import OperatorGraph
+from soap.registry import dims_of
+from soap.setup import TrainSetup
+from soap.topology import load_topology
+from soapflow.api import capture_model
+from soapflow.runner import build_workload
 
 
 def _params(**values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -59,3 +75,93 @@ def test_float64_runs_are_held_to_float64_tolerances():
     run = _params(w=ref["w"] + 1e-9)  # fine in float32, far too much in float64
     assert compare([1.0], run, [1.0], ref, init, dtype="float32")["passed"]
     assert not compare([1.0], run, [1.0], ref, init, dtype="float64")["passed"]
+
+
+DROPOUT_MLP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def model(batch_size=8):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 16), nn.ReLU(),
+                           nn.Dropout(0.3), nn.Linear(16, 4))
+    return module, (torch.randn(batch_size, 6), torch.randint(0, 4, (batch_size,))), F.cross_entropy
+'''
+
+
+def _dropout_mlp(tmp_path: Path) -> str:
+    path = tmp_path / "dropout_mlp.py"
+    path.write_text(DROPOUT_MLP)
+    return f"{path}:model"
+
+
+def _split(graph: OperatorGraph, dims: dict[str, str]) -> dict[str, dict]:
+    """Each op split over devices 0 and 1 along the first of its dims `dims` names by kind; others on 0."""
+    configs = {}
+    for op in graph:
+        names = {d.name: d for d in dims_of(op)}
+        wanted = dims.get(op.kind)
+        cfg = split(op, names.get(wanted), (0, 1)) if wanted in names else ParallelConfig.single(0)
+        configs[op.name] = (cfg or ParallelConfig.single(0)).to_dict()
+    return configs
+
+
+def test_the_runtime_draws_the_references_dropout_masks_on_every_split(tmp_path):
+    """The reference's dropouts (`runtime.train._RuntimeDropout`) equal the runtime's kernel run part by
+    part: the two dropout ops of an MLP, each split in two along each axis, give the reference's outputs."""
+    original = torch.nn.functional.dropout
+    spec, graph = capture_model(_dropout_mlp(tmp_path), batch_size=8)
+    module = spec.module.train()
+    drops = [op for op in graph if op.kind == "dropout"]
+    assert [op.attrs["seed"] for op in drops] == [0, 1] and all(op.attrs["p"] == 0.3 for op in drops)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+             for m in module if isinstance(m, nn.Dropout)]
+    step = 3
+    with torch.no_grad(), _RuntimeDropout(num_ops=len(drops), masked=True, step=step):
+        module(spec.inputs[0])
+    for h in hooks:
+        h.remove()
+    assert torch.nn.functional.dropout is original
+    assert len(seen) == len(drops)
+    for op, (x, ref) in zip(drops, seen, strict=True):
+        assert 0 < int((ref == 0).sum()) < ref.numel()  # a real mask: some dropped, some kept
+        rows, cols = x.shape
+        for box in (((0, rows // 2), (0, cols)), ((rows // 2, rows), (0, cols)),
+                    ((0, rows), (0, cols // 2)), ((0, rows), (cols // 2, cols))):
+            part = x[tuple(slice(lo, hi) for lo, hi in box)]
+            (out,), _ = compute_chunk(op, box, [part], {}, step=step)
+            assert torch.equal(out, ref[tuple(slice(lo, hi) for lo, hi in box)]), (op.name, box)
+    # a forward whose dropout calls are not the graph's dropout ops cannot be matched: a clear error ...
+    with pytest.raises(ValueError, match="cannot reproduce the dropout masks.* 2 times where the graph has 1"):
+        with torch.no_grad(), _RuntimeDropout(num_ops=1, masked=True, step=step):
+            module(spec.inputs[0])
+    assert torch.nn.functional.dropout is original
+    # ... unless no mask matters: in eval mode every dropout is the identity, whatever the count
+    with torch.no_grad():
+        plain = module.eval()(spec.inputs[0])
+        with _RuntimeDropout(num_ops=0, masked=False, step=step):
+            assert torch.equal(module(spec.inputs[0]), plain)
+
+
+def test_verification_passes_with_dropout_under_dp_and_a_split(tmp_path):
+    """One launch, two processes: the dropout MLP under dp (samples split) and under a split of the features
+    (linears by output features, activations and dropouts by their second axis) verifies against one
+    process."""
+    ref = _dropout_mlp(tmp_path)
+    spec, graph = capture_model(ref, batch_size=8)
+    build = functools.partial(build_workload, ref, spec.batch_size)
+    options = TrainOptions(steps=2, setup=TrainSetup(lr=0.05), verify=True)
+    cases = [{"label": label, "kind": "train", "build": build, "graph": graph.to_dict(), "strategy": strategy,
+              "options": options}
+             for label, strategy in (
+                 ("dp", {name: cfg.to_dict() for name, cfg in parse_baseline("dp")(
+                     graph, load_topology("cpu-2")).items()}),
+                 ("split", _split(graph, {"linear": "out_features", "elementwise": "d1", "dropout": "d1"})))]
+    split_graph = OperatorGraph.from_dict(cases[1]["graph"])
+    assert all(cases[1]["strategy"][op.name]["degrees"] == {"d1": 2} for op in split_graph if op.kind == "dropout")
+    results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=60, wall_timeout_s=300, num_threads=1)
+    for r in results[0]:
+        assert r["verify"]["passed"], (r["label"], r["verify"])
