@@ -66,6 +66,11 @@ kind (``peak_tflops`` per dtype; the other dtypes keep the datasheet value); a d
 the table must give all three. ``bidirectional`` (default true) makes the entry two links, forward first.
 ``spec`` (optional) names the physical link; when it is a known spec (``nvlink2``, ``ib-edr``, ...)
 ``bandwidth_gbps`` and ``latency_us`` default to its figures. Other top-level keys are ignored.
+Figures must be physical (`FILE_BOUNDS`): ``bandwidth_gbps`` and ``memory_bandwidth_gbps`` in [1e-6, 1e9]
+GB/s, ``peak_tflops`` in [1e-6, 1e9] TFLOP/s, ``latency_us`` in [0, 1e9] us, all finite (no NaN, no
+infinity). The bounds are many orders of magnitude beyond any real or calibrated machine (a link of 1 kB/s,
+a device of 1 MFLOP/s, a hop of a quarter of an hour) and well inside what the simulator's integer
+nanoseconds hold: a file outside them is a typo or a unit mistake, refused naming the field and its entry.
 A file says how many NICs a node has by its links, nothing else: one NIC per GPU is the links
 ``gpuK <-> nodeN.nicI`` and ``nodeN.nicI <-> net`` per GPU, as the presets write them; one ``nodeN.nic``
 with a single link to ``net`` (what soapflow wrote for a100/h100/h200 presets before they had rails: an
@@ -107,6 +112,12 @@ LINK_KINDS = ("nvlink", "nvswitch", "pcie", "nic", "network", "loopback")
 HALF_DUPLEX_KINDS = frozenset({"loopback"})
 _GB = 1e9  # bytes
 _TERA = 1e12
+# (lowest, highest) value a topology file may give for each figure, in the figure's unit (the module
+# docstring says why these)
+FILE_BOUNDS: Mapping[str, tuple[float, float]] = MappingProxyType({
+    "bandwidth_gbps": (1e-6, 1e9), "memory_bandwidth_gbps": (1e-6, 1e9), "peak_tflops": (1e-6, 1e9),
+    "latency_us": (0.0, 1e9)})
+_UNITS = {"bandwidth_gbps": "GB/s", "memory_bandwidth_gbps": "GB/s", "peak_tflops": "TFLOP/s", "latency_us": "us"}
 
 
 class TopologyError(ValueError):
@@ -578,6 +589,16 @@ def _number(value: Any, what: str, *, positive: bool = True) -> float:
     return float(value)
 
 
+def _figure(value: Any, what: str, field: str) -> float:
+    """A number of the file within `FILE_BOUNDS[field]`; `what` names the field and its entry."""
+    low, high = FILE_BOUNDS[field]
+    number = _number(value, what, positive=low > 0)
+    if not low <= number <= high:
+        raise ValueError(f"{what} must be a physical figure, in [{low:g}, {high:g}] {_UNITS[field]}, "
+                         f"got {number:g}")
+    return number
+
+
 def _integer(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
@@ -622,9 +643,10 @@ def _device_from_dict(entry: dict[str, Any], where: str) -> Device:
             if dtype not in DTYPES:
                 raise ValueError(f"{where}: peak_tflops has unknown dtype {dtype!r}; "
                                  f"known: {', '.join(DTYPES)}")
-            peak_flops[dtype] = _number(value, f"{where}: peak_tflops[{dtype!r}]") * _TERA
+            peak_flops[dtype] = _figure(value, f"{where}: peak_tflops[{dtype!r}]", "peak_tflops") * _TERA
     if "memory_bandwidth_gbps" in entry:
-        memory_bandwidth_gbps = _number(entry["memory_bandwidth_gbps"], f"{where}: memory_bandwidth_gbps")
+        memory_bandwidth_gbps = _figure(entry["memory_bandwidth_gbps"], f"{where}: memory_bandwidth_gbps",
+                                        "memory_bandwidth_gbps")
     if "memory_gb" in entry:
         memory_bytes = round(_number(entry["memory_gb"], f"{where}: memory_gb") * _GB)
     return Device(id=i, kind=kind, node=node, peak_flops=peak_flops,
@@ -659,7 +681,7 @@ def _links_from_dict(entry: dict[str, Any], where: str, next_id: int) -> list[Li
     figures = {}
     for key in ("bandwidth_gbps", "latency_us"):
         if key in entry:
-            figures[key] = _number(entry[key], f"{where}: {key}", positive=key == "bandwidth_gbps")
+            figures[key] = _figure(entry[key], f"{where}: {key}", key)
         elif spec in LINK_SPECS:
             figures[key] = getattr(LINK_SPECS[spec], key)
         else:
@@ -835,7 +857,8 @@ def load_topology(spec: str | os.PathLike) -> DeviceTopology:
 
 
 def read_topology(path: str | os.PathLike) -> DeviceTopology:
-    """Read a topology JSON file (named by its `name`, or the file's stem when it has none)."""
+    """Read a topology JSON file (named by its `name`, or the file's stem when it has none); figures outside
+    `FILE_BOUNDS` (the module docstring) are refused."""
     source = f"topology file {os.fspath(path)!r}"
     doc = read_json(path, source, TopologyError)
     if isinstance(doc, dict) and "name" not in doc:

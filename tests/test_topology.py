@@ -20,13 +20,16 @@ from soap.config import ParallelConfig
 from soap.devices import DEVICE_SPECS, LINK_SPECS
 from soap.strategy import Strategy
 from soap.topology import (
+    FILE_BOUNDS,
     FORMAT,
+    PRESET_KINDS,
     Device,
     DeviceTopology,
     Link,
     TopologyError,
     build_preset,
     load_topology,
+    read_topology,
     save_topology,
 )
 
@@ -356,6 +359,62 @@ def test_bad_files_raise_one_line(tmp_path, doc, message):
         load_topology(_file(tmp_path, doc))
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("topology file ")
+
+
+GPU_PAIR = {"src": "gpu0", "dst": "gpu1", "kind": "nvlink"}
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    (_doc(links=[{**GPU_PAIR, "bandwidth_gbps": 1e-150, "latency_us": 3}]),
+     r"link entry 0 \(gpu0 -> gpu1\): bandwidth_gbps must be a physical figure, in \[1e-06, 1e\+09\] GB/s, "
+     r"got 1e-150"),
+    (_doc(links=[{**GPU_PAIR, "bandwidth_gbps": 1e-7, "latency_us": 3}]), r"bandwidth_gbps .* got 1e-07"),
+    (_doc(links=[{**GPU_PAIR, "bandwidth_gbps": 1e12, "latency_us": 3}]), r"bandwidth_gbps .* got 1e\+12"),
+    (_doc(links=[{**GPU_PAIR, "spec": "nvlink1", "latency_us": 1e300}]),
+     r"link entry 0 \(gpu0 -> gpu1\): latency_us must be a physical figure, in \[0, 1e\+09\] us, got 1e\+300"),
+    ('{"format": "soapflow.topology/1", "name": "t", "devices": [{"id": 0, "kind": "cpu", "node": 0}, '
+     '{"id": 1, "kind": "cpu", "node": 0}], "links": [{"src": "cpu0", "dst": "cpu1", "kind": "loopback", '
+     '"bandwidth_gbps": NaN, "latency_us": 3}]}', r"link entry 0 \(cpu0 -> cpu1\): bandwidth_gbps .* got nan"),
+    ('{"format": "soapflow.topology/1", "name": "t", "devices": [{"id": 0, "kind": "cpu", "node": 0}, '
+     '{"id": 1, "kind": "cpu", "node": 0}], "links": [{"src": "cpu0", "dst": "cpu1", "kind": "loopback", '
+     '"bandwidth_gbps": 5, "latency_us": Infinity}]}', r"latency_us .* got inf"),
+    (_doc(devices=[{"id": 0, **P100, "peak_tflops": {"float32": 1e-9}}, {"id": 1, **P100}]),
+     r"device 0: peak_tflops\['float32'\] must be a physical figure, in \[1e-06, 1e\+09\] TFLOP/s"),
+    (_doc(devices=[{"id": 0, **P100}, {"id": 1, **P100, "peak_tflops": {"float16": 1e300}}]),
+     r"device 1: peak_tflops\['float16'\] .* got 1e\+300"),
+    (_doc(devices=[{"id": 0, **P100, "memory_bandwidth_gbps": 1e-30}, {"id": 1, **P100}]),
+     r"device 0: memory_bandwidth_gbps must be a physical figure, in \[1e-06, 1e\+09\] GB/s"),
+    (_doc(devices=[{"id": 0, **P100, "memory_bandwidth_gbps": 1e10}, {"id": 1, **P100}]),
+     r"device 0: memory_bandwidth_gbps .* got 1e\+10"),
+])
+def test_non_physical_figures_are_refused_naming_field_and_entry(tmp_path, doc, message):
+    """Figures no machine has (a link of 1e-150 GB/s, a hop of 1e300 us: the simulator's integer
+    nanoseconds overflow and it reports a plausible wrong time) are a one-line error, as are NaN and
+    infinity; the bounds (`FILE_BOUNDS`) themselves load."""
+    with pytest.raises(TopologyError, match=message) as err:
+        load_topology(_file(tmp_path, doc))
+    assert "\n" not in str(err.value)
+
+
+def test_every_preset_and_the_calibrated_profiles_load_within_the_bounds(tmp_path):
+    (low_bw, high_bw), (_, high_latency) = FILE_BOUNDS["bandwidth_gbps"], FILE_BOUNDS["latency_us"]
+    low_peak, high_peak = FILE_BOUNDS["peak_tflops"]
+    edges = _doc(devices=[{"id": 0, **P100, "peak_tflops": {"float32": low_peak}, "memory_bandwidth_gbps": low_bw},
+                          {"id": 1, **P100, "peak_tflops": {"float32": high_peak},
+                           "memory_bandwidth_gbps": high_bw}],
+                 links=[{**GPU_PAIR, "bandwidth_gbps": low_bw, "latency_us": high_latency, "bidirectional": False},
+                        {"src": "gpu1", "dst": "gpu0", "kind": "nvlink", "bandwidth_gbps": high_bw, "latency_us": 0,
+                         "bidirectional": False}])
+    assert load_topology(_file(tmp_path, edges)).link(0).bandwidth_gbps == low_bw
+    for kind in PRESET_KINDS:
+        name = "cpu-4" if kind == "cpu" else f"{kind}-2x4"
+        topo = load_topology(name)
+        assert DeviceTopology.from_dict(json.loads(json.dumps(topo.to_dict()))) == topo, name
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    profiles = [p for p in sorted(results.glob("*.json")) if '"soapflow.topology/1"' in p.read_text()]
+    assert profiles
+    for path in profiles:
+        assert read_topology(path).num_devices >= 1, path
 
 
 @pytest.mark.parametrize(("name", "message"), [
