@@ -19,7 +19,7 @@ import torch
 
 from soap.capture import capture
 from soapflow import zoo
-from soapflow.models import default_loss, load_model
+from soapflow.models import load_model
 from soapflow.tables import frame, markdown_table
 
 RESULTS = Path(__file__).parent / "results"
@@ -31,7 +31,7 @@ def time_capture(name: str, batch: int, repeats: int) -> dict:
     for _ in range(repeats):
         spec = load_model(name, batch)  # building the module is not part of capture
         start = time.perf_counter()
-        graph = capture(spec.module, spec.inputs, spec.target, spec.loss_fn or default_loss,
+        graph = capture(spec.module, spec.inputs, spec.target, spec.loss_fn,
                         name=name, batch_size=batch)
         times.append(time.perf_counter() - start)
     module_params = sum(p.numel() for p in spec.module.parameters())

@@ -19,7 +19,7 @@ from soap.graph import OperatorGraph
 from soap.setup import TrainSetup
 from soap.strategy import Strategy, StrategyError, read_strategy_doc, strategy_from_dict, validate_strategy
 from soap.topology import DeviceTopology, load_topology
-from soapflow.models import ModelError, ModelSpec, default_loss, load_model
+from soapflow.models import ModelError, ModelSpec, load_model
 
 __all__ = [
     "BASELINES", "BaselineNotApplicable", "ModelSpec", "TrainSetup", "capture_model", "load_model",
@@ -30,7 +30,7 @@ __all__ = [
 def capture_model(ref: str, *, batch_size: int | None = None) -> tuple[ModelSpec, OperatorGraph]:
     """Build the model `ref` and capture its operator graph (loss included) at the global batch."""
     spec = load_model(ref, batch_size)
-    graph = capture(spec.module, spec.inputs, spec.target, spec.loss_fn or default_loss,
+    graph = capture(spec.module, spec.inputs, spec.target, spec.loss_fn,
                     name=spec.name, batch_size=spec.batch_size)
     loss = graph.ops[-1].output
     if loss.numel != 1:

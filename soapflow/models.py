@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from soap.capture import default_loss as default_loss  # re-exported: the loss of a model given none
 from soapflow import zoo
 
 
@@ -38,13 +39,6 @@ class ModelSpec:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None
     batch_size: int
     reference: str
-
-
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross entropy for integer targets (over the last axis of the output), mean squared error otherwise."""
-    if target.dtype in (torch.int64, torch.int32):
-        return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-    return torch.nn.functional.mse_loss(output, target)
 
 
 def _load_function(ref: str) -> Callable:

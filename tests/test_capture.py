@@ -684,3 +684,34 @@ def test_a_forward_writing_a_buffer_is_refused_but_batchnorm_statistics_are_kept
     assert (graph["norm"].attrs["running_mean"], graph["norm"].attrs["running_var"]) == (
         "norm.running_mean", "norm.running_var")
     capture(SmallCNN().train(), torch.empty(2, 3, 32, 32), torch.empty(2, dtype=torch.long))
+
+
+class _DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"logits": self.fc(x)}
+
+
+class _BranchOnValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if h.sum() > 0:
+            return h
+        return -h
+
+
+def test_unusable_models_are_refused_saying_what_to_do():
+    x, target = torch.empty(4, 8, device="meta"), torch.empty(4, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="returns a dict, not a tensor, and no loss was given") as info:
+        capture(_DictOut(), x, target)
+    assert "torch.fx" not in str(info.value)  # the cause, not the two tracers' symptoms
+    capture(_DictOut(), x, target, lambda out, t: F.cross_entropy(out["logits"], t))  # with a loss it captures
+    with pytest.raises(ValueError, match="branches on a tensor's value.*torch.where"):
+        capture(_BranchOnValue(), torch.randn(4, 8), torch.zeros(4, dtype=torch.long))

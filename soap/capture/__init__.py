@@ -34,16 +34,18 @@ from soap.capture.fused import split_fused_linears
 from soap.capture.nodes import _dtype_name
 from soap.capture.tracing import (
     LEAF_MODULES,
+    ModelOutputError,
     _default_loss,
     _quiet,
     _trace_export,
     _trace_fx,
     _WithLoss,
+    default_loss,
 )
 from soap.capture.tracing import _is_leaf as _is_leaf  # re-exported: tests list leaf modules with it
 from soap.graph import OperatorGraph
 
-__all__ = ["LEAF_MODULES", "capture"]
+__all__ = ["LEAF_MODULES", "ModelOutputError", "capture", "default_loss"]
 
 
 def capture(module: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor,
@@ -82,6 +84,8 @@ def capture(module: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], 
     with _quiet(), torch.enable_grad():
         try:
             traced = _trace_export(wrapper, fake_inputs, fake_target)
+        except ModelOutputError as error:
+            raise ValueError(f"cannot capture {type(module).__name__}: {error}") from None
         except Exception as export_error:
             try:
                 traced = _trace_fx(wrapper, fake_inputs, fake_target, fake_mode)
@@ -89,7 +93,7 @@ def capture(module: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], 
                 raise ValueError(
                     f"cannot capture {type(module).__name__}: torch.export failed "
                     f"({type(export_error).__name__}: {_first_line(export_error)}) and torch.fx failed "
-                    f"({type(fx_error).__name__}: {_first_line(fx_error)})") from fx_error
+                    f"({type(fx_error).__name__}: {_first_line(fx_error)}){_hint(export_error)}") from fx_error
         ops = split_fused_linears(_Builder(traced, wrapper).build())
     return OperatorGraph(ops, name=name, batch_size=batch_size)
 
@@ -98,6 +102,14 @@ def _describe(value: Any) -> str:
     if isinstance(value, tuple | list):
         return f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
     return type(value).__name__
+
+
+def _hint(error: Exception) -> str:
+    """What to do about a trace that failed with `error`, where the cause is a known one."""
+    if "data-dependent" in str(error) or "DataDependent" in type(error).__name__ + str(error)[:200]:
+        return ("; the forward branches on a tensor's value (a Python if or loop on a tensor), which one "
+                "graph cannot hold: write the branch with torch.where (or torch.cond)")
+    return ""
 
 
 def _first_line(error: Exception) -> str:

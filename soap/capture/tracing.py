@@ -58,11 +58,30 @@ LEAF_MODULES: tuple[type[nn.Module], ...] = (
 _MODEL = "model"
 
 
+class ModelOutputError(ValueError):
+    """The model's output is not what the default loss takes (a tensor): the model needs a loss of its own."""
+
+
+def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The loss of a model given none: mean squared error for float targets, cross entropy over the last
+    axis of the output otherwise. An output that is not a tensor (a dict, a tuple) raises
+    `ModelOutputError`."""
+    return _default_loss(target)(output, target)
+
+
 def _default_loss(target: torch.Tensor) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-    """Mean squared error for float targets; cross entropy over the last axis of the output otherwise."""
-    if target.is_floating_point():
-        return F.mse_loss
-    return F.cross_entropy if target.dim() == 1 else _flat_cross_entropy
+    """`default_loss` for targets like `target`, chosen before tracing (a traced target is a proxy)."""
+    fn = F.mse_loss if target.is_floating_point() else F.cross_entropy if target.dim() == 1 else _flat_cross_entropy
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor | fx.Proxy):  # (a proxy: the output while torch.fx traces)
+            raise ModelOutputError(
+                f"the model returns a {type(output).__name__}, not a tensor, and no loss was given: return a "
+                f"loss function that takes the model's output and the target as well (the model function's "
+                f"third value)")
+        return fn(output, target)
+
+    return loss
 
 
 def _flat_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
