@@ -281,7 +281,10 @@ def _rmsnorm(op, box, inputs, params, ctx):
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
     y = x * torch.rsqrt(x.pow(2).mean(axes, keepdim=True) + eps)
     weight = params.get("weight")
-    return (y if weight is None else weight * y,)
+    offset = float(op.attrs.get("offset") or 0.0)
+    if weight is None:
+        return (y,)
+    return (weight * y,) if not offset else (y * (offset + weight),)
 
 
 def _embedding(op, box, inputs, params, ctx):

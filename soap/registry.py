@@ -387,9 +387,9 @@ class LayerNorm(_AxisOp):
 
 
 class RMSNorm(_AxisOp):
-    """y = x / sqrt(mean(x^2 over the normalized axes) + `eps`) * weight (F.rms_norm, and the hand-written
-    Llama pattern capture fuses); attrs `normalized_shape`, `eps` (None: the dtype's machine epsilon, as
-    torch); weight optional.
+    """y = x / sqrt(mean(x^2 over the normalized axes) + `eps`) * (`offset` + weight) (F.rms_norm, and the
+    hand-written Llama and Gemma patterns capture fuses); attrs `normalized_shape`, `eps` (None: the dtype's
+    machine epsilon, as torch), `offset` (0 when absent; Gemma's 1); weight optional.
 
     dims: leading axes `sample`, `d1`.. splittable; the normalized (trailing) axes not splittable.
     """
@@ -746,7 +746,7 @@ class Elementwise(_AxisOp):
     kind = "elementwise"
     # the scalar forms of the arithmetic ops (x + 2.0) are elementwise; their tensor forms are binary
     captured_from = ("relu", "gelu", "tanh", "sigmoid", "silu", "neg", "exp", "rsqrt", "clone", "alias",
-                     "contiguous", "to", "_to_copy", "add", "sub", "mul", "div", "rsub", "pow")
+                     "contiguous", "to", "_to_copy", "type_as", "add", "sub", "mul", "div", "rsub", "pow")
     kernel = "elementwise"
 
     def output_is_view(self, op: Operator) -> bool:

@@ -15,6 +15,7 @@ import json
 import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ import hf_models  # noqa: E402
 import runtime_cases as rc  # noqa: E402
 import torch  # noqa: E402
 
+from runtime.kernels import KERNELS  # noqa: E402
 from runtime.launch import launch  # noqa: E402
 from runtime.materialize import record, replay  # noqa: E402
 from runtime.train import TrainOptions, Workload, train_rank  # noqa: E402
@@ -44,11 +46,6 @@ CORPUS = tuple(hf_models.MODELS)
 """Every model of tests/hf_models.py: the corpus the capture and optimize-verify tests cover."""
 
 OPAQUE_ALLOWANCE: dict[str, dict[str, str]] = {
-    "gemma": {
-        "*layernorm.to_1": "Gemma's RMSNorm scales by `1 + weight.float()`: the cast of the weight (a no-op in "
-                           "float32) is an opaque op holding the weight, so the norm weight stays replicated",
-        "model.model.norm.to_1": "the final Gemma RMSNorm, as above",
-    },
     "vit": {
         "model.vit.embeddings.expand": "the CLS token parameter broadcast over the batch (`cls_token.expand`): "
                                        "an expand of a parameter, kept whole and replicated (64 values)",
@@ -82,6 +79,27 @@ def hf_build(name: str, batch: int = 4) -> Workload:
 @functools.cache
 def hf_graph(name: str) -> OperatorGraph:
     return rc.capture_workload(functools.partial(hf_build, name))
+
+
+def test_gemma_captures_its_offset_rmsnorm_as_one_op():
+    """Gemma's RMSNorm scales by ``1 + weight.float()``: one `rmsnorm` op with `offset` 1 per norm, its weight
+    a parameter of the op (so it splits with the batch), nothing opaque; the kernel computes what the module
+    does."""
+    graph = hf_graph("gemma")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    norms = [op for op in graph if op.kind == "rmsnorm"]
+    layer = ["input_layernorm", "post_attention_layernorm"]
+    assert [op.name.rpartition(".")[2] for op in norms] == layer * 2 + ["norm"]
+    assert all(op.attrs["offset"] == 1.0 and op.params["weight"].fqn.endswith("weight") for op in norms)
+    module = hf_build("gemma").module.model.model.norm
+    torch.manual_seed(1)
+    with torch.no_grad():
+        module.weight.normal_()
+    x = torch.randn(2, 3, module.weight.shape[0])
+    op = norms[-1]
+    ctx = types.SimpleNamespace(training=True, step=0)
+    (out,) = KERNELS["rmsnorm"](op, None, (x,), {"weight": module.weight}, ctx)
+    torch.testing.assert_close(out, module(x), rtol=0, atol=1e-6)
 
 
 def test_gpt2_captures_conv1d_as_linear_and_attention_as_one_op():

@@ -25,7 +25,9 @@ across steps) or its module's ``num_batches_tracked``. Tracing lists the writes 
 
 Hand-written RMS norms. ``weight * (x * rsqrt(mean(x^2, -1, keepdim) + eps))``, with ``to`` casts that
 keep the dtype around it (Hugging Face's ``LlamaRMSNorm``), becomes one ``rmsnorm`` op named after the
-module whose forward computes it, as long as no intermediate value is used elsewhere.
+module whose forward computes it, as long as no intermediate value is used elsewhere; so does
+``(x * rsqrt(...)) * (c + weight)`` (Gemma's, weight stored as an offset from c = 1), with the attr
+``offset`` c.
 
 Opaque ops. An aten op no kind fits is an ``opaque`` op that runs whole on one device. Its attrs say
 what to call: ``target`` is a dotted name resolvable from the top-level package by attribute access
@@ -278,10 +280,11 @@ class _Builder:
         for call in calls:
             found = _rms_norm_pattern(self, call.node)
             if found is not None:
-                x, weight, eps, interior = found
+                x, weight, eps, offset, interior = found
                 self.fused_norms[call.node] = _Draft(
                     kind="rmsnorm", inputs=[x], params={"weight": weight},
-                    attrs={"normalized_shape": [int(_shape(x)[-1])], "eps": eps})
+                    attrs={"normalized_shape": [int(_shape(x)[-1])], "eps": eps,
+                           **({"offset": offset} if offset else {})})
                 skipped |= interior
                 if call.scope and call.module is None:
                     call.module = call.scope  # named after the norm's module, as a leaf module would be
@@ -476,16 +479,43 @@ def _same_dtype_cast(node: Any) -> fx.Node | None:
     return x if isinstance(x, fx.Node) and x.meta["val"].dtype == node.meta["val"].dtype else None
 
 
-def _rms_norm_pattern(b: _Builder, anchor: fx.Node) -> tuple[fx.Node, fx.Node, float, set[fx.Node]] | None:
-    """(input, weight, eps, interior nodes) where `anchor` is ``weight * rms_normalized(x)`` (the module
-    docstring's pattern), else None."""
+def _offset_weight(b: _Builder, node: Any) -> tuple[fx.Node, float, set[fx.Node]] | None:
+    """(weight, c, interior nodes) where `node` is ``c + weight`` (either order; the weight perhaps under
+    a cast that keeps its dtype and is used only here); None otherwise."""
+    if not isinstance(node, fx.Node) or _aten_name(node) != "add" or len(node.args) != 2 or node.kwargs:
+        return None
+    w, c = node.args if isinstance(node.args[0], fx.Node) else node.args[::-1]
+    if not isinstance(w, fx.Node) or isinstance(c, bool) or not isinstance(c, float | int):
+        return None
+    interior = {node}
+    cast = _same_dtype_cast(w)
+    if cast is not None:
+        if not _single_use(w, node):
+            return None
+        interior.add(w)
+        w = cast
+    return (w, float(c), interior) if b.is_param(w) else None
+
+
+def _rms_norm_pattern(b: _Builder, anchor: fx.Node) -> tuple[fx.Node, fx.Node, float, float, set[fx.Node]] | None:
+    """(input, weight, eps, offset, interior nodes) where `anchor` is ``weight * rms_normalized(x)`` or
+    ``(offset + weight) * rms_normalized(x)`` (the module docstring's patterns), else None."""
     if _aten_name(anchor) != "mul" or len(anchor.args) != 2:
         return None
     a0, a1 = anchor.args
-    weight, t = (a0, a1) if b.is_param(a0) else (a1, a0)
+    offset, interior = 0.0, set()
+    if b.is_param(a0) or b.is_param(a1):
+        weight, t = (a0, a1) if b.is_param(a0) else (a1, a0)
+    else:
+        for side, other in ((a0, a1), (a1, a0)):
+            found = _offset_weight(b, side)
+            if found is not None and _single_use(side, anchor):
+                (weight, offset, interior), t = found, other
+                break
+        else:
+            return None
     if not b.is_param(weight) or not _single_use(t, anchor):
         return None
-    interior = set()
     u = _same_dtype_cast(t)
     if u is not None:
         interior.add(t)
@@ -523,4 +553,4 @@ def _rms_norm_pattern(b: _Builder, anchor: fx.Node) -> tuple[fx.Node, fx.Node, f
     if (_shape(weight) != _shape(x)[-1:] or not b.is_act(x) or x.meta["val"].dtype != anchor.meta["val"].dtype
             or not x.meta["val"].is_floating_point()):
         return None
-    return x, weight, float(eps), interior
+    return x, weight, float(eps), offset, interior

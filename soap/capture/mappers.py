@@ -329,10 +329,10 @@ def _arith(b: _Context, fn: str, x: Any, y: Any) -> _Draft | None:
     return None
 
 
-@_maps("to", "_to_copy")
+@_maps("to", "_to_copy", "type_as")
 def _to(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
-    """A copy or conversion that keeps the dtype and the layout: an identity. A cast to another dtype stays
-    opaque (it runs whole, and carries no FLOPs)."""
+    """A copy or conversion that keeps the dtype and the layout (``type_as`` a tensor of the same dtype
+    included): an identity. A cast to another dtype stays opaque (it runs whole, and carries no FLOPs)."""
     x, val = a["self"], call.node.meta.get("val")
     if (not b.is_act(x) or not isinstance(val, torch.Tensor) or val.dtype != x.meta["val"].dtype
             or a.get("memory_format") not in _PLAIN_FORMATS or a.get("layout") not in (None, torch.strided)):
