@@ -261,7 +261,7 @@ class Linear(OpDef):
     """
 
     kind = "linear"
-    captured_from = ("linear", "addmm")
+    captured_from = ("linear", "addmm", "matmul", "mm")  # matmul, mm: x @ w.T of a parameter w
     kernel = "linear"
     flops_counted = True
 

@@ -715,3 +715,29 @@ def test_unusable_models_are_refused_saying_what_to_do():
     capture(_DictOut(), x, target, lambda out, t: F.cross_entropy(out["logits"], t))  # with a loss it captures
     with pytest.raises(ValueError, match="branches on a tensor's value.*torch.where"):
         capture(_BranchOnValue(), torch.randn(4, 8), torch.zeros(4, dtype=torch.long))
+
+
+class _TransposedWeights(nn.Module):
+    """Linears written as ``x @ w.T`` (Falcon's), ``x @ w.t()`` and ``x @ w.transpose(0, 1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(12, 8))
+        self.w2 = nn.Parameter(torch.randn(12, 12))
+        self.w3 = nn.Parameter(torch.randn(4, 12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x @ self.w1.T)
+        h = torch.relu(h @ self.w2.t())
+        return h @ self.w3.transpose(0, 1)
+
+
+def test_a_product_with_a_transposed_parameter_is_a_linear():
+    graph = capture(_TransposedWeights(), torch.empty(4, 3, 8, device="meta"),
+                    torch.empty(4, 3, dtype=torch.long, device="meta"))
+    linears = [op for op in graph if op.kind == "linear"]
+    assert [op.params["weight"].fqn for op in linears] == ["w1", "w2", "w3"]
+    assert all(not op.attrs.get("transposed") for op in linears)
+    assert not [op.name for op in graph if op.kind in ("opaque", "transpose", "matmul")]
+    assert [op.outputs[0].shape for op in linears] == [(4, 3, 12), (4, 3, 12), (4, 3, 4)]
+    assert all(op.bwd_flops == 2 * op.fwd_flops for op in linears[1:])  # the input's and the weight's gradients

@@ -63,7 +63,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from soap.capture.grouping import _Call, _group
-from soap.capture.mappers import _MAPPERS, _Draft
+from soap.capture.mappers import _MAPPERS, _Draft, transposed_weight
 from soap.capture.nodes import (
     _aten_name,
     _bind,
@@ -125,7 +125,7 @@ class _Builder:
             self.no_grad.add(self.ops[-1].name)
         calls = _group(self.traced, self.root)
         self.calls = {call.node: call for call in calls}
-        skipped = self.fuse_losses(calls) | self.fuse_rms_norms(calls)
+        skipped = self.fuse_losses(calls) | self.fuse_rms_norms(calls) | self.fuse_transposed_weights(calls)
         for call in calls:
             if call.node not in skipped:
                 self.emit(call)
@@ -288,6 +288,18 @@ class _Builder:
                 skipped |= interior
                 if call.scope and call.module is None:
                     call.module = call.scope  # named after the norm's module, as a leaf module would be
+        return skipped
+
+    def fuse_transposed_weights(self, calls: list[_Call]) -> set[fx.Node]:
+        """``x @ w.T`` of a 2-D parameter w (Falcon's linears): the transpose makes no op, its matmul maps
+        to a ``linear`` holding w (`mappers.transposed_weight`)."""
+        skipped: set[fx.Node] = set()
+        for call in calls:
+            node = call.node
+            if _aten_name(node) in ("matmul", "mm") and len(node.args) == 2 and self.is_act(node.args[0]) \
+                    and len(_shape(node.args[0])) >= 2 and transposed_weight(self, node.args[1]) is not None \
+                    and _single_use(node.args[1], node):
+                skipped.add(node.args[1])
         return skipped
 
     def fuse_losses(self, calls: list[_Call]) -> set[fx.Node]:

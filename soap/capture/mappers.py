@@ -512,10 +512,29 @@ def _matmul_draft(operands: list[Any], *, c: Any = None, alpha: Any = 1, beta: A
     return _Draft(kind="matmul", inputs=inputs, attrs=attrs)
 
 
+def transposed_weight(b: _Context, node: Any) -> fx.Node | None:
+    """The 2-D parameter `node` transposes (``w.T``, ``w.t()``, ``w.transpose(0, 1)``, ``w.permute(1, 0)``),
+    None where it is not such a transpose."""
+    if not isinstance(node, fx.Node) or not node.args:
+        return None
+    w, name = node.args[0], _aten_name(node)
+    if not b.is_param(w) or len(_shape(w)) != 2:
+        return None
+    if name in ("numpy_T", "t") or (name == "transpose" and sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]) \
+            or (name == "permute" and [int(d) % 2 for d in node.args[1]] == [1, 0]):
+        return w
+    return None
+
+
 @_maps("matmul", "bmm", "mm")
 def _matmul(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """A product of two activations; ``x @ w.T`` of a parameter w (Falcon's linears) is a ``linear`` (the
+    builder makes no op of the transpose, `_Builder.fuse_transposed_weights`)."""
     x = a["self"]
     y = a.get("other", a.get("mat2"))
+    w = transposed_weight(b, y)
+    if w is not None and b.is_act(x) and len(_shape(x)) >= 2 and len(y.users) == 1:
+        return _Draft(kind="linear", inputs=[x], params={"weight": w})
     if not (b.is_act(x) and b.is_act(y)):
         return None
     return _matmul_draft([x, y])
