@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -741,3 +742,34 @@ def test_a_product_with_a_transposed_parameter_is_a_linear():
     assert not [op.name for op in graph if op.kind in ("opaque", "transpose", "matmul")]
     assert [op.outputs[0].shape for op in linears] == [(4, 3, 12), (4, 3, 12), (4, 3, 4)]
     assert all(op.bwd_flops == 2 * op.fwd_flops for op in linears[1:])  # the input's and the weight's gradients
+
+
+class _MultiQuery(nn.Module):
+    """Multi-query attention as Falcon writes it: one k and v head broadcast over the query heads by SDPA
+    itself (no enable_gqa), with an explicit mask."""
+
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, d // heads
+        self.q, self.kv = nn.Linear(d, d), nn.Linear(d, 2 * self.head_dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q = self.q(x).view(n, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(n, t, 1, 2 * self.head_dim).transpose(1, 2).split(self.head_dim, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(n, t, d)
+
+
+def test_one_key_value_head_broadcast_by_sdpa_is_an_attention():
+    from runtime.kernels import KERNELS
+
+    module, x = _MultiQuery(), torch.randn(2, 5, 16)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    graph = capture(module, (x, mask), torch.randn(2, 5, 16))
+    (op,) = [op for op in graph if op.kind == "attention"]
+    assert not [o.name for o in graph if o.kind == "opaque"]
+    q = torch.randn(2, 4, 5, 4)
+    k, v = torch.randn(2, 1, 5, 4), torch.randn(2, 1, 5, 4)
+    box = tuple((0, n) for n in op.outputs[0].shape)
+    (out,) = KERNELS["attention"](op, box, (q, k, v, mask), {}, types.SimpleNamespace(training=True, step=0))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

@@ -616,8 +616,9 @@ def _attention(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     (n, hq, tq, _), (nk, hkv, tk, _), (nv, hv, tv, _) = _shape(q), _shape(k), _shape(v)
     if not n == nk == nv or hkv != hv or tk != tv:
         return None
-    # grouped-query attention: k and v have fewer heads, each shared by hq / hkv query heads
-    if hkv != hq and not (a["enable_gqa"] and hq % hkv == 0):
+    # grouped-query attention: k and v have fewer heads, each shared by hq / hkv query heads; one head
+    # (multi-query attention, Falcon's) broadcasts over the query heads even without enable_gqa
+    if hkv != hq and not (a["enable_gqa"] and hq % hkv == 0) and hkv != 1:
         return None
     inputs = [q, k, v]
     if mask is not None:
