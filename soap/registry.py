@@ -965,7 +965,7 @@ class Slice(OpDef):
     """
 
     kind = "slice"
-    captured_from = ("select", "slice")
+    captured_from = ("select", "slice", "index")
     kernel = "slice"
 
     def output_is_view(self, op: Operator) -> bool:

@@ -773,3 +773,23 @@ def test_one_key_value_head_broadcast_by_sdpa_is_an_attention():
     box = tuple((0, n) for n in op.outputs[0].shape)
     (out,) = KERNELS["attention"](op, box, (q, k, v, mask), {}, types.SimpleNamespace(training=True, step=0))
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+class _ConstantIndex(nn.Module):
+    """Indexing by constant integer tensors: one element kept as an axis (Falcon's ``qkv[..., [-2], :]``),
+    one element dropping the axis, and two elements that are not consecutive."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x[:, :, torch.tensor([-2])]  # [N, T, 1, D]
+        b = x[:, :, torch.tensor(1)]  # [N, T, D]
+        c = x[:, :, torch.tensor([0, 2])]  # [N, T, 2, D]
+        return a.sum(2) + b + c.sum(2)
+
+
+def test_a_constant_index_of_consecutive_elements_is_a_slice():
+    x = torch.randn(2, 3, 4, 5)
+    graph = capture(_ConstantIndex(), x, torch.randn(2, 3, 5))
+    slices = [op for op in graph if op.kind == "slice"]
+    assert [(op.attrs["start"], op.attrs["stop"], op.attrs["squeeze"]) for op in slices] == [(2, 3, False),
+                                                                                          (1, 2, True)]
+    assert len([op for op in graph if op.kind == "opaque"]) == 1  # [0, 2] picks two apart: left opaque

@@ -443,6 +443,28 @@ def _select(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                   attrs={"axis": axis, "start": index, "stop": index + 1, "step": 1, "squeeze": True})
 
 
+@_maps("index")
+def _index(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """``x[..., idx, ...]`` with one index tensor, a constant of consecutive increasing integers (Falcon's
+    ``qkv[..., [-2], :]``): a slice of that axis (squeezed for a 0-dim index), so it splits like any other."""
+    x, indices = a["self"], a["indices"]
+    given = [i for i, t in enumerate(indices) if t is not None]
+    if not b.is_act(x) or len(given) != 1:
+        return None
+    source = indices[given[0]]
+    while isinstance(source, fx.Node) and _aten_name(source) in ("lift_fresh_copy", "detach", "detach_", "clone"):
+        source = source.args[0]  # (how a constant tensor made in forward reaches its use)
+    value = b.traced.constants.get(source) if isinstance(source, fx.Node) else None
+    if value is None or value.dtype not in (torch.int64, torch.int32) or value.dim() > 1 or value.numel() < 1:
+        return None
+    axis, size = given[0], _shape(x)[given[0]]
+    picked = [int(v) + size if int(v) < 0 else int(v) for v in value.reshape(-1)]
+    if not all(0 <= v < size for v in picked) or picked != list(range(picked[0], picked[0] + len(picked))):
+        return None
+    return _Draft(kind="slice", inputs=[x], attrs={"axis": axis, "start": picked[0], "stop": picked[-1] + 1,
+                                                   "step": 1, "squeeze": value.dim() == 0})
+
+
 @_maps("slice")
 def _slice(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["self"]
