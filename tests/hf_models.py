@@ -2,13 +2,13 @@
 
 GPT-2, Llama (grouped-query attention, RMSNorm, rotary embeddings) and BERT (masked LM), and the wider
 corpus of GPT-NeoX (Pythia), OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART (encoder-decoder), ViT
-(image classification) and Mixtral (mixture of experts), from tiny configs with random initialization:
-nothing is downloaded. Each function takes the global batch and returns
+(image classification), Mixtral (mixture of experts) and Falcon (multi-query attention), from tiny configs
+with random initialization: nothing is downloaded. Each function takes the global batch and returns
 `(module, (inputs, target), loss_fn)`: the module maps token ids `[N, T]` to logits `[N, T, vocab]`, the
 target is `[N, T]` token ids, the loss cross entropy over all positions (ViT maps images `[N, 3, 32, 32]` to
-class logits `[N, 10]` against labels `[N]`). Attention uses PyTorch's fused
-kernel (`attn_implementation="sdpa"`) and every dropout is 0, as soapflow captures attention only without
-dropout. Needs the optional extra `hf` (`pip install 'soapflow[hf]'`).
+class logits `[N, 10]` against labels `[N]`). Attention uses PyTorch's fused kernel
+(`attn_implementation="sdpa"`) and every dropout is 0, as soapflow captures attention only without dropout.
+Needs the optional extra `hf` (`pip install 'soapflow[hf]'`).
 """
 
 from __future__ import annotations
@@ -149,6 +149,16 @@ def gemma(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     return _example(_causal_lm(config), batch_size, seq)
 
 
+def falcon(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Falcon: 2 layers, width 64, 4 query heads over 1 kv head (multi-query attention, broadcast by SDPA),
+    linears written ``x @ w.T``, k and v indexed out of the fused projection."""
+    from transformers import FalconConfig
+
+    config = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=1,
+                          max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
 def mixtral(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     """Mixtral: 2 layers, width 64, 4 query heads over 2 kv heads, 4 experts routed top-2."""
     from transformers import MixtralConfig
@@ -208,4 +218,4 @@ def vit(batch_size: int = 4, *, image: int = 32) -> tuple:
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
           "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
-          "vit": vit, "mixtral": mixtral}
+          "vit": vit, "mixtral": mixtral, "falcon": falcon}
