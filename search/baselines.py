@@ -12,7 +12,8 @@ divide, or the kind cannot split that way) the op falls back to the next prefere
 one device". A baseline refuses the graph (`BaselineNotApplicable`, the message says why) where it would
 not be what its name says: `dp` and `fsdp` where the batch does not divide over the devices (data
 parallelism is then not defined), `tp` and `expert` where every op would fall back to one device (the
-single-device layout under their name; `tp` where only the batch splits is dp, and runs), and
+single-device layout under their name; `tp` where only the batch splits is dp, and runs), `hybrid` where
+that is so within its tensor-parallel group, and
 ``mp:microbatches=M`` where M does not divide the batch (as `hybrid`).
 
 Must not import torch or the runtime.
@@ -473,7 +474,9 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
                 raise BaselineNotApplicable(
                     f"hybrid: the batch ({sample.size}) does not divide over the {groups} data-parallel "
                     f"groups" + (f" x {microbatches} micro-batches" if microbatches > 1 else ""))
-    inner = _tensor_parallel(graph, tuple(range(tp_size)))
+    inner = _several_devices(_tensor_parallel(graph, tuple(range(tp_size))), tp_size,
+                             f"hybrid: tp={tp_size} needs weights, attention heads or the batch to split over a "
+                             f"group of {tp_size} devices")
     shared = graph.shared_params()
     stage_of = pipeline_stages(graph, pp) if pp > 1 else [0] * len(graph.ops)
     configs = {}

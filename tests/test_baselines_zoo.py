@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from search.baselines import BASELINES, BaselineNotApplicable, expert, fsdp, tp
+from search.baselines import BASELINES, BaselineNotApplicable, expert, fsdp, parse_baseline, tp
 from soap.setup import TrainSetup
 from soap.strategy import load_strategy, save_strategy, validate_strategy
 from soap.topology import load_topology
@@ -57,8 +57,11 @@ def test_tp_and_expert_refuse_to_run_every_op_on_one_device_of_several():
         tp(graph, topo)
     with pytest.raises(BaselineNotApplicable, match="^expert needs .* over the 3 devices"):
         expert(graph, topo)
+    with pytest.raises(BaselineNotApplicable, match="^hybrid: tp=3 needs .* over a group of 3 devices"):
+        parse_baseline("hybrid:tp=3")(graph, topo)
     divisible = capture_model("mlp", batch_size=3 * 16)[1]
     assert tp(divisible, topo).devices_used() == set(range(topo.num_devices))
+    assert parse_baseline("hybrid:tp=3")(divisible, topo).devices_used() == set(range(topo.num_devices))
     assert len(expert(capture_model("rnnlm", batch_size=16)[1], topo).devices_used()) > 1
 
 
