@@ -690,8 +690,16 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
 # about 2^-8 (bfloat16) or 2^-11 (float16) relative per op. The tolerances allow a few percent of a
 # parameter's update and of the loss, far below what a wrong gradient or a missed exchange does (a whole
 # update, or a loss off by the model's output scale).
+# AdamW in float32 ("float32/adamw") divides each gradient element by its own running RMS, so an element
+# whose gradient is rounding noise (that attention key bias; any sum that cancels) moves by up to about
+# the learning rate per step in a direction the summation order decides, on either side: no floor tells
+# it from an error. Measured at 3 steps, lr 0.01, over dp and tp of the mlp, a small GPT-2, a hand-written
+# GPT and the corpus' GPT-2, Llama and BERT: up to 3.1e-2 of an update (1.9e-4 to 3.1e-2), the losses
+# within 2e-7. Parameters are checked at the bfloat16 row's 1e-1 there, the losses as strictly as in
+# float32; `--dtype float64` checks AdamW tightly.
 VERIFY_TOLERANCES: Mapping[str, Mapping[str, float]] = {
     "float32": {"loss_rtol": 1e-5, "rtol": 1e-4, "atol": 1e-6},
+    "float32/adamw": {"loss_rtol": 1e-5, "rtol": 1e-1, "atol": 1e-6},
     "float64": {"loss_rtol": 1e-10, "rtol": 1e-9, "atol": 1e-12},
     "bfloat16": {"loss_rtol": 2e-2, "rtol": 1e-1, "atol": 1e-4},
     "float16": {"loss_rtol": 5e-3, "rtol": 5e-2, "atol": 1e-5},
@@ -699,8 +707,10 @@ VERIFY_TOLERANCES: Mapping[str, Mapping[str, float]] = {
 
 
 def verify_dtype(options: TrainOptions) -> str:
-    """The `VERIFY_TOLERANCES` row of a run: its compute dtype under mixed precision, else its dtype."""
-    return options.setup.compute_dtype if options.setup.precision != "fp32" else options.dtype
+    """The `VERIFY_TOLERANCES` row of a run: its compute dtype under mixed precision, else its dtype
+    (float32 under AdamW: "float32/adamw")."""
+    dtype = options.setup.compute_dtype if options.setup.precision != "fp32" else options.dtype
+    return "float32/adamw" if dtype == "float32" and options.setup.optimizer == "adamw" else dtype
 
 
 def _max_abs(t: torch.Tensor) -> float:
@@ -744,6 +754,7 @@ def compare(losses: Sequence[float], params: Mapping[str, torch.Tensor], ref_los
         "max_param_abs_diff": max(abs_diffs.values()) if abs_diffs else 0.0,
         "worst_param": worst,
         "tolerance": dict(tol),
+        "tolerance_row": dtype,
         "reference_losses": list(ref_losses),
         "params_not_held": not_held,
         "nan_params": nan,

@@ -165,3 +165,28 @@ def test_verification_passes_with_dropout_under_dp_and_a_split(tmp_path):
     results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=60, wall_timeout_s=300, num_threads=1)
     for r in results[0]:
         assert r["verify"]["passed"], (r["label"], r["verify"])
+
+
+def test_adamw_in_float32_is_checked_at_its_own_tolerance_and_still_catches_errors():
+    """AdamW turns the rounding noise of a zero gradient into a step of about the learning rate: in
+    float32 its parameters are checked at the "float32/adamw" row (losses as strictly as float32), in
+    float64 and under mixed precision at the dtype's row; a parameter off by a whole update still fails."""
+    from runtime.train import verify_dtype
+
+    def row(**setup) -> str:
+        dtype = setup.pop("dtype", "float32")
+        return verify_dtype(TrainOptions(steps=1, dtype=dtype, setup=TrainSetup(**setup)))
+
+    assert row(optimizer="adamw") == "float32/adamw"
+    assert row() == "float32" and row(optimizer="adamw", dtype="float64") == "float64"
+    assert row(optimizer="adamw", precision="bf16") == "bfloat16"
+    adamw, plain = VERIFY_TOLERANCES["float32/adamw"], VERIFY_TOLERANCES["float32"]
+    assert adamw["loss_rtol"] == plain["loss_rtol"] and adamw["rtol"] > plain["rtol"]
+    init = _params(w=torch.ones(4, 4), key_bias=torch.zeros(4))
+    ref = _params(w=init["w"] - 0.03, key_bias=torch.full((4,), 0.03))
+    noisy = _params(w=ref["w"], key_bias=torch.full((4,), 0.0309))  # the noise step measured on a small GPT
+    assert compare([1.0], noisy, [1.0], ref, init, dtype="float32/adamw")["passed"]
+    assert not compare([1.0], noisy, [1.0], ref, init, dtype="float32")["passed"]
+    wrong = _params(w=init["w"], key_bias=ref["key_bias"])  # w never updated
+    v = compare([1.0], wrong, [1.0], ref, init, dtype="float32/adamw")
+    assert not v["passed"] and v["tolerance_row"] == "float32/adamw"
