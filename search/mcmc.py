@@ -566,8 +566,8 @@ def _replica_phase(graph: OperatorGraph, topology: DeviceTopology, *, evaluators
     """The replica phase of a search (module docstring) with what is left of its budgets `budget_s` and
     `max_proposals`: a search of one replica per device with `REPLICA_PHASE_SHARE` of them (`simulated`:
     the search's references simulated in full so far, not simulated again); None where
-    there is none (one device, too little budget left, a factory that refuses such replicas on `topology`)
-    or it found nothing that fits."""
+    there is none (one device, too little budget left, a factory that refuses such replicas on `topology`,
+    an op that cannot be laid out as them) or it found nothing that fits."""
     n = topology.num_devices
     share_s = None if budget_s is None else REPLICA_PHASE_SHARE * budget_s
     share = None if max_proposals is None else int(REPLICA_PHASE_SHARE * max_proposals)
@@ -582,6 +582,8 @@ def _replica_phase(graph: OperatorGraph, topology: DeviceTopology, *, evaluators
                       jobs=jobs, beta_scale=beta_scale, random_chains=random_chains, replicas=n, progress=progress,
                       simulated=simulated)
     except NoFeasibleStrategy:
+        return None
+    except ValueError:  # an op that cannot be laid out as one replica per device (`ConfigSpace`): no phase
         return None
 
 

@@ -65,7 +65,7 @@ on m devices (replica 0) with the op's first sample dim split R times more (it m
 split dims and divide), the device sets replica 0's (contiguous or node-aligned within one replica)
 repeated in every replica, the shards those whose every chunk all-reduce has a device in replica 0;
 micro-batches and chunks where the result is still replicas. Every op that computes needs a sample dim
-(`ValueError` otherwise).
+that splits R ways (`ValueError` otherwise, naming the op: a position table of batch 1, say).
 
 Ops alike (same kind, attributes, tensors, parameters: the copies of a repeated block) share their
 degree options, shard options and weights, found once (`ConfigSpace._kind`), and the answers of
@@ -169,6 +169,16 @@ class ConfigSpace:
         # On one device an op's only choice is whether it recomputes.
         self.ops: tuple[str, ...] = tuple(op.name for op in graph if not op_def(op.kind).everywhere
                                           and (self.num_devices > 1 or len(self.recompute_options(op.name)) > 1))
+        if replicas is not None:
+            stuck = next((name for name in self.ops if not self.degree_options(name)), None)
+            if stuck is not None:
+                op = self.graph[stuck]
+                size = next(d.size for d in dims_of(op) if d.name == sample_dim(op))
+                why = (f"its sample dim, of size {size}, does not divide into {replicas.count}" if size % replicas.count
+                       else "an opaque op runs whole on one device" if op.kind == "opaque"
+                       else f"{op.kind} does not split its sample dim {replicas.count} ways")
+                raise ValueError(f"no replicas of {graph.name or 'the model'}: op {stuck!r} ({op.kind}) cannot be "
+                                 f"laid out as {replicas.count} replicas ({why})")
 
     # -- enumeration ---------------------------------------------------------------------------------
 

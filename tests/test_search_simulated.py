@@ -222,3 +222,17 @@ def test_a_search_of_replicas_refuses_a_topology_whose_replicas_share_links(tmp_
     with pytest.raises(ValueError, match="no search of 2 replicas of 2 devices on two-hubs: .*share a link"):
         search(GRAPHS["mlp"](), two_hubs_topology(tmp_path), evaluators=SimulatorEvaluators(), replicas=2,
                max_proposals=20)
+
+
+def test_no_replica_phase_where_an_op_cannot_be_laid_out_as_replicas():
+    """An op whose sample dim does not split into one replica per device (here the batch of 2 over 4 devices;
+    in Hugging Face models a position table of batch 1, or an opaque op): the phase is skipped, and the
+    search goes on over every strategy instead of failing."""
+    from soapflow.api import capture_model
+
+    graph, topo = capture_model("mlp", batch_size=2)[1], load_topology("cpu-4")
+    with pytest.raises(ValueError, match="cannot be laid out as 4 replicas"):
+        search(graph, topo, evaluators=SimulatorEvaluators(), max_proposals=10, seed=0, replicas=4)
+    assert mcmc._replica_phase(graph, topo, evaluators=SimulatorEvaluators(), budget_s=None, max_proposals=20,
+                               seed=0, jobs=1, beta_scale=mcmc.DEFAULT_BETA_SCALE, random_chains=1, progress=None,
+                               simulated=()) is None

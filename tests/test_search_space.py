@@ -598,6 +598,15 @@ def test_a_space_of_replicas_needs_a_sample_dim_everywhere_and_replicas_that_mak
     graph, topo = rc.graph_of("mlp"), load_topology("p100-2x2")
     with pytest.raises(ValueError, match="do not make the topology's 4 devices"):
         ConfigSpace(graph, topo, Replicas(count=3, size=1))
+    # an op whose sample dim does not split among the replicas (the batch, or a position table of batch 1)
+    # is refused up front, naming it, rather than left without a config to draw
+    from soapflow.api import capture_model
+
+    small = capture_model("mlp", batch_size=2)[1]
+    with pytest.raises(ValueError, match="op 'layers.0' .* cannot be laid out as 4 replicas .* of size 2"):
+        ConfigSpace(small, topo, Replicas(count=4, size=1))
+    space = ConfigSpace(graph, topo, Replicas(count=4, size=1))  # batch 8 splits 4 ways: every op draws
+    assert all(space.holds(space.random_strategy(random.Random(i), BASELINES["dp"](graph, topo))) for i in range(3))
 
 
 def test_ops_without_a_sample_dim_get_no_micro_batches():
