@@ -78,6 +78,10 @@ def repeated_cases(models: tuple[str, ...], count: int, nproc: int, seed: int) -
         model = models[i % len(models)]
         graph = rc.graph_of(model)
         strategy = rc.repeated_strategy(graph, nproc, rng)
+        for _ in range(20):  # a small model may draw no repeated device: draw again
+            if rc.repeats(strategy) > 0:
+                break
+            strategy = rc.repeated_strategy(graph, nproc, rng)
         assert rc.repeats(strategy) > 0
         options = FLOAT64 if i % 2 == 0 and model != "llama" else FLOAT32
         if i // 2 % 2:  # every other pair under 1F1B
