@@ -63,24 +63,18 @@ def lower_bound(graph: OperatorGraph, topology: DeviceTopology, *, cost_model: C
     kinds = {d.kind: d for d in topology.devices}.values()
     least_total: list[float] = []
     least_part: list[float] = []
+    found: dict[int, tuple[float, float]] = {}  # by `GradFlow.op_class`: the copies of a block cost alike
     for i, op in enumerate(flow.ops):
         if flow.everywhere[i]:
             least_total.append(0.0)
             least_part.append(0.0)
             continue
-        grads = flow.grad_inputs[i]
-        bwd = flow.needs_bwd[i]
-        dims = dims_of(op)
-        total, part = math.inf, math.inf
-        for degrees in space.degree_options(op.name):
-            for device in kinds:
-                times = []
-                for box in part_boxes(dims, dict(degrees)):
-                    fwd_ms, bwd_ms = cost_model.compute_ms(op, box, device, grads)
-                    times.append(fwd_ms + (bwd_ms if bwd else 0.0))
-                total, part = min(total, sum(times)), min(part, min(times))
-        least_total.append(total)
-        least_part.append(part)
+        known = found.get(flow.op_class[i])
+        if known is None:
+            known = found[flow.op_class[i]] = _least_times(op, space.degree_options(op.name), kinds, cost_model,
+                                                           flow.grad_inputs[i], flow.needs_bwd[i])
+        least_total.append(known[0])
+        least_part.append(known[1])
     work = sum(least_total) / topology.num_devices
     # the longest chain: ops in graph (topological) order, each after the producers of its inputs
     longest: list[float] = []
@@ -88,6 +82,21 @@ def lower_bound(graph: OperatorGraph, topology: DeviceTopology, *, cost_model: C
         before = max((longest[flow.index[ref.op]] for ref in op.inputs), default=0.0)
         longest.append(before + least_part[i])
     return StepBound(work_ms=work, path_ms=max(longest, default=0.0))
+
+
+def _least_times(op, options, kinds, cost_model: CostModel, grads, bwd: bool) -> tuple[float, float]:
+    """(the least total part time, the least part time) of `op` over its degree `options` and device
+    `kinds`: forward, and backward where it runs one."""
+    dims = dims_of(op)
+    total, part = math.inf, math.inf
+    for degrees in options:
+        for device in kinds:
+            times = []
+            for box in part_boxes(dims, dict(degrees)):
+                fwd_ms, bwd_ms = cost_model.compute_ms(op, box, device, grads)
+                times.append(fwd_ms + (bwd_ms if bwd else 0.0))
+            total, part = min(total, sum(times)), min(part, min(times))
+    return total, part
 
 
 __all__ = ["StepBound", "lower_bound"]

@@ -158,13 +158,16 @@ def optimize_text(out: Mapping[str, Any]) -> str:
         among = (f" ({out['replica_phase_proposals']:,} of them first among strategies of {out['replica_phase']} "
                  f"replicas, one per device, as no baseline fits)")
     costed = f", {out['costed_per_s']:.0f}/s that changed the strategy" if "costed_per_s" in out else ""
-    lines.append(f"search: {out['num_proposals']:,} proposals{among} in {out['search_s']:.1f} s "
+    noun = "proposal" if out["num_proposals"] == 1 else "proposals"
+    lines.append(f"search: {out['num_proposals']:,} {noun}{among} in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s{costed}), {out['elapsed_s']:.1f} s in all")
     b = out.get("lower_bound")
     if b:
         lines.append(f"no strategy can beat {b['time_ms']:.4g} ms per iteration (lower bound: the least compute "
                      f"spread over every device, {b['work_ms']:.4g} ms, or along the longest chain of ops, "
-                     f"{b['path_ms']:.4g} ms); the best is {100 * b['gap']:.0f}% above it")
+                     f"{b['path_ms']:.4g} ms); the best is {100 * b['gap']:.0f}% above it"
+                     + (f" (the bound took {b['elapsed_s']:.1f} s, after the search's budget)"
+                        if b.get("elapsed_s", 0.0) >= 1.0 else ""))
     m = out.get("measured") or {}
     if "best_parts_unmeasured" in m:
         lines.append(f"measured on this machine: {m['parts_timed']} op part(s) timed, {m['rounds']} search(es) "
