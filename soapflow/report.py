@@ -161,6 +161,11 @@ def optimize_text(out: Mapping[str, Any]) -> str:
     noun = "proposal" if out["num_proposals"] == 1 else "proposals"
     lines.append(f"search: {out['num_proposals']:,} {noun}{among} in {out['search_s']:.1f} s "
                  f"({out['proposals_per_s']:.0f}/s{costed}), {out['elapsed_s']:.1f} s in all")
+    budget = out.get("budget_s")
+    if budget and out.get("max_proposals") is None and out["search_s"] < budget / 2:
+        lines.append(f"  (simulating the baselines and starting the chains took most of the "
+                     f"{budget:g} s budget, so the chains ran {out['search_s']:.1f} s: a larger --budget "
+                     f"searches more)")
     b = out.get("lower_bound")
     if b:
         lines.append(f"no strategy can beat {b['time_ms']:.4g} ms per iteration (lower bound: the least compute "

@@ -100,6 +100,13 @@ def test_optimize_text_has_the_table_and_the_summary(tmp_path):
                  "no strategy can beat", f"{100 * out['lower_bound']['gap']:.0f}% above it"):
         assert word in text
     assert out["best"]["strategy_file"] in text
+    # a time budget mostly spent before the chains ran says so; a proposal budget, or chains that had most
+    # of the time, does not
+    hint = "a larger --budget searches more"
+    assert hint not in text
+    short = {**out, "max_proposals": None, "budget_s": 10.0, "search_s": 1.0}
+    assert hint in optimize_text(short)
+    assert hint not in optimize_text({**short, "search_s": 9.0})
 
 
 def test_optimize_beats_data_parallel_on_the_mlp(tmp_path):
