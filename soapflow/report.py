@@ -15,6 +15,7 @@ Must not import `soapflow.optimize` (which imports this module), the search or t
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 from soapflow.plot import bar_chart, line_chart
 from soapflow.tables import frame, text_table
+
+# Up to this many devices the text lists each one's peak memory; beyond, the range and the median.
+MAX_LISTED_DEVICES = 16
 
 # ------------------------------------------------------------------------------------- strategy summary
 
@@ -189,7 +193,10 @@ def optimize_text(out: Mapping[str, Any]) -> str:
         ops = g["first"] if g["num_ops"] == 1 else f"{g['first']} .. {g['last']} ({g['num_ops']} ops)"
         lines.append(f"  {ops:<44} {g['split']:<28} on {g['devices']:<10} {g['what']}")
     peaks = out["strategy"].get("peak_memory_bytes") or []
-    if peaks:
+    if len(peaks) > MAX_LISTED_DEVICES:  # (every device's in --json)
+        lines.append(f"peak memory per device (GB): {min(peaks) / 1e9:.3g} to {max(peaks) / 1e9:.3g} over "
+                     f"{len(peaks)} devices, median {statistics.median(peaks) / 1e9:.3g}")
+    elif peaks:
         lines.append("peak memory per device (GB): " + " ".join(f"{p / 1e9:.3g}" for p in peaks))
     return "\n".join(lines)
 

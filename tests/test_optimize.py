@@ -107,6 +107,10 @@ def test_optimize_text_has_the_table_and_the_summary(tmp_path):
     short = {**out, "max_proposals": None, "budget_s": 10.0, "search_s": 1.0}
     assert hint in optimize_text(short)
     assert hint not in optimize_text({**short, "search_s": 9.0})
+    # many devices: the range of their peak memory, not one figure each
+    peaks = [float(i) * 1e9 for i in range(1, 65)]
+    many = optimize_text({**out, "strategy": {**out["strategy"], "peak_memory_bytes": peaks}})
+    assert "peak memory per device (GB): 1 to 64 over 64 devices, median 32.5" in many
 
 
 def test_optimize_beats_data_parallel_on_the_mlp(tmp_path):
