@@ -343,6 +343,7 @@ def test_a_failed_verify_fails_the_command(capsys):
     assert code == 1
     assert "verify against single-process training: FAILED" in out
     assert "--verify failed" in err
+    assert "the losses match" not in out  # (the AdamW note is for runs whose losses do match)
 
 
 def _strategy_file(tmp_path, *, batch: int) -> str:
@@ -424,3 +425,19 @@ def test_model_file_that_is_a_directory_and_extra_arguments(capsys, tmp_path):
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert err.startswith("usage: soapflow capture") and "unrecognized arguments: extra" in err, err
+
+
+def test_a_failed_adamw_verify_whose_losses_match_says_why(capsys, monkeypatch):
+    import soapflow.runner
+
+    tol = {"loss_rtol": 1e-5, "rtol": 1e-1, "atol": 1e-6}
+    verify = {"passed": False, "max_loss_rel_diff": 1e-7, "max_param_rel_diff": 0.5, "max_param_abs_diff": 1e-3,
+              "worst_param": "attn.k.bias", "tolerance": tol, "tolerance_row": "float32/adamw", "nan_params": [],
+              "params_not_held": []}
+    out = {"model": "mlp", "batch_size": 8, "strategy": "dp", "nproc": 2, "backend": "gloo", "steps": 1,
+           "losses": [1.0], "step_time_ms": [1.0, 1.0], "collectives": [{}, {}], "verify": verify}
+    monkeypatch.setattr(soapflow.runner, "run", lambda *a, **k: out)
+    code, text, err = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify", "--optimizer", "adamw")
+    assert code == 1 and "the losses match: AdamW" in text and "--verify failed" in err
+    code, text, _ = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify")  # SGD: no such note
+    assert code == 1 and "the losses match" not in text
