@@ -696,7 +696,9 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
 # it from an error. Measured at 3 steps, lr 0.01, over dp and tp of the mlp, a small GPT-2, a hand-written
 # GPT and the corpus' GPT-2, Llama and BERT: up to 3.1e-2 of an update (1.9e-4 to 3.1e-2), the losses
 # within 2e-7. Parameters are checked at the bfloat16 row's 1e-1 there, the losses as strictly as in
-# float32; `--dtype float64` checks AdamW tightly.
+# float32. It is not a bound: the corpus' BART (a cross-attention key bias) reaches 0.46-0.62 under fsdp
+# and pipelines, and under bf16 or fp16 AdamW exceeds every row; the command then says why
+# (`soapflow.cli`). `--dtype float64` checks AdamW tightly where the model computes in the run's dtype.
 VERIFY_TOLERANCES: Mapping[str, Mapping[str, float]] = {
     "float32": {"loss_rtol": 1e-5, "rtol": 1e-4, "atol": 1e-6},
     "float32/adamw": {"loss_rtol": 1e-5, "rtol": 1e-1, "atol": 1e-6},
