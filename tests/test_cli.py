@@ -441,3 +441,13 @@ def test_a_failed_adamw_verify_whose_losses_match_says_why(capsys, monkeypatch):
     assert code == 1 and "the losses match: AdamW" in text and "--verify failed" in err
     code, text, _ = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify")  # SGD: no such note
     assert code == 1 and "the losses match" not in text
+
+
+def test_momentum_under_adamw_warns_and_setup_defaults_hold(capsys):
+    code, _, err = run_cli(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "dp", "--optimizer", "adamw",
+                           "--momentum", "0.5")
+    assert code == 0 and "--momentum is SGD's: adamw does not use it" in err
+    code, _, err = run_cli(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "dp", "--optimizer", "adamw")
+    assert code == 0 and "momentum" not in err
+    doc = run_json(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "dp")
+    assert doc["setup"] == TrainSetup().to_dict()  # flags not given take the dataclass's defaults
