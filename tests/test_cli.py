@@ -116,8 +116,9 @@ def test_every_stage_command_takes_the_setup_flags(argv):
     flags = ["--optimizer", "adamw", "--lr", "0.001", "--momentum", "0", "--weight-decay", "0.01",
              "--bucket-mb", "4", "--precision", "fp32"]
     args = build_parser().parse_args([*argv, *flags])
-    assert train_setup(args) == TrainSetup(optimizer="adamw", lr=0.001, momentum=0.0, weight_decay=0.01,
-                                           bucket_mb=4.0, precision="fp32")
+    with pytest.warns(UserWarning, match="--momentum is SGD's"):  # (AdamW does not read it)
+        assert train_setup(args) == TrainSetup(optimizer="adamw", lr=0.001, momentum=0.0, weight_decay=0.01,
+                                               bucket_mb=4.0, precision="fp32")
 
 
 @pytest.mark.parametrize("argv", SETUP_COMMANDS)
