@@ -169,19 +169,24 @@ def setup_differences(recorded: TrainSetup, setup: TrainSetup) -> list[str]:
 
 def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices: int, *,
                        default: Strategy | None = None, setup: TrainSetup | None = None,
-                       source: str = "strategy") -> Strategy:
+                       source: str = "strategy", processes: bool = False) -> Strategy:
     """Build and validate a Strategy for `graph` from a strategy document.
 
     `default` supplies configs for ops the document leaves out (data parallel, normally), with a
     warning; without it a missing op is an error. `setup` is the training setup the strategy is used
-    with: where the document records a different one, a warning names the fields that differ.
+    with: where the document records a different one, a warning names the fields that differ; so does one
+    made for another graph (naming both batch sizes where they differ) or device count (`processes`: the
+    devices are a run's processes, and the warning says so).
     """
     if doc.get("fingerprint") and doc["fingerprint"] != graph.fingerprint:
-        warnings.warn(f"{source} was made for a different graph (fingerprint mismatch); "
-                      f"applying it by op name", stacklevel=2)
+        made_for = doc.get("batch_size")
+        what = (f"batch {made_for}, not {graph.batch_size}" if made_for not in (None, graph.batch_size)
+                else "a different graph")
+        warnings.warn(f"{source} was made for {what} (fingerprint mismatch); applying it by op name", stacklevel=2)
     if doc.get("num_devices") not in (None, num_devices):
-        warnings.warn(f"{source} was made for {doc['num_devices']} devices, the topology has {num_devices}",
-                      stacklevel=2)
+        here = f"this run has {num_devices} processes (one per device)" if processes else \
+            f"the topology has {num_devices}"
+        warnings.warn(f"{source} was made for {doc['num_devices']} devices, {here}", stacklevel=2)
     recorded = recorded_setup(doc, source=source)
     if setup is not None and recorded is not None and recorded != setup:
         warnings.warn(f"{source} was found for a different training setup "

@@ -8,7 +8,6 @@ built once by the caller (the command line) and passed to every stage that depen
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,20 +94,11 @@ def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology
     if not Path(ref).exists():
         raise StrategyError(f"strategy {ref!r} is neither a baseline ({', '.join(BASELINES)}, hybrid:tp=T[,pp=P]"
                             "[,microbatches=M][,shard=S][,recompute=none|full]) nor an existing file")
-    source = f"strategy file {os.fspath(ref)!r}"
     doc = read_strategy_doc(ref)
-    made_for = _batch_of(doc, ref)
-    if made_for is not None and made_for != graph.batch_size:
-        warnings.warn(f"{source} was made for batch {made_for}, not {graph.batch_size} (fingerprint mismatch); "
-                      f"applying it by op name", stacklevel=2)
-        # The fingerprint covers the batch size: strategy_from_dict's own warning would repeat this one.
-        doc = {key: value for key, value in doc.items() if key != "fingerprint"}
-    if processes and doc.get("num_devices") not in (None, topology.num_devices):
-        warnings.warn(f"{source} was made for {doc['num_devices']} devices, this run has {topology.num_devices} "
-                      f"processes (one per device)", stacklevel=2)
-        doc = {key: value for key, value in doc.items() if key != "num_devices"}
+    _batch_of(doc, ref)  # (a bad batch_size is an error)
     try:
         default = dp(graph, topology)
     except BaselineNotApplicable:
         default = BASELINES["mp"](graph, topology)
-    return strategy_from_dict(doc, graph, topology.num_devices, default=default, setup=setup, source=source)
+    return strategy_from_dict(doc, graph, topology.num_devices, default=default, setup=setup,
+                              source=f"strategy file {os.fspath(ref)!r}", processes=processes)

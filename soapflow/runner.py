@@ -113,8 +113,6 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         raise ValueError("backend nccl computes on CUDA GPUs and none is visible here; use gloo on CPUs")
     if checkpoint_dir is None and (checkpoint_every or resume):
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
-    if checkpoint_dir is not None and os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"checkpoint directory {os.fspath(checkpoint_dir)!r} is not a directory")
     if checkpoint_dir is not None and (reason := unwritable_reason(checkpoint_dir)) is not None:
         raise ValueError(f"cannot write checkpoints in {os.fspath(checkpoint_dir)!r}: {reason}")
     setup = setup if setup is not None else TrainSetup()
