@@ -63,7 +63,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from soap.capture.grouping import _Call, _group
-from soap.capture.mappers import _MAPPERS, _Draft, transposed_weight
+from soap.capture.mappers import _MAPPERS, _Draft, transposed_linear
 from soap.capture.nodes import (
     _aten_name,
     _bind,
@@ -75,7 +75,7 @@ from soap.capture.nodes import (
     _spec,
     _tensors_of,
 )
-from soap.capture.tracing import _Traced
+from soap.capture.tracing import _model_fqn, _Traced
 from soap.graph import Operator, ParamSpec, TensorRef, TensorSpec
 from soap.registry import op_def
 
@@ -102,8 +102,10 @@ class _Builder:
         self.counts: dict[str, int] = {}
         self.refs: dict[fx.Node, TensorRef] = {}
         self.no_grad: set[str] = set()
-        # the model's frozen parameters (``requires_grad`` False), by their names in `traced.params`
-        self.frozen = {name.removeprefix("model.") for name, p in root.named_parameters(remove_duplicate=False)
+        # the model's buffers, and its frozen parameters (``requires_grad`` False), by their names in
+        # `traced.buffers` and `traced.params`
+        self.model_buffers = {_model_fqn(name) for name, _ in root.named_buffers(remove_duplicate=False)}
+        self.frozen = {_model_fqn(name) for name, p in root.named_parameters(remove_duplicate=False)
                        if not p.requires_grad}
         self.num_dropouts = 0
         self.fused: dict[fx.Node, fx.Node] = {}
@@ -142,9 +144,8 @@ class _Builder:
                 module = op.attrs["running_mean"].rpartition(".")[0]
                 kept |= {op.attrs["running_mean"], op.attrs["running_var"],
                          f"{module}.num_batches_tracked" if module else "num_batches_tracked"}
-        model_buffers = {name.removeprefix("model.") for name, _ in self.root.named_buffers(remove_duplicate=False)}
         for fqn, how in self.traced.buffer_writes.items():
-            if fqn in model_buffers and fqn not in kept:
+            if fqn in self.model_buffers and fqn not in kept:
                 raise ValueError(
                     f"the forward of {type(self.root.model).__name__} writes its buffer {fqn!r} ({how}), but "
                     f"soapflow cannot carry buffer updates across steps (only BatchNorm running statistics), so "
@@ -210,9 +211,8 @@ class _Builder:
                 mutated.update(bound[a.name] for a in node.target._schema.arguments
                                if a.alias_info is not None and a.alias_info.is_write
                                and isinstance(bound.get(a.name), fx.Node))
-        model_buffers = {name.removeprefix("model.") for name, _ in self.root.named_buffers(remove_duplicate=False)}
         roots = {n for n, fqn in traced.buffers.items() if n not in mutated and (
-            fqn in model_buffers or (n in traced.constants and traced.constants[n].numel() <= _MAX_LITERAL))}
+            fqn in self.model_buffers or (n in traced.constants and traced.constants[n].numel() <= _MAX_LITERAL))}
         folded: set[fx.Node] = set()
         for node in traced.nodes:
             if node in mutated:
@@ -292,14 +292,11 @@ class _Builder:
 
     def fuse_transposed_weights(self, calls: list[_Call]) -> set[fx.Node]:
         """``x @ w.T`` of a 2-D parameter w (Falcon's linears): the transpose makes no op, its matmul maps
-        to a ``linear`` holding w (`mappers.transposed_weight`)."""
+        to a ``linear`` holding w (`mappers.transposed_linear`)."""
         skipped: set[fx.Node] = set()
         for call in calls:
-            node = call.node
-            if _aten_name(node) in ("matmul", "mm") and len(node.args) == 2 and self.is_act(node.args[0]) \
-                    and len(_shape(node.args[0])) >= 2 and transposed_weight(self, node.args[1]) is not None \
-                    and _single_use(node.args[1], node):
-                skipped.add(node.args[1])
+            if transposed_linear(self, call.node) is not None:
+                skipped.add(call.node.args[1])
         return skipped
 
     def fuse_losses(self, calls: list[_Call]) -> set[fx.Node]:

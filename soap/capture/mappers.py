@@ -548,14 +548,24 @@ def transposed_weight(b: _Context, node: Any) -> fx.Node | None:
     return None
 
 
+def transposed_linear(b: _Context, node: fx.Node) -> fx.Node | None:
+    """The parameter w where `node` is ``x @ w.T`` (`transposed_weight`) of an activation x of two or more
+    dims, the transpose used only there: a linear; None otherwise."""
+    if _aten_name(node) not in ("matmul", "mm") or len(node.args) != 2:
+        return None
+    x, y = node.args
+    w = transposed_weight(b, y)
+    return w if w is not None and b.is_act(x) and len(_shape(x)) >= 2 and len(y.users) == 1 else None
+
+
 @_maps("matmul", "bmm", "mm")
 def _matmul(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     """A product of two activations; ``x @ w.T`` of a parameter w (Falcon's linears) is a ``linear`` (the
     builder makes no op of the transpose, `_Builder.fuse_transposed_weights`)."""
     x = a["self"]
     y = a.get("other", a.get("mat2"))
-    w = transposed_weight(b, y)
-    if w is not None and b.is_act(x) and len(_shape(x)) >= 2 and len(y.users) == 1:
+    w = transposed_linear(b, call.node)
+    if w is not None:
         return _Draft(kind="linear", inputs=[x], params={"weight": w})
     if not (b.is_act(x) and b.is_act(y)):
         return None
