@@ -544,15 +544,20 @@ def dropout_keep(region: Region, shape: Sequence[int], *, p: float, seed: int, s
     return h >= round(p * 2**32)
 
 
+def dropped(x: Tensor, region: Region, shape: Sequence[int], *, p: float, seed: int, step: int) -> Tensor:
+    """`x`, the `region` of a tensor of `shape`, with dropout `p` > 0 applied as `dropout_keep` draws it
+    (the kept elements scaled by 1 / (1 - p))."""
+    if p >= 1.0:
+        return x * 0.0
+    keep = dropout_keep(region, shape, p=p, seed=seed, step=step, device=x.device)
+    return x * keep.to(x.dtype) / (1.0 - p)
+
+
 def _dropout(op, box, inputs, params, ctx):
     x, p = inputs[0], float(op.attrs.get("p", 0.5))
     if not ctx.training or p == 0.0:
         return (x,)
-    if p >= 1.0:
-        return (x * 0.0,)
-    keep = dropout_keep(tuple(box), op.outputs[0].shape, p=p, seed=int(op.attrs.get("seed") or 0),
-                        step=ctx.step, device=x.device)
-    return (x * keep.to(x.dtype) / (1.0 - p),)
+    return (dropped(x, tuple(box), op.outputs[0].shape, p=p, seed=int(op.attrs.get("seed") or 0), step=ctx.step),)
 
 
 def _loss(op, box, inputs, params, ctx):

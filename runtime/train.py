@@ -56,7 +56,7 @@ from runtime.checkpoint import (
     saved_tensors,
 )
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices, pieces_needed
-from runtime.kernels import dropout_keep
+from runtime.kernels import dropped
 from runtime.launch import rank_device
 from runtime.materialize import MaterializeError, install_buffers, record, replay
 from soap.config import ParallelConfig
@@ -624,12 +624,7 @@ class _RuntimeDropout:
         if not training or p == 0.0:
             return input
         self.masked = True
-        if p >= 1.0:
-            out = input * 0.0
-        else:
-            keep = dropout_keep(tuple((0, n) for n in input.shape), tuple(input.shape), p=p, seed=seed,
-                                step=self.step, device=input.device)
-            out = input * keep.to(input.dtype) / (1.0 - p)
+        out = dropped(input, tuple((0, n) for n in input.shape), tuple(input.shape), p=p, seed=seed, step=self.step)
         return input.copy_(out) if inplace else out
 
 
