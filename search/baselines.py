@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from search.space import cut_chunks, microbatched, sample_dim
-from soap.config import ConfigError, ParallelConfig, param_replicas, parts, recompute_refusal, validate
+from soap.config import ConfigError, ParallelConfig, param_replicas, parts, recompute_refusal, shardable, validate
 from soap.graph import Operator, OperatorGraph
 from soap.opdef import DimKind, DimSpec, Region
 from soap.registry import dims_of, op_def
@@ -345,7 +345,7 @@ def _sharded(op: Operator, cfg: ParallelConfig, shard: int, shared: Mapping[str,
     """`cfg` with its parameters sharded over `shard` of their replicas where that is allowed (the op has
     parameters, none frozen, that no other op shares, and `shard` divides their replica count); `cfg`
     otherwise."""
-    if shard == 1 or not op.params or any(p.key in shared or not p.trainable for p in op.params.values()):
+    if shard == 1 or not shardable(op, shared):
         return cfg
     if param_replicas(op, cfg) % shard:
         return cfg

@@ -89,7 +89,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.taskgraph import MAX_ROUNDS
-from soap.config import ConfigError, ParallelConfig, param_replicas, recompute_refusal, validate
+from soap.config import ConfigError, ParallelConfig, param_replicas, recompute_refusal, shardable, validate
 from soap.graph import Operator, OperatorGraph
 from soap.lowering import Replicas, repeats
 from soap.opdef import DimKind
@@ -225,7 +225,7 @@ class ConfigSpace:
         found = self._shards.get((kind, degrees))
         if found is None:
             op = self.graph[op_name]
-            if not op.params or any(p.key in self._shared or not p.trainable for p in op.params.values()):
+            if not shardable(op, self._shared):
                 found = (1,)
             else:
                 n = math.prod(g for _, g in degrees)

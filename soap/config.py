@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -157,6 +157,12 @@ def validate(op: Operator, cfg: ParallelConfig, num_devices: int | None = None) 
         if missing:
             raise ConfigError(f"op {op.name!r}: device(s) {missing} not in the topology "
                               f"(it has devices 0..{num_devices - 1})")
+
+
+def shardable(op: Operator, shared: Container[str]) -> bool:
+    """Whether `op`'s parameters may be sharded: it has some, none of them frozen and none another op
+    shares (`shared`: the `ParamSpec.key`s several ops use, `OperatorGraph.shared_params`)."""
+    return bool(op.params) and not any(p.key in shared or not p.trainable for p in op.params.values())
 
 
 def recompute_refusal(op: Operator) -> str | None:
