@@ -537,7 +537,12 @@ class Simulator:
         split = [0, 0, 0]
         for t in critical:
             c = self._cat[t]
-            split[0 if c in COMPUTE_CATS else 1 if c in COMM_CATS else 2] += self._dur[t]
+            if c in COMPUTE_CATS:
+                shard_ns = self._shard_ns(self._key[t])  # sharded parameters' collectives inside the task
+                split[0] += self._dur[t] - shard_ns
+                split[1] += shard_ns
+            else:
+                split[1 if c in COMM_CATS else 2] += self._dur[t]
         links = [f"link {link.id}: {link.src} -> {link.dst} ({link.kind})" for link in self.topology.links]
         end, dur = self._end, self._dur
         return Timeline(name=self.graph.name, num_devices=self.num_devices, link_names=links,
@@ -547,6 +552,16 @@ class Simulator:
                         res=list(self._res), start=[e - d for e, d in zip(end, dur, strict=True)],
                         end=list(end), nbytes=list(self._nbytes), namer=self.task_name, critical_path=critical,
                         replicas=1 if self.replicas is None else self.replicas.count)
+
+    def _shard_ns(self, key: int) -> int:
+        """Of a compute task (by key), the ns its part spends in the all-gathers and reduce-scatter of
+        sharded parameters (`OpPlan.shard_ns`; 0 for any other task)."""
+        pos, sub, _, c, state = self.keys.split(key)
+        n = self.flow.num_ops
+        if sub != SUB_COMPUTE or state or pos >= 2 * n:
+            return 0
+        shard_ns = self._plans[pos if pos < n else 2 * n - 1 - pos].shard_ns
+        return shard_ns[c][pos >= n] if shard_ns else 0
 
     def task_name(self, key: int) -> str:
         """A readable name for a task key (traces, task records)."""

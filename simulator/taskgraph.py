@@ -23,7 +23,8 @@ Tasks of a step plan:
   and its backward task the second all-gather and the reduce-scatter of their gradient, collectives over
   its shard group (`simulator.comm`), since the runtime issues them synchronously around the part's
   compute (no prefetch); they do not occupy the links as separate tasks, so their contention with
-  concurrent exchanges is not modeled;
+  concurrent exchanges is not modeled, but their time counts as communication in the critical path's
+  split (`OpPlan.shard_ns`) and their ring traffic in the bytes moved;
 - per edge, pass and consumer round: pieces between parts on one device are dependencies; the pieces of
   one exchange (`EdgeStep.exchanges`: those that cross devices into the consumer parts of one round)
   make ONE exchange task (`Comm.exchange`: the union of their routes, the largest latency plus the
@@ -189,10 +190,13 @@ class OpPlan:
     `carries` ((part, part that starts from its state) per chunk after the first along a carried dim on
     the same device: dependencies, forward from the first to the second, backward back), `carry_xfers`
     ((part, chunk that starts from its state, forward transfer, backward transfer or None) per chunk
-    whose source is on another device) and `moved` (bytes those transfers move, both passes)."""
+    whose source is on another device) and `moved` (bytes those transfers and the parts' shard
+    collectives move, both passes); `shard_ns` (per part, the ns of its forward and of its backward that
+    are the all-gathers and reduce-scatter of sharded parameters, run inside the part's task; empty
+    when unsharded)."""
 
     __slots__ = ("step", "devices", "fwd_ns", "bwd_ns", "fwd_keys", "bwd_keys", "mem", "transient", "carries",
-                 "carry_xfers", "moved")
+                 "carry_xfers", "moved", "shard_ns")
 
     def __init__(self, step: OpStep):
         self.step = step
@@ -206,6 +210,7 @@ class OpPlan:
         self.carries: list[tuple[int, int]] = []
         self.carry_xfers: list[tuple[int, int, Exchange, Exchange | None]] = []
         self.moved = 0
+        self.shard_ns: list[tuple[int, int]] = []
 
 
 class EdgePlan:
@@ -291,7 +296,7 @@ class Planner:
         first = self._op_firsts.get(first_key)
         if isinstance(first, OpPlan):  # a copy's plan, priced by computation: only the keys differ
             plan = OpPlan(first.step.for_op(i))
-            for name in ("fwd_ns", "bwd_ns", "mem", "transient", "carries", "carry_xfers", "moved"):
+            for name in ("fwd_ns", "bwd_ns", "mem", "transient", "carries", "carry_xfers", "moved", "shard_ns"):
                 setattr(plan, name, getattr(first, name))
             return self._key_op(plan, i)
         step = first.for_op(i) if first is not None else lower_op(flow, i, cfg, self.replicas)
@@ -322,9 +327,16 @@ class Planner:
             if len(group) > 1:
                 # the runtime gathers synchronously before each pass and reduce-scatters after backward
                 gather = self.comm.collective(group, step.gather_bytes[c], ALLGATHER)[1]
+                gathers = (3 if step.recompute else 2) if step.runs_bwd else 1
+                scatter = self.comm.collective(group, step.scatter_bytes[c], REDUCE_SCATTER)[1] if step.runs_bwd else 0
                 fwd_ns += gather
-                bwd_ns += gather * (2 if step.recompute else 1)
-                bwd_ns += self.comm.collective(group, step.scatter_bytes[c], REDUCE_SCATTER)[1]
+                bwd_ns += gather * (gathers - 1) + scatter
+                if not plan.shard_ns:
+                    plan.shard_ns = [(0, 0)] * len(step.devices)
+                plan.shard_ns[c] = (gather, gather * (gathers - 1) + scatter)
+                # a ring all-gather or reduce-scatter: each member sends (n - 1) / n of the buffer
+                n = len(group)
+                plan.moved += (gathers * step.gather_bytes[c] + step.scatter_bytes[c]) * (n - 1) // n
             plan.fwd_ns.append(fwd_ns)
             if step.runs_bwd:
                 plan.bwd_ns.append(bwd_ns)

@@ -138,6 +138,33 @@ def test_the_simulator_charges_recomputation_and_gathers():
     assert sharded.iteration_time_ms > plain.iteration_time_ms  # gathers in every pass, nothing to hide them
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sharded_collectives_count_as_bytes_moved_and_communication(recompute):
+    """Under fsdp (and with recomputation, which gathers again) the bytes moved are the shard collectives'
+    as rings move them, (n - 1) / n of each device's buffer per call, and the critical path carries their
+    time as communication, not compute; the delta simulation agrees with the full one."""
+    graph = mlp_graph()
+    topo = load_topology("cpu-2")
+    strategy = fsdp(graph, topo)
+    if recompute:
+        strategy = Strategy({n: c.replace(recompute=n in ("fc0", "relu0")) for n, c in strategy.configs.items()})
+    sim = Simulator(graph, topo)
+    timeline = sim.full(strategy)
+    per_device = sim.step_plan().collectives()
+    calls = sum(per_device[d][kind]["bytes"] for d in range(2) for kind in ("all_gather", "reduce_scatter"))
+    assert timeline.bytes_moved == calls // 2 > 0  # groups of 2: each device sends half its buffer
+    assert timeline.comm_ms > 0 and timeline.sync_ms == 0
+    path = timeline.compute_ms + timeline.comm_ms + timeline.sync_ms
+    assert path == pytest.approx(timeline.iteration_time_ms)
+    # from dp, one op at a time, by the delta simulation
+    delta = Simulator(graph, topo)
+    delta.full(dp(graph))
+    for name, cfg in strategy.configs.items():
+        last = delta.delta(name, cfg)
+    assert last.bytes_moved == timeline.bytes_moved
+    assert last.comm_ms == pytest.approx(timeline.comm_ms)
+
+
 def test_recompute_full_keeps_branch_points_and_the_loss():
     graph = mlp_graph()
     out = recompute_full(graph, dp(graph))
