@@ -89,6 +89,7 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     the training `setup` (optimizer, learning rate, buckets; None: `TrainSetup()`).
 
     Returns `losses` (per step run), `first_step` (0, or the step a resumed run started at),
+    `skipped_steps` (the steps whose update fp16's loss scaler skipped, a gradient being inf or NaN),
     `step_time_ms` (the median step time of each rank, in rank order), `step_times_ms` (every rank's
     list), `iteration_time_ms` (median over steps of the slowest rank's time), `collectives` (per rank,
     per kind, the count and bytes of the collectives its last step issued: `StepPlan.collectives`'
@@ -179,6 +180,7 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         "setup": setup.to_dict(),
         "first_step": first["first_step"],
         "losses": first["losses"],
+        "skipped_steps": first["skipped_steps"],
         "step_time_ms": first["median_step_time_ms_per_rank"],
         "step_times_ms": per_rank,
         "collectives": first["collectives"],

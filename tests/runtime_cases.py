@@ -677,8 +677,12 @@ def peak_train(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any]:
     peak = tracking.__enter__()
     gather = train._gather_params
 
+    stopped = []
+
     def stop_then_gather(*args: Any, **kw: Any) -> Any:
-        tracking.__exit__(None, None, None)
+        if not stopped:  # (verification gathers the parameters, then the first step's gradients)
+            tracking.__exit__(None, None, None)
+            stopped.append(True)
         return gather(*args, **kw)
 
     train._gather_params = stop_then_gather

@@ -428,20 +428,31 @@ def test_model_file_that_is_a_directory_and_extra_arguments(capsys, tmp_path):
     assert err.startswith("usage: soapflow capture") and "unrecognized arguments: extra" in err, err
 
 
-def test_a_failed_adamw_verify_whose_losses_match_says_why(capsys, monkeypatch):
+def test_an_adamw_verify_reports_its_gradients_and_why_parameters_are_not_checked(capsys, monkeypatch):
     import soapflow.runner
 
-    tol = {"loss_rtol": 1e-5, "rtol": 1e-1, "atol": 1e-6}
-    verify = {"passed": False, "max_loss_rel_diff": 1e-7, "max_param_rel_diff": 0.5, "max_param_abs_diff": 1e-3,
-              "worst_param": "attn.k.bias", "tolerance": tol, "tolerance_row": "float32/adamw", "nan_params": [],
+    tol = {"loss_rtol": 1e-5, "rtol": 1e-4, "atol": 1e-6}
+    verify = {"passed": True, "max_loss_rel_diff": 1e-7, "max_param_rel_diff": 0.5, "max_param_abs_diff": 1e-3,
+              "worst_param": "attn.k.bias", "params_checked": False, "max_grad_rel_diff": 2e-7,
+              "worst_grad": "fc.weight", "tolerance": tol, "tolerance_row": "float32", "nan_params": [],
               "params_not_held": []}
     out = {"model": "mlp", "batch_size": 8, "strategy": "dp", "nproc": 2, "backend": "gloo", "steps": 1,
            "losses": [1.0], "step_time_ms": [1.0, 1.0], "collectives": [{}, {}], "verify": verify}
     monkeypatch.setattr(soapflow.runner, "run", lambda *a, **k: out)
     code, text, err = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify", "--optimizer", "adamw")
-    assert code == 1 and "the losses match: AdamW" in text and "--verify failed" in err
-    code, text, _ = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify")  # SGD: no such note
-    assert code == 1 and "the losses match" not in text
+    assert code == 0 and "verify against single-process training: passed" in text, text
+    assert "first step's gradients 2e-07 (allowed 1e-04; worst fc.weight)" in text, text
+    assert "parameters not checked (AdamW amplifies rounding: 0.5 of an update at most, worst attn.k.bias" in text
+    verify.update(passed=False, max_grad_rel_diff=0.5)
+    code, text, err = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify", "--optimizer", "adamw")
+    assert code == 1 and "FAILED" in text and "--verify failed" in err
+    verify.update(max_grad_rel_diff=None, gradients_step=0, reference_gradients_step=1)
+    code, text, err = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify", "--optimizer", "adamw")
+    assert ("gradients not compared (the loss scaler skipped other steps: the run first updated at step 0, the "
+            "reference at step 1)") in text, text
+    verify.update(params_checked=True, max_param_rel_diff=2e-5, gradients_step=0, reference_gradients_step=0)
+    code, text, _ = run_cli(capsys, "run", "mlp", "-s", "dp", "--verify")
+    assert "largest parameter difference 2e-05 of its update" in text and "gradients" not in text, text
 
 
 def test_momentum_under_adamw_warns_and_setup_defaults_hold(capsys):

@@ -118,3 +118,4 @@ def test_the_loss_scaler_divides_finite_gradients_and_skips_an_overflowing_step(
     params[1].grad = torch.ones(2)
     assert scaler.unscale(params) and scaler.unscale(params) and scaler.scale == 4.0  # 2 good steps: doubled
     assert scaler.unscale([torch.zeros(1)])  # no gradient at all: nothing overflowed
+    assert scaler.skipped == [1, 2]  # the calls that skipped, which a run reports as its skipped steps
