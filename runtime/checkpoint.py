@@ -104,7 +104,7 @@ def optimizer_key(fqn: str, name: str) -> str:
 class CheckpointInfo:
     """What a checkpoint records besides tensors: `step` completed steps, trained with `optimizer`
     (`TrainSetup.optimizer`), their `losses`, and `meta` (what wrote it: graph name and fingerprint, seed,
-    process count)."""
+    process count, training setup and dtype)."""
 
     step: int
     optimizer: str

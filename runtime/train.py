@@ -531,7 +531,8 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         torch.backends.cudnn.deterministic = True
     plan, executor, optimizer, workload, built_whole = build_executor(rank, world_size, g, strategy, build, options)
     module = executor.module
-    meta = {"graph": g.name, "fingerprint": g.fingerprint, "seed": options.seed, "num_devices": world_size}
+    meta = {"graph": g.name, "fingerprint": g.fingerprint, "seed": options.seed, "num_devices": world_size,
+            "setup": options.setup.to_dict(), "dtype": options.dtype}
     first_step, history = 0, []  # history: the losses of the steps before the first (the checkpoint's)
     if options.resume_from is not None:
         resumed = _restore(executor, optimizer, options.resume_from, options=options, meta=meta)

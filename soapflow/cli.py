@@ -297,13 +297,21 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
               verify=args.verify, batch=args.batch, setup=setup, seed=args.seed, dtype=args.dtype, **extra)
     lines = [f"{out['model']} (batch {out['batch_size']}) with {out['strategy']} on {out['nproc']} "
              f"process(es), {out['backend']}: {out['steps']} steps"]
-    rows = [[i, f"{loss:.6f}"] for i, loss in enumerate(out["losses"], start=out.get("first_step", 0))]
-    lines.append(table(rows, ["step", "loss"]))
+    first = out.get("first_step", 0)
+    if first:
+        lines.append(f"resumed from {out['resumed_from']}: {first} steps done before")
+    if out["losses"]:
+        rows = [[i, f"{loss:.6f}"] for i, loss in enumerate(out["losses"], start=first)]
+        lines.append(table(rows, ["step", "loss"]))
+    else:
+        lines.append(f"nothing left to run: the checkpoint holds all {out['steps']} steps asked for (--steps "
+                     f"above {out['steps']} trains further)")
     if out.get("skipped_steps"):
         lines.append(f"fp16 loss scaling skipped the update of step(s) {', '.join(map(str, out['skipped_steps']))}: "
                      f"a gradient overflowed, and the scale was halved each time")
-    lines.append("median step time per rank (ms): " + " ".join(f"{t:.2f}" for t in out["step_time_ms"]))
-    lines += ["collectives of the last step:", collectives_table(out["collectives"])]
+    if out["losses"]:
+        lines.append("median step time per rank (ms): " + " ".join(f"{t:.2f}" for t in out["step_time_ms"]))
+        lines += ["collectives of the last step:", collectives_table(out["collectives"])]
     v = out.get("verify")
     if v:
         tol = v["tolerance"]

@@ -96,7 +96,8 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
     shape), `verify` (against single-process training, `runtime.train.compare`: `passed`,
     `max_loss_rel_diff`, `max_param_rel_diff` (of each parameter's update), `max_param_abs_diff`, ...; None
     unless `verify`), `checkpoint` (the checkpoint directory this run wrote last, or resumed from when it
-    ran no step; None without `checkpoint_dir`), and the resolved `nproc`, `batch_size`, `steps`, `strategy`,
+    ran no step; None without `checkpoint_dir`), `resumed_from` (the checkpoint it resumed from, or None),
+    and the resolved `nproc`, `batch_size`, `steps`, `strategy`,
     `setup`. `nproc` defaults to the strategy file's device count, else 2; `batch` to the strategy file's
     batch size, else the model's (`soapflow.api.strategy_batch`).
 
@@ -145,8 +146,15 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
                          f"machine has {torch.cuda.device_count()}")
     spec, graph = capture_model(model_ref, batch_size=strategy_batch([strategy_ref], batch=batch))
     if resume_from is not None:
-        check_resumable(resume_from, read_info(resume_from), graph=graph.name, fingerprint=graph.fingerprint,
+        info = read_info(resume_from)
+        check_resumable(resume_from, info, graph=graph.name, fingerprint=graph.fingerprint,
                         optimizer=setup.optimizer, seed=seed)
+        saved = {**info.meta.get("setup", {}), "dtype": info.meta.get("dtype", dtype)}
+        differ = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in {**setup.to_dict(), "dtype": dtype}.items()
+                  if k in saved and saved[k] != v]
+        if differ:  # a deliberate change (a new learning rate, say) is allowed, but said
+            warnings.warn(f"resuming checkpoint {Path(resume_from).name}, saved with another training setup: "
+                          + "; ".join(differ), stacklevel=2)
     topology = load_topology(f"cpu-{world}")
     strategy = resolve_strategy(strategy_ref, graph=graph, topology=topology, setup=setup, processes=True)
     kwargs = {"build": functools.partial(build_workload, model_ref, spec.batch_size),
@@ -190,6 +198,7 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         "iteration_time_ms": (statistics.median(max(ts) for ts in zip(*per_rank, strict=True))
                               if first["losses"] else None),
         "checkpoint": None if newest is None else str(newest),
+        "resumed_from": resume_from,
     }
 
 

@@ -463,3 +463,17 @@ def test_momentum_under_adamw_warns_and_setup_defaults_hold(capsys):
     assert code == 0 and "momentum" not in err
     doc = run_json(capsys, "simulate", "mlp", "--batch", "8", "-t", "cpu-2", "-s", "dp")
     assert doc["setup"] == TrainSetup().to_dict()  # flags not given take the dataclass's defaults
+
+
+def test_resume_says_where_it_resumed_that_nothing_is_left_and_which_setup_changed(capsys, tmp_path):
+    common = ("run", "mlp", "-s", "dp", "--nproc", "1", "--batch", "8", "--checkpoint-dir", str(tmp_path))
+    code, text, _ = run_cli(capsys, *common, "--steps", "1")
+    assert code == 0 and "resumed" not in text
+    code, text, err = run_cli(capsys, *common, "--steps", "1", "--resume")
+    assert code == 0 and "resumed from" in text and "step-00000001: 1 steps done before" in text, text
+    assert "nothing left to run: the checkpoint holds all 1 steps asked for" in text and "nan" not in text, text
+    assert "warning" not in err, err
+    code, text, err = run_cli(capsys, *common, "--steps", "2", "--resume", "--lr", "0.5")
+    assert code == 0 and "   1  " in text and "nothing left" not in text, text
+    assert ("warning: resuming checkpoint step-00000001, saved with another training setup: lr 0.01 there, "
+            "0.5 here") in err, err
