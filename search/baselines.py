@@ -479,6 +479,11 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
                              f"group of {tp_size} devices")
     shared = graph.shared_params()
     stage_of = pipeline_stages(graph, pp) if pp > 1 else [0] * len(graph.ops)
+    working = {stage for op, stage in zip(graph, stage_of, strict=True) if op.fwd_flops + op.bwd_flops > 0}
+    if pp > 1 and len(working) < pp:
+        computing = sum(op.fwd_flops + op.bwd_flops > 0 for op in graph)
+        raise BaselineNotApplicable(f"hybrid: pp={pp} leaves {pp - len(working)} of the {pp} stages with nothing to "
+                                    f"compute (the model has {computing} ops that compute)")
     configs = {}
     for op, stage in zip(graph, stage_of, strict=True):
         local = _shifted(inner[op.name], stage * tp_size)  # the stage's group of the first replica

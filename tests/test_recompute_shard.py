@@ -243,6 +243,19 @@ def test_hybrid_that_does_not_divide(transformer):
         parse_baseline("hybrid:tp=2,shard=3")(transformer, load_topology("cpu-4"))
 
 
+def test_hybrid_refuses_pipeline_stages_with_nothing_to_compute():
+    """The mlp has 4 ops that compute (linears and activations): 16 stages would leave 12 idle devices
+    under a name that promises a pipeline; 2 stages both compute."""
+    _, graph = capture_model("mlp", batch_size=8)
+    computing = sum(op.fwd_flops + op.bwd_flops > 0 for op in graph)
+    assert computing < 16
+    with pytest.raises(BaselineNotApplicable, match=rf"pp=16 leaves \d+ of the 16 stages with nothing to compute "
+                                                    rf"\(the model has {computing} ops that compute\)"):
+        parse_baseline("hybrid:tp=1,pp=16")(graph, load_topology("cpu-16"))
+    strategy = parse_baseline("hybrid:tp=1,pp=2")(graph, load_topology("cpu-2"))
+    assert {strategy[op.name].devices for op in graph if op.fwd_flops > 0} == {(0,), (1,)}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "mlp", "-t", "cpu-4", "-s", "hybrid:tp=3"], "tp=3 does not divide"),
     (["simulate", "mlp", "-t", "cpu-2", "-s", "hybrid:tp=2,pp=2"], "tp=2 does not divide the 1 devices of a stage"),
