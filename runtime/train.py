@@ -285,6 +285,13 @@ class LossScaler:
         self.skipped: list[int] = []  # the calls (from 0) that skipped their step
         self._calls = 0
 
+    def state(self) -> dict[str, float]:
+        """What a checkpoint keeps of the scaler (`load_state`): the scale and the good steps in a row."""
+        return {"scale": self.scale, "good": self._good}
+
+    def load_state(self, state: Mapping[str, float]) -> None:
+        self.scale, self._good = float(state["scale"]), int(state["good"])
+
     def unscale(self, params: Sequence[torch.Tensor]) -> bool:
         """Divide the gradients of `params` by the scale and return True, or return False (the step is to
         be skipped; the gradients are divided all the same) when any rank found a non-finite gradient;
@@ -538,6 +545,8 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         resumed = _restore(executor, optimizer, options.resume_from, options=options, meta=meta)
         first_step, history = resumed.step, list(resumed.losses)
     scaler = loss_scaler(options.setup)
+    if scaler is not None and options.resume_from is not None and "loss_scale" in resumed.meta:
+        scaler.load_state(resumed.meta["loss_scale"])  # where the uninterrupted run's scale would be
     dtype = TORCH_DTYPES[options.dtype]
     highs = integer_highs(g, module)
     losses: list[float] = []
@@ -564,7 +573,8 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         done = step + 1
         if options.checkpoint_dir is not None and (
                 done == options.steps or (options.checkpoint_every and done % options.checkpoint_every == 0)):
-            _save(executor, optimizer, step=done, losses=history + losses, options=options, meta=meta)
+            _save(executor, optimizer, step=done, losses=history + losses, options=options,
+                  meta=meta | ({"loss_scale": scaler.state()} if scaler is not None else {}))
     per_rank: list[Any] = [times_ms]
     if world_size > 1:
         per_rank = [None] * world_size

@@ -374,3 +374,37 @@ def test_timed_runs_report_each_strategy_turn_as_it_ends():
     assert [(r["strategy"], r["round"], r["rounds"]) for r in seen] == [("dp", 1, 2), ("tp", 1, 2), ("dp", 2, 2),
                                                                          ("tp", 2, 2)]
     assert all(r["step_ms"] > 0 for r in seen)
+
+
+def test_an_fp16_run_resumes_at_the_loss_scale_it_saved(tmp_path, monkeypatch):
+    """In one process: fp16 training whose updates overflow at the scaler's starting scale (a gradient
+    made inf while the scale is 2^16: step 0 is skipped and the scale halved) saves the scale it reached
+    with its checkpoint, and a run resumed from it goes on at that scale: the same losses and no skipped
+    step, as the uninterrupted run, where a scale reset to its start would skip again."""
+    import runtime.train as train
+
+    class Overflowing(train.LossScaler):
+        def unscale(self, params):
+            if self.scale == 2.0**16:
+                next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
+            return super().unscale(params)
+
+    monkeypatch.setattr(train, "LossScaler", Overflowing)
+    _, graph = capture_model(ODD_MLP)
+    whole = {op.name: {"degrees": {}, "devices": [0]} for op in graph}
+    build = functools.partial(build_workload, ODD_MLP, graph.batch_size)
+
+    def go(steps: int, directory: Path, resume: bool) -> dict:
+        latest = latest_checkpoint(directory) if resume else None
+        return train_rank(0, 1, build=build, graph=graph.to_dict(), strategy=whole,
+                          options=TrainOptions(steps=steps, setup=TrainSetup(precision="fp16"),
+                                               checkpoint_dir=str(directory),
+                                               resume_from=None if latest is None else str(latest)))
+
+    straight = go(4, tmp_path / "straight", False)
+    assert straight["skipped_steps"] == [0], straight["skipped_steps"]
+    go(2, tmp_path / "cut", False)
+    assert read_info(checkpoint_path(tmp_path / "cut", 2)).meta["loss_scale"] == {"scale": 2.0**15, "good": 1}
+    resumed = go(4, tmp_path / "cut", True)
+    assert resumed["first_step"] == 2 and resumed["skipped_steps"] == [], resumed["skipped_steps"]
+    assert resumed["losses"] == straight["losses"][2:]
