@@ -323,26 +323,29 @@ def loss_scaler(setup: TrainSetup, *, across_ranks: bool = True) -> LossScaler |
     return LossScaler(across_ranks=across_ranks) if setup.loss_scaling else None
 
 
+def _gradient_copies(executor: Executor) -> list[tuple[str, Any, Any, tuple[int, int] | None]]:
+    """A copy of this rank's gradients, shaped as `Executor.shard_items` (trainable shards only; zeros
+    where a shard has none) but as numpy arrays: verification's copy, kept outside torch's tensors so that
+    the training's memory (`runtime.memory`) does not count it."""
+    return [(fqn, region, (t.grad if t.grad is not None else torch.zeros_like(t)).detach().to("cpu").numpy().copy(),
+             chunk) for fqn, region, t, chunk in executor.shard_items() if t.requires_grad]
+
+
 def train_step(executor: Executor, optimizer: torch.optim.Optimizer | None, batch: Sequence[torch.Tensor], *,
                step: int, fail: bool = False, scaler: LossScaler | None = None,
-               gradients: list | None = None) -> torch.Tensor:
+               keep_grads: bool = False) -> torch.Tensor:
     """One training step (forward, backward with gradient synchronization, optimizer update; under fp16,
     `scaler`'s loss scaling) on the full global `batch`; returns this rank's share of the loss. Errors
-    become `ExecutionError` naming the op. `gradients`, when given, receives a copy of the step's
-    gradients before the update (unscaled), shaped as `Executor.shard_items` (trainable shards only) but
-    as numpy arrays, unless the loss scaler skips the update: verification's copy, kept outside torch's
-    tensors so that the training's memory (`runtime.memory`) does not count it."""
+    become `ExecutionError` naming the op. With `keep_grads` the gradients stay (unscaled; the optimizer
+    only reads them) for the caller to read and then clear (`Executor.zero_grad`) before the next step."""
     try:
         local = executor.run_step(batch, step=step, fail=fail, loss_scale=scaler.scale if scaler is not None else 1.0)
         executor.where = "optimizer step"
-        applied = scaler is None or scaler.unscale(executor.parameters())
-        if gradients is not None and applied:
-            gradients.extend((fqn, region, (t.grad if t.grad is not None else torch.zeros_like(t)).detach().to(
-                "cpu").numpy().copy(), chunk) for fqn, region, t, chunk in executor.shard_items() if t.requires_grad)
-        if applied:
+        if scaler is None or scaler.unscale(executor.parameters()):
             if optimizer is not None:
                 optimizer.step()
-        executor.zero_grad()
+        if not keep_grads:
+            executor.zero_grad()
     except Exception as exc:
         raise ExecutionError(f"step {step}, {executor.where}: {type(exc).__name__}: {exc}") from exc
     return local
@@ -564,11 +567,12 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
             dist.barrier()
         start = clock()
         capture = options.verify and grads_step is None
-        local = train_step(executor, optimizer, batch, step=step, fail=fault, scaler=scaler,
-                           gradients=grads_items if capture else None)
-        if capture and (scaler is None or not scaler.skipped or scaler.skipped[-1] != step - first_step):
-            grads_step = step  # (a rank holding no parameter captured nothing, but at the same step)
+        local = train_step(executor, optimizer, batch, step=step, fail=fault, scaler=scaler, keep_grads=capture)
         times_ms.append((clock() - start) * 1e3)
+        if capture:  # (the scaler skips on every rank alike, so every rank captures at the same step)
+            if scaler is None or not scaler.skipped or scaler.skipped[-1] != step - first_step:
+                grads_step, grads_items = step, _gradient_copies(executor)
+            executor.zero_grad()
         losses.append(executor.all_reduce_loss(local))
         done = step + 1
         if options.checkpoint_dir is not None and (
@@ -593,7 +597,6 @@ def train_rank(rank: int, world_size: int, *, build: Callable[[], Workload], gra
         "skipped_steps": [first_step + c for c in scaler.skipped] if scaler is not None else []}
     if options.verify:
         gathered = _gather_params(executor, plan, rank)
-        # (every rank captured at the same step, or none: the scaler skips on all ranks together)
         grads_items = [(fqn, region, torch.from_numpy(a), chunk) for fqn, region, a, chunk in grads_items]
         gathered_grads = _gather_params(executor, plan, rank, grads_items) if grads_step is not None else None
         if gathered is not None:
