@@ -266,20 +266,34 @@ def _batchnorm(op, box, inputs, params, ctx):
                          eps=float(op.attrs.get("eps", 1e-5))),)
 
 
+# Norms and softmax compute in float32 on a half-precision input (bf16, fp16) and return the input's
+# dtype, as torch.autocast runs them and as mixed-precision training does: their sums of squares and
+# exponentials overflow or lose the small terms in 8 or 11 bits (an fp16 RMS norm of activations above 256
+# is inf).
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _wide(t: Tensor | None) -> Tensor | None:
+    """`t` in float32 where it is half precision, else `t`."""
+    return t.float() if t is not None and t.dtype in _HALF else t
+
+
 def _layernorm(op, box, inputs, params, ctx):
     shape = [int(s) for s in op.attrs["normalized_shape"]]
-    return (F.layer_norm(inputs[0], shape, params.get("weight"), params.get("bias"),
-                         eps=float(op.attrs.get("eps", 1e-5))),)
+    x = inputs[0]
+    return (F.layer_norm(_wide(x), shape, _wide(params.get("weight")), _wide(params.get("bias")),
+                         eps=float(op.attrs.get("eps", 1e-5))).to(x.dtype),)
 
 
 def _rmsnorm(op, box, inputs, params, ctx):
-    # written out as Hugging Face's LlamaRMSNorm computes it, so that a fused hand-written norm gives the
-    # model's own rounding
+    # written out as Hugging Face's LlamaRMSNorm computes it (the normalization in float32, back to the
+    # input's dtype before the weight), so that a fused hand-written norm gives the model's own rounding
     x = inputs[0]
     axes = tuple(range(x.ndim - len(op.attrs["normalized_shape"]), x.ndim))
     eps = op.attrs.get("eps")
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
-    y = x * torch.rsqrt(x.pow(2).mean(axes, keepdim=True) + eps)
+    wide = _wide(x)
+    y = (wide * torch.rsqrt(wide.pow(2).mean(axes, keepdim=True) + eps)).to(x.dtype)
     weight = params.get("weight")
     offset = float(op.attrs.get("offset") or 0.0)
     if weight is None:
@@ -515,7 +529,8 @@ def _transpose(op, box, inputs, params, ctx):
 
 def _softmax(op, box, inputs, params, ctx):
     fn = F.log_softmax if op.attrs.get("log", False) else F.softmax
-    return (fn(inputs[0], dim=int(op.attrs["axis"])),)
+    x = inputs[0]
+    return (fn(_wide(x), dim=int(op.attrs["axis"])).to(x.dtype),)
 
 
 _M32 = 0xFFFFFFFF

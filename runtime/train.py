@@ -799,8 +799,8 @@ def reference_train(build: Callable[[], Workload], graph: OperatorGraph,
 # differ from the reference by max(rtol x update, atol). A parameter whose gradient is zero in exact
 # arithmetic (an attention key's bias, say) moves only by rounding noise on both sides; the floor keeps
 # that noise from failing the check, while a wrong gradient moves it by a step's size and fails.
-# Under mixed precision the reference is torch.autocast, which keeps some ops (softmax, norms, the loss)
-# in float32 where the run computes all but the loss in the compute dtype, so the two round differently:
+# Under mixed precision the reference is torch.autocast, which keeps more ops in float32 (sums, exponentials,
+# powers) than the run does (norms, softmax and the loss), so the two round differently:
 # about 2^-8 (bfloat16) or 2^-11 (float16) relative per op. The tolerances allow a few percent of a
 # parameter's update and of the loss, far below what a wrong gradient or a missed exchange does (a whole
 # update, or a loss off by the model's output scale).

@@ -944,3 +944,24 @@ def test_a_config_unpickled_in_another_process_hashes_as_that_process_makes_it()
                              timeout=60, env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
         outs.add(run.stdout.decode().strip())
     assert outs == {"True True 1"}
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case_id", ["layernorm", "rmsnorm", "softmax", "softmax-log"])
+def test_norms_and_softmax_compute_half_precision_inputs_in_float32(case_id, half):
+    """As autocast runs them: a half-precision input's norm or softmax is the float32 computation cast
+    back to the input's dtype (the RMS norm before its weight, as Hugging Face's norms cast), so that an
+    fp16 RMS norm of activations above 256, whose sum of squares overflows in fp16, stays finite."""
+    case = next(c for c in CASES if c.id == case_id)
+    x = case.inputs[0] * 300  # squares above fp16's largest number
+    op = case.op()
+    (got,) = compute_part(op, full_box(dims_of(op)), [x.to(half)], {k: v.to(half) for k, v in case.params.items()})
+    assert got.dtype == half and bool(torch.isfinite(got).all())
+    if case.kind == "rmsnorm":
+        wide = x.to(half).float()
+        y = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(half)
+        want = case.params["weight"].to(half) * y
+    else:
+        want, = case.reference_outputs([x.to(half).float()], {k: v.to(half).float() for k, v in case.params.items()})
+        want = want.to(half)
+    assert torch.equal(got, want), (got - want).abs().max()
