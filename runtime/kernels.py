@@ -266,22 +266,28 @@ def _batchnorm(op, box, inputs, params, ctx):
                          eps=float(op.attrs.get("eps", 1e-5))),)
 
 
-# Norms and softmax compute in float32 on a half-precision input (bf16, fp16) and return the input's
-# dtype, as torch.autocast runs them and as mixed-precision training does: their sums of squares and
-# exponentials overflow or lose the small terms in 8 or 11 bits (an fp16 RMS norm of activations above 256
-# is inf).
+# On a half-precision input (bf16, fp16) norms and softmax compute in float32 and return the input's dtype,
+# as torch.autocast runs them. The RMS norm, written out, always does (as Hugging Face's norms cast): its
+# sum of squares overflows in fp16 above 256. Layer norm and softmax do on the CPU, whose half-precision
+# kernels lose accuracy in backward (a bf16 layer norm's weight and bias gradients: 2-3% of their size off
+# float64 natively, 0.2-0.5% in float32; a layer norm's bias gradient was 25% off under bf16 tp). CUDA's
+# kernels accumulate in float32 (PyTorch's accumulate type), where the casts would only add memory
+# traffic; that is PyTorch's design, not measured here.
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _wide(t: Tensor | None) -> Tensor | None:
-    """`t` in float32 where it is half precision, else `t`."""
-    return t.float() if t is not None and t.dtype in _HALF else t
+def _wide(t: Tensor | None, *, cpu_only: bool = False) -> Tensor | None:
+    """`t` in float32 where it is half precision (on the CPU only, with `cpu_only`), else `t`."""
+    if t is None or t.dtype not in _HALF or (cpu_only and t.device.type != "cpu"):
+        return t
+    return t.float()
 
 
 def _layernorm(op, box, inputs, params, ctx):
     shape = [int(s) for s in op.attrs["normalized_shape"]]
     x = inputs[0]
-    return (F.layer_norm(_wide(x), shape, _wide(params.get("weight")), _wide(params.get("bias")),
+    weight, bias = params.get("weight"), params.get("bias")
+    return (F.layer_norm(_wide(x, cpu_only=True), shape, _wide(weight, cpu_only=True), _wide(bias, cpu_only=True),
                          eps=float(op.attrs.get("eps", 1e-5))).to(x.dtype),)
 
 
@@ -530,7 +536,7 @@ def _transpose(op, box, inputs, params, ctx):
 def _softmax(op, box, inputs, params, ctx):
     fn = F.log_softmax if op.attrs.get("log", False) else F.softmax
     x = inputs[0]
-    return (fn(_wide(x), dim=int(op.attrs["axis"])).to(x.dtype),)
+    return (fn(_wide(x, cpu_only=True), dim=int(op.attrs["axis"])).to(x.dtype),)
 
 
 _M32 = 0xFFFFFFFF

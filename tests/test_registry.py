@@ -949,9 +949,10 @@ def test_a_config_unpickled_in_another_process_hashes_as_that_process_makes_it()
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case_id", ["layernorm", "rmsnorm", "softmax", "softmax-log"])
 def test_norms_and_softmax_compute_half_precision_inputs_in_float32(case_id, half):
-    """As autocast runs them: a half-precision input's norm or softmax is the float32 computation cast
-    back to the input's dtype (the RMS norm before its weight, as Hugging Face's norms cast), so that an
-    fp16 RMS norm of activations above 256, whose sum of squares overflows in fp16, stays finite."""
+    """As autocast runs them: on the CPU (the RMS norm on any device) a half-precision input's norm or
+    softmax is the float32 computation cast back to the input's dtype (the RMS norm before its weight, as
+    Hugging Face's norms cast), so that an fp16 RMS norm of activations above 256, whose sum of squares
+    overflows in fp16, stays finite."""
     case = next(c for c in CASES if c.id == case_id)
     x = case.inputs[0] * 300  # squares above fp16's largest number
     op = case.op()
