@@ -393,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+        # the command's own parser, for errors argparse leaves to the caller (`main`)
+        p.set_defaults(command_parser=p)
         return p
 
     add("models", "list the model zoo")
@@ -572,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse's own check would print the top-level usage, not the command's
-        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     warnings.showwarning = _show_warning
     try:
         _check_output_paths(args)
@@ -618,12 +620,6 @@ def _check_output_paths(args: argparse.Namespace) -> None:
         reason = unwritable_reason(os.path.dirname(path) or ".")
         if reason is not None:
             raise CommandError(f"{flag} {path!r} cannot be written: {reason}")
-
-
-def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    """The parser of `command` (a subcommand of `parser`)."""
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return subparsers.choices[command]
 
 
 def _error(exc: BaseException) -> int:
