@@ -329,11 +329,12 @@ class Planner:
                 gather = self.comm.collective(group, step.gather_bytes[c], ALLGATHER)[1]
                 gathers = (3 if step.recompute else 2) if step.runs_bwd else 1
                 scatter = self.comm.collective(group, step.scatter_bytes[c], REDUCE_SCATTER)[1] if step.runs_bwd else 0
+                bwd_shard = gather * (gathers - 1) + scatter
                 fwd_ns += gather
-                bwd_ns += gather * (gathers - 1) + scatter
+                bwd_ns += bwd_shard
                 if not plan.shard_ns:
                     plan.shard_ns = [(0, 0)] * len(step.devices)
-                plan.shard_ns[c] = (gather, gather * (gathers - 1) + scatter)
+                plan.shard_ns[c] = (gather, bwd_shard)
                 # a ring all-gather or reduce-scatter: each member sends (n - 1) / n of the buffer
                 n = len(group)
                 plan.moved += (gathers * step.gather_bytes[c] + step.scatter_bytes[c]) * (n - 1) // n

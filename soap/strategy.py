@@ -160,11 +160,14 @@ def recorded_setup(doc: Mapping[str, Any], *, source: str = "strategy") -> Train
         raise StrategyError(f"{source}: setup: {exc}") from None
 
 
-def setup_differences(recorded: TrainSetup, setup: TrainSetup) -> list[str]:
-    """``<field> <recorded value> in the file, <value> here`` for every field in which `recorded` (a file's)
-    and `setup` (the one it is used with) differ, in field order."""
-    mine, theirs = recorded.to_dict(), setup.to_dict()
-    return [f"{name} {mine[name]!r} in the file, {theirs[name]!r} here" for name in mine if mine[name] != theirs[name]]
+def setup_differences(recorded: Mapping[str, Any] | TrainSetup, setup: Mapping[str, Any] | TrainSetup, *,
+                      where: str = "in the file") -> list[str]:
+    """``<field> <recorded value> <where>, <value> here`` for every field in which `recorded` (a file's) and
+    `setup` (the one it is used with) differ, in `recorded`'s field order; either may be a `TrainSetup` or a
+    mapping of fields (extra ones compared too, those only one has skipped)."""
+    mine, theirs = (s.to_dict() if isinstance(s, TrainSetup) else s for s in (recorded, setup))
+    return [f"{name} {mine[name]!r} {where}, {theirs[name]!r} here" for name in mine
+            if name in theirs and mine[name] != theirs[name]]
 
 
 def strategy_from_dict(doc: Mapping[str, Any], graph: OperatorGraph, num_devices: int, *,

@@ -303,15 +303,15 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
     if out["losses"]:
         rows = [[i, f"{loss:.6f}"] for i, loss in enumerate(out["losses"], start=first)]
         lines.append(table(rows, ["step", "loss"]))
+        if out.get("skipped_steps"):
+            lines.append(f"fp16 loss scaling skipped the update of step(s) "
+                         f"{', '.join(map(str, out['skipped_steps']))}: a gradient overflowed, and the scale was "
+                         f"halved each time")
+        lines.append("median step time per rank (ms): " + " ".join(f"{t:.2f}" for t in out["step_time_ms"]))
+        lines += ["collectives of the last step:", collectives_table(out["collectives"])]
     else:
         lines.append(f"nothing left to run: the checkpoint holds all {out['steps']} steps asked for (--steps "
                      f"above {out['steps']} trains further)")
-    if out.get("skipped_steps"):
-        lines.append(f"fp16 loss scaling skipped the update of step(s) {', '.join(map(str, out['skipped_steps']))}: "
-                     f"a gradient overflowed, and the scale was halved each time")
-    if out["losses"]:
-        lines.append("median step time per rank (ms): " + " ".join(f"{t:.2f}" for t in out["step_time_ms"]))
-        lines += ["collectives of the last step:", collectives_table(out["collectives"])]
     v = out.get("verify")
     if v:
         tol = v["tolerance"]
@@ -325,10 +325,10 @@ def cmd_run(args: argparse.Namespace) -> tuple[dict, str]:
                  f", first step's gradients {v['max_grad_rel_diff']:.3g} (allowed {tol['rtol']:.0e}; worst "
                  f"{v['worst_grad']})")
         if v.get("max_grad_rel_diff") is None and v.get("gradients_step") != v.get("reference_gradients_step"):
-            def first(step: int | None) -> str:
+            def when(step: int | None) -> str:
                 return "at no step" if step is None else f"at step {step}"
             grads = (f", gradients not compared (the loss scaler skipped other steps: the run first updated "
-                     f"{first(v.get('gradients_step'))}, the reference {first(v.get('reference_gradients_step'))})")
+                     f"{when(v.get('gradients_step'))}, the reference {when(v.get('reference_gradients_step'))})")
         lines.append(f"verify against single-process training: {'passed' if v['passed'] else 'FAILED'}; "
                      f"largest loss difference {v['max_loss_rel_diff']:.3g} (relative; allowed "
                      f"{tol['loss_rtol']:.0e}){grads}, {params}")

@@ -38,7 +38,7 @@ from soap.files import unwritable_reason
 from soap.graph import OperatorGraph
 from soap.lowering import lower
 from soap.setup import TrainSetup
-from soap.strategy import Strategy, read_strategy_doc
+from soap.strategy import Strategy, read_strategy_doc, setup_differences
 from soap.topology import load_topology
 from soapflow.api import capture_model, resolve_strategy, strategy_batch
 from soapflow.models import default_loss, load_model
@@ -149,9 +149,8 @@ def run(model_ref: str, strategy_ref: str, *, nproc: int | None = None, steps: i
         info = read_info(resume_from)
         check_resumable(resume_from, info, graph=graph.name, fingerprint=graph.fingerprint,
                         optimizer=setup.optimizer, seed=seed)
-        saved = {**info.meta.get("setup", {}), "dtype": info.meta.get("dtype", dtype)}
-        differ = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in {**setup.to_dict(), "dtype": dtype}.items()
-                  if k in saved and saved[k] != v]
+        differ = setup_differences({**info.meta.get("setup", {}), "dtype": info.meta.get("dtype", dtype)},
+                                   {**setup.to_dict(), "dtype": dtype}, where="there")
         if differ:  # a deliberate change (a new learning rate, say) is allowed, but said
             warnings.warn(f"resuming checkpoint {Path(resume_from).name}, saved with another training setup: "
                           + "; ".join(differ), stacklevel=2)
