@@ -721,20 +721,31 @@ class Executor:
         if e.region is not None:
             shard = self.shards[(e.fqn, e.region)]
             return shard.grad if shard.grad is not None else torch.zeros_like(shard)
-        full = torch.zeros(self.param_shapes[e.fqn], dtype=self.float_dtype, device=self.device)
-        for (fqn, region), shard in self.shards.items():
-            if fqn == e.fqn and shard.grad is not None:
+        full = torch.zeros(tuple(hi - lo for lo, hi in e.box), dtype=self.float_dtype, device=self.device)
+        for region, shard in self._in_box(e):
+            if shard.grad is not None:
                 full[as_slices(region)].add_(shard.grad)
         return full
+
+    def _in_box(self, e: SyncEntry) -> list[tuple[Region, torch.Tensor]]:
+        """The shards of `e`'s parameter within its box (`SyncEntry`), each with its region relative to the
+        box."""
+        out = []
+        for (fqn, region), shard in self.shards.items():
+            if fqn != e.fqn:
+                continue
+            pairs = list(zip(region, e.box, strict=True))
+            if all(blo <= lo and hi <= bhi for (lo, hi), (blo, bhi) in pairs):
+                out.append((tuple((lo - blo, hi - blo) for (lo, hi), (blo, _) in pairs), shard))
+        return out
 
     def _set_grad(self, e: SyncEntry, value: torch.Tensor) -> None:
         if e.region is not None:
             # `value` is this gradient's own reduced buffer (or a slice of a bucket used once): no copy.
             self.shards[(e.fqn, e.region)].grad = value
             return
-        for (fqn, region), shard in self.shards.items():
-            if fqn == e.fqn:
-                shard.grad = value[as_slices(region)].clone()
+        for region, shard in self._in_box(e):
+            shard.grad = value[as_slices(region)].clone()
 
     def zero_grad(self) -> None:
         for shard in self.shards.values():

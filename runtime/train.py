@@ -62,6 +62,7 @@ from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices, 
 from runtime.kernels import dropped
 from runtime.launch import rank_device
 from runtime.materialize import MaterializeError, install_buffers, record, replay
+from soap.capture.attention import captured_attention
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
 from soap.lowering import StepPlan, lower
@@ -701,7 +702,8 @@ def _reference_loss(workload: Workload, module: nn.Module, graph: OperatorGraph,
                     autocast: bool = True) -> torch.Tensor:
     """The reference's loss of `step` (in `dtype`): the step's synthetic batch (integer inputs below
     `highs`, `integer_highs`) through the module, its
-    dropouts drawing the runtime's masks, under torch.autocast to the compute dtype unless the run computes
+    dropouts drawing the runtime's masks (attention's included: ``nn.MultiheadAttention`` computes as
+    capture traced it, `soap.capture.attention`), under torch.autocast to the compute dtype unless the run computes
     in float32 or not `autocast`."""
     batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype,
                             device=device)
@@ -709,6 +711,7 @@ def _reference_loss(workload: Workload, module: nn.Module, graph: OperatorGraph,
     compute = options.setup.compute_dtype
     n_inputs = len(workload.inputs)
     with (_RuntimeDropout(num_ops=len(dropouts), masked=any(op.attrs.get("p") for op in dropouts), step=step),
+          captured_attention(),
           torch.autocast(device.type, dtype=TORCH_DTYPES[compute], enabled=autocast and compute != "float32")):
         return workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).to(dtype)
 

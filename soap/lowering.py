@@ -840,16 +840,18 @@ def _within_replica(flow: GradFlow, edge: Edge, prod: OpStep, inp: np.ndarray) -
 
 
 class SyncEntry:
-    """A parameter gradient to all-reduce: shard `region` of `fqn` (None: the whole parameter, its shards
-    overlapping without being equal) over the sorted devices `group`, in bucket `bucket`. `holders` are
-    the (op position, part) pairs whose backward contributes to it."""
+    """A parameter gradient to all-reduce: shard `region` of `fqn` over the sorted devices `group`, in
+    bucket `bucket`; or, `region` None, the box `box` of `fqn` (the whole parameter, or the block the
+    holders use), its shards overlapping without being equal, added up over the box. `holders` are the (op
+    position, part) pairs whose backward contributes to it."""
 
-    __slots__ = ("fqn", "region", "group", "bucket", "numel", "nbytes", "holders")
+    __slots__ = ("fqn", "region", "group", "bucket", "numel", "nbytes", "holders", "box")
 
     def __init__(self, fqn: str, region: Region | None, group: tuple[int, ...], bucket: int, numel: int,
-                 nbytes: int, holders: tuple[tuple[int, int], ...]):
+                 nbytes: int, holders: tuple[tuple[int, int], ...], box: Region | None = None):
         self.fqn, self.region, self.group, self.bucket = fqn, region, group, bucket
         self.numel, self.nbytes, self.holders = numel, nbytes, holders
+        self.box = box
 
 
 class ParamStep:
@@ -934,13 +936,14 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep], replica
                     sync.append(SyncEntry(fqn, key[1], group, bucket, numel, numel * itemsize,
                                           tuple(sorted(holders[key]))))
         else:
-            # Overlapping shards (a tied weight read whole by one op and split by another): every holder
-            # contributes a full-size gradient, even two shards on one device must see each other's.
-            assert not spec.offset, "a block of a parameter is used by one op"
+            # Overlapping shards (a tied weight, or one block of a parameter, read whole by one op and split
+            # by another): every holder contributes a gradient of the whole box, even two shards on one
+            # device must see each other's.
             group = tuple(sorted(set().union(*(set(out.shards[k]) for k in keys))))
             numel = spec.numel
+            box = tuple((o, o + n) for o, n in zip(spec.offset or (0,) * len(spec.shape), spec.shape, strict=True))
             sync.append(SyncEntry(fqn, None, group, bucket, numel, numel * itemsize,
-                                  tuple(sorted({h for k in keys for h in holders[k]}))))
+                                  tuple(sorted({h for k in keys for h in holders[k]})), box))
     out.sync = tuple(sync)
     out.update_bytes = update
     out.memory_bytes = memory

@@ -7,7 +7,8 @@ with random initialization: nothing is downloaded. Each function takes the globa
 `(module, (inputs, target), loss_fn)`: the module maps token ids `[N, T]` to logits `[N, T, vocab]`, the
 target is `[N, T]` token ids, the loss cross entropy over all positions (ViT maps images `[N, 3, 32, 32]` to
 class logits `[N, 10]` against labels `[N]`). Attention uses PyTorch's fused kernel
-(`attn_implementation="sdpa"`) and every dropout is 0, as soapflow captures attention only without dropout.
+(`attn_implementation="sdpa"`) and every dropout is 0 (GPT-2 takes a `dropout` for its residual, embedding and
+attention dropouts: attention with dropout captures written out, `soap/capture/attention.py`).
 Needs the optional extra `hf` (`pip install 'soapflow[hf]'`).
 """
 
@@ -39,12 +40,12 @@ def _example(module: nn.Module, batch_size: int, seq: int) -> tuple:
     return LogitsOf(module), (ids, target), lm_cross_entropy
 
 
-def gpt2(batch_size: int = 4, *, seq: int = SEQ, width: int = 64, heads: int = 4) -> tuple:
-    """GPT-2: 2 layers, width 64, 4 heads (its `Conv1D` linears are `addmm`)."""
+def gpt2(batch_size: int = 4, *, seq: int = SEQ, width: int = 64, heads: int = 4, dropout: float = 0.0) -> tuple:
+    """GPT-2: 2 layers, width 64, 4 heads (its `Conv1D` linears are `addmm`), every dropout `dropout`."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     config = GPT2Config(n_layer=2, n_embd=width, n_head=heads, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                         attn_implementation="sdpa")
     return _example(AutoModelForCausalLM.from_config(config), batch_size, seq)
 

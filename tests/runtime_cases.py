@@ -29,7 +29,7 @@ from runtime.train import (
     train_rank,
 )
 from soap.capture import capture
-from soap.config import ConfigError, ParallelConfig, param_replicas, recompute_refusal, validate
+from soap.config import ConfigError, ParallelConfig, param_replicas, recompute_refusal, shardable, validate
 from soap.graph import Operator, OperatorGraph
 from soap.opdef import DimKind
 from soap.registry import dims_of, op_def
@@ -175,6 +175,65 @@ class LlamaLike(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class AttentionMix(nn.Module):
+    """``nn.MultiheadAttention`` as users write it: an encoder layer (batch first, dropout, a causal mask
+    with the ``is_causal`` hint and a key padding mask), then a sequence-first cross-attention with its own
+    key and value widths whose averaged weights the output reads, then attention called directly with
+    dropout and a causal mask."""
+
+    def __init__(self, width: int = 16, heads: int = 2, seq: int = 6, dropout: float = 0.1):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.enc = nn.TransformerEncoderLayer(width, heads, 32, dropout=dropout, batch_first=True)
+        self.mem = nn.Linear(8, 12)
+        self.cross = nn.MultiheadAttention(width, heads, kdim=12, vdim=12)
+        self.out = nn.Linear(width, 4)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        padding = torch.zeros(batch, seq, dtype=x.dtype, device=x.device).masked_fill(
+            torch.arange(seq, device=x.device) == seq - 1, float("-inf"))
+        h = self.enc(self.inp(x), src_mask=self.causal, src_key_padding_mask=padding, is_causal=True)
+        m = self.mem(x).transpose(0, 1)
+        c, w = self.cross(h.transpose(0, 1), m, m)
+        heads = h.unflatten(-1, (2, -1)).transpose(1, 2)
+        a = F.scaled_dot_product_attention(heads, heads, heads, dropout_p=0.1 if self.training else 0.0,
+                                           is_causal=True).transpose(1, 2).flatten(-2)
+        return self.out(c.transpose(0, 1) + a) + w.mean(-1, keepdim=True)
+
+
+class Sliced(nn.Module):
+    """Parameters cut by split, chunk, slicing, narrow and an identity slice: blocks read by linears, by
+    an add and by an op capture leaves opaque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(24, 8) / 3)
+        self.b = nn.Parameter(torch.randn(24) / 3)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wq, _, wv = self.w.split(8)
+        bq, bk, bv = self.b.chunk(3)
+        q = F.linear(x, wq, bq)
+        k = F.linear(x, self.w[8:16], self.b.narrow(0, 8, 8))
+        v = F.linear(x, wv[:, :], bv)
+        return self.head(torch.tanh(q) * k + v + bk) + torch.cumsum(self.w[-8:], 0).sum()
+
+
+def sliced_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=Sliced(), inputs=(torch.empty(batch, 8, device="meta"),),
+                    target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
+
+
+def attention_build(batch: int, seq: int = 6) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=AttentionMix(seq=seq), inputs=(torch.empty(batch, seq, 8, device="meta"),),
+                    target=torch.empty(batch, seq, 4, device="meta"), loss_fn=default_loss)
+
+
 def llama_build(batch: int, seq: int = 8) -> Workload:
     torch.manual_seed(0)
     return Workload(module=LlamaLike(), inputs=(torch.empty(batch, seq, dtype=torch.long, device="meta"),),
@@ -224,6 +283,8 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "transformer_explicit": functools.partial(zoo_build, "transformer", 4, layers=2, d_model=16, heads=2, seq=8,
                                               context=None, vocab=32, attention="explicit"),
     "llama": functools.partial(llama_build, 4),
+    "attention": functools.partial(attention_build, 4),
+    "sliced": functools.partial(sliced_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)
@@ -317,7 +378,7 @@ def random_strategy(graph: OperatorGraph, num_devices: int, rng: random.Random) 
         cfg = ParallelConfig(degrees=degrees, devices=tuple(rng.sample(range(num_devices), count)))
         if recompute_refusal(op) is None:
             cfg = cfg.replace(recompute=rng.random() < 0.5)
-        if op.params and not any(p.fqn in shared for p in op.params.values()):
+        if shardable(op, shared):
             replicas = param_replicas(op, cfg)
             cfg = cfg.replace(shard=rng.choice([d for d in range(1, replicas + 1) if replicas % d == 0]))
         validate(op, cfg, num_devices)

@@ -274,3 +274,35 @@ def test_search_splits_gpt2_heads_and_parameters_where_they_outweigh_activations
                           "--json"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["verify"]["passed"]
+
+
+def _gpt2_dropout(batch: int = 4) -> Workload:
+    torch.manual_seed(0)
+    module, (ids, target), loss_fn = hf_models.gpt2(batch, dropout=0.1)
+    return Workload(module=module, inputs=(ids,), target=target, loss_fn=loss_fn)
+
+
+def test_gpt2_with_dropout_captures_its_attention_written_out():
+    """GPT-2 at its default dropouts (0.1): the attention's dropout is a ``dropout`` op, nothing is opaque."""
+    graph = rc.capture_workload(_gpt2_dropout)
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    attention = [op for op in graph if op.kind == "dropout" and op.module.endswith(".attn")]
+    assert len(attention) == 2 and all(op.attrs["p"] == 0.1 for op in attention)
+    assert not [op for op in graph if op.kind == "attention"]
+
+
+@pytest.mark.slow
+def test_gpt2_with_dropout_trains_as_one_process():
+    """On 2 processes, GPT-2 with its dropouts (attention's included) under dp, tp and a random strategy
+    matches one process drawing the same masks."""
+    graph = rc.capture_workload(_gpt2_dropout)
+    from search.baselines import parse_baseline
+
+    cases = [{"label": f"gpt2-dropout/{name}", "kind": "train", "build": _gpt2_dropout, "graph": graph.to_dict(),
+              "strategy": rc.configs(strategy), "options": rc.DEFAULT_OPTIONS}
+             for name, strategy in (("dp", parse_baseline("dp")(graph, load_topology("cpu-2"))),
+                                    ("tp", parse_baseline("tp")(graph, load_topology("cpu-2"))),
+                                    ("random", rc.random_strategy(graph, 2, random.Random(0))))]
+    results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=120, wall_timeout_s=1200, num_threads=1)
+    bad = rc.failures(results[0], cases=cases, num_devices=2)
+    assert not bad, "\n".join(bad)

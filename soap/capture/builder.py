@@ -29,6 +29,16 @@ module whose forward computes it, as long as no intermediate value is used elsew
 ``(x * rsqrt(...)) * (c + weight)`` (Gemma's, weight stored as an offset from c = 1), with the attr
 ``offset`` c.
 
+Blocks of parameters. A parameter cut by ``split``, ``split_with_sizes``, ``chunk``, ``unsafe_split`` (one
+piece of it, through ``getitem``), ``slice`` with step 1 or ``narrow``, perhaps repeatedly (and through
+``alias``), is a block of that parameter (`ParamSpec.offset`, as `fused` makes them): the cut makes no
+op, and the op reading the block holds it as a parameter, so ``F.linear(x, w[:d], b[:d])`` is a ``linear``
+over rows 0 to d of w.
+An opaque op names a block by its parameter's local name, ``@`` and the offset (``weight@0,64``). Blocks
+of one parameter overlapping without being equal (``w[:8]`` and ``w[4:]``, or a block and the parameter
+read whole) stay cuts, opaque ops: two ops holding overlapping boxes would each keep and update its own
+copy of the overlap.
+
 Opaque ops. An aten op no kind fits is an ``opaque`` op that runs whole on one device. Its attrs say
 what to call: ``target`` is a dotted name resolvable from the top-level package by attribute access
 (``torch.ops.aten.cumsum.default``, or ``_operator.getitem`` for a non-aten callable); ``args`` (a list) and
@@ -49,7 +59,7 @@ counted, or the counter counts no forward FLOPs, the kind's own formula stands (
 inputs, outputs and parameters; backward is twice that; an ``input`` op moves its output once, a
 ``constant`` op is free.
 
-Imports torch, soap.graph, soap.registry and the earlier capture stages; must not import the simulator,
+Imports torch, soap.graph, soap.opdef, soap.registry and the earlier capture stages; must not import the simulator,
 the search, the runtime or soapflow.
 """
 
@@ -77,6 +87,7 @@ from soap.capture.nodes import (
 )
 from soap.capture.tracing import _model_fqn, _Traced
 from soap.graph import Operator, ParamSpec, TensorRef, TensorSpec
+from soap.opdef import intersect
 from soap.registry import op_def
 
 # aten ops whose values are random or uninitialized: never folded into constants
@@ -87,6 +98,8 @@ _RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn
 # the name of the argument holding it); they fold as ``full``
 _LIKE = {"new_zeros": 0, "new_ones": 1, "new_full": "fill_value", "zeros_like": 0, "ones_like": 1,
          "full_like": "fill_value"}
+# aten ops that cut a block out of a parameter (module docstring)
+_CUTS = frozenset({"split", "split_with_sizes", "chunk", "unsafe_split", "slice", "narrow", "alias"})
 # lifted constants up to this many elements are written into a recipe as literals
 _MAX_LITERAL = 65536
 
@@ -111,6 +124,8 @@ class _Builder:
         self.fused: dict[fx.Node, fx.Node] = {}
         self.fused_norms: dict[fx.Node, _Draft] = {}
         self.calls: dict[fx.Node, _Call] = {}
+        # blocks of parameters (module docstring): node -> (the parameter's placeholder, offset per axis)
+        self.blocks: dict[fx.Node, tuple[fx.Node, tuple[int, ...]]] = {}
         self.folded = self.foldable()
         self.fake_mode = next((n.meta["val"].fake_mode for n in traced.user_inputs
                                if hasattr(n.meta.get("val"), "fake_mode")), None)
@@ -127,7 +142,8 @@ class _Builder:
             self.no_grad.add(self.ops[-1].name)
         calls = _group(self.traced, self.root)
         self.calls = {call.node: call for call in calls}
-        skipped = self.fuse_losses(calls) | self.fuse_rms_norms(calls) | self.fuse_transposed_weights(calls)
+        skipped = self.find_blocks()
+        skipped |= self.fuse_losses(calls) | self.fuse_rms_norms(calls) | self.fuse_transposed_weights(calls)
         for call in calls:
             if call.node not in skipped:
                 self.emit(call)
@@ -186,17 +202,77 @@ class _Builder:
         return self.refs[node]
 
     def is_param(self, value: Any) -> bool:
-        return isinstance(value, fx.Node) and value in self.traced.params
+        """A parameter or a block of one."""
+        return isinstance(value, fx.Node) and (value in self.traced.params or value in self.blocks)
 
     def is_act(self, value: Any) -> bool:
         """A tensor computed in the graph, a batch tensor or a buffer: anything but a parameter."""
-        return (isinstance(value, fx.Node) and value not in self.traced.params
+        return (isinstance(value, fx.Node) and not self.is_param(value)
                 and isinstance(value.meta.get("val"), torch.Tensor))
 
     def local_name(self, node: fx.Node, module: str | None) -> str:
-        """A parameter's name relative to the leaf module making the call, else its full name."""
-        fqn = self.traced.params[node]
-        return fqn[len(module) + 1:] if module and fqn.startswith(f"{module}.") else fqn
+        """A parameter's name relative to the leaf module making the call, else its full name; a block's
+        with ``@`` and its offset."""
+        base, offset = self.blocks.get(node, (node, ()))
+        fqn = self.traced.params[base]
+        local = fqn[len(module) + 1:] if module and fqn.startswith(f"{module}.") else fqn
+        return f"{local}@{','.join(map(str, offset))}" if offset else local
+
+    def param_spec(self, node: fx.Node) -> ParamSpec:
+        """The `ParamSpec` of parameter (or block) `node`."""
+        base, offset = self.blocks.get(node, (node, ()))
+        fqn, whole = self.traced.params[base], base.meta["val"]
+        return ParamSpec(shape=tuple(node.meta["val"].shape), fqn=fqn, dtype=_dtype_name(whole.dtype),
+                         offset=offset, whole_shape=tuple(whole.shape) if offset else (),
+                         trainable=fqn not in self.frozen)
+
+    def find_blocks(self) -> set[fx.Node]:
+        """Record the blocks of parameters (module docstring) in `blocks`; returns the cutting nodes, which
+        make no op. A parameter whose blocks (or the parameter read whole) overlap without being equal
+        keeps its cuts as ops: two ops holding overlapping boxes would each keep and update its own copy
+        of the overlap."""
+        cuts: dict[fx.Node, fx.Node] = {}  # cutting node -> the parameter it cuts
+        for node in self.traced.nodes:
+            a = _bind(node)
+            name = _aten_name(node)
+            if a is None or name not in _CUTS or not self.is_param(node.args[0]):
+                continue
+            x = node.args[0]
+            ndim = len(_shape(x))
+            dim = int(a.get("dim") or 0) % max(ndim, 1)
+            base, offset = self.blocks.get(x, (x, ()))
+            offset = offset or (0,) * ndim
+            cuts[node] = base
+            if name == "alias":
+                self.blocks[node] = self.blocks.get(x, (x, ()))
+            elif name in ("slice", "narrow"):
+                if name == "slice" and a["step"] != 1:
+                    del cuts[node]
+                    continue
+                size = _shape(x)[dim]
+                start = int(a["start"] or 0)
+                start = max(start + size, 0) if start < 0 else min(start, size)
+                self.blocks[node] = (base, _shifted(offset, dim, start))
+            else:
+                starts = [0]
+                for piece in node.meta["val"][:-1]:
+                    starts.append(starts[-1] + int(piece.shape[dim]))
+                for user in node.users:
+                    if _is_getitem(user):
+                        self.blocks[user] = (base, _shifted(offset, dim, starts[user.args[1]]))
+        boxes: dict[fx.Node, set[tuple[tuple[int, int], ...]]] = {}
+        for node, (base, offset) in self.blocks.items():
+            if any(u not in cuts for u in _uses(node)):
+                box = tuple((o, o + n) for o, n in zip(offset or (0,) * node.meta["val"].dim(),
+                                                       node.meta["val"].shape, strict=True))
+                boxes.setdefault(base, set()).add(box)
+        for base in boxes:
+            if any(u not in cuts for u in _uses(base)):
+                boxes[base].add(tuple((0, n) for n in base.meta["val"].shape))
+        overlapping = {base for base, found in boxes.items()
+                       if any(a != b and intersect(a, b) is not None for a in found for b in found)}
+        self.blocks = {n: v for n, v in self.blocks.items() if v[0] not in overlapping}
+        return {n for n, base in cuts.items() if base not in overlapping}
 
     # folding
 
@@ -353,9 +429,7 @@ class _Builder:
             return
         base = self.base(call, draft.kind)
         inputs = tuple(self.ref(n) for n in draft.inputs)
-        params = {k: ParamSpec(shape=tuple(p.meta["val"].shape), fqn=self.traced.params[p],
-                               dtype=_dtype_name(p.meta["val"].dtype),
-                               trainable=self.traced.params[p] not in self.frozen) for k, p in draft.params.items()}
+        params = {k: self.param_spec(p) for k, p in draft.params.items()}
         if draft.outputs is None:
             pairs = _tensors_of(node.meta["val"])
             draft.outputs = [t for _, t in pairs]
@@ -433,8 +507,8 @@ class _Builder:
                 if not isinstance(val, torch.Tensor):
                     return val
                 producer = self.refs.get(value)
-                if value in self.traced.params:
-                    needs_grad = self.traced.params[value] not in self.frozen
+                if self.is_param(value):
+                    needs_grad = self.param_spec(value).trainable
                 else:
                     needs_grad = (val.is_floating_point() and value not in factories
                                   and value not in self.traced.buffers
@@ -469,6 +543,10 @@ def _deps(node: fx.Node) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg((node.args, node.kwargs), out.append)
     return out
+
+
+def _shifted(offset: tuple[int, ...], dim: int, by: int) -> tuple[int, ...]:
+    return tuple(o + by if i == dim else o for i, o in enumerate(offset))
 
 
 def _uses(node: fx.Node) -> list[fx.Node]:

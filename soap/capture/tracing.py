@@ -352,8 +352,11 @@ def _functionalize(graph: fx.Graph) -> dict[fx.Node, str]:
 
 
 class _LeafTracer(fx.Tracer):
+    """Symbolic tracing that stops at the leaf modules and at ``nn.MultiheadAttention``, whose forward
+    branches on its arguments' shapes (it is then run on fake tensors like a leaf's call)."""
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return _is_leaf(m)
+        return _is_leaf(m) or isinstance(m, nn.MultiheadAttention)
 
 
 def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,

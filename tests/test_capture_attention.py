@@ -1,0 +1,264 @@
+"""Attention as capture traces it (`soap.capture.attention`): ``nn.MultiheadAttention`` in its inputs'
+layout, SDPA with dropout written out; and blocks of parameters cut by slicing (`soap.capture.builder`).
+The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
+parallelism needs no exchange, nothing is opaque, and runs match one process."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import runtime_cases as rc
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import soap.capture as capture_module
+from runtime.launch import launch
+from search.baselines import parse_baseline
+from simulator.engine import Simulator
+from soap.capture import capture
+from soap.capture.attention import captured_attention
+from soap.topology import load_topology
+
+BATCH, LENGTH, SOURCE, WIDTH, HEADS = 3, 5, 4, 8, 2
+
+
+def _masks(kind: str) -> dict:
+    """Keyword arguments of one mask case for a query of LENGTH and keys of SOURCE."""
+    causal = torch.triu(torch.ones(LENGTH, SOURCE, dtype=torch.bool), 1)
+    padding = torch.zeros(BATCH, SOURCE, dtype=torch.bool)
+    padding[0, -1] = True
+    cases = {
+        "none": {},
+        "bool": {"attn_mask": causal},
+        "float": {"attn_mask": torch.zeros(LENGTH, SOURCE).masked_fill(causal, float("-inf"))},
+        "3d": {"attn_mask": torch.randn(BATCH * HEADS, LENGTH, SOURCE)},
+        "padding": {"key_padding_mask": padding},
+        "both": {"attn_mask": causal, "key_padding_mask": padding},
+        "causal": {"attn_mask": causal, "is_causal": True},
+    }
+    return cases[kind]
+
+
+@pytest.mark.parametrize("batch_first,separate,need_weights,average", [
+    (True, False, False, True), (False, False, True, True), (True, True, True, False), (False, True, False, True)])
+def test_forward_computes_what_pytorch_computes(batch_first, separate, need_weights, average):
+    """Outputs, returned weights and every gradient agree with PyTorch's forward, for self- and
+    cross-attention, packed and separate projections, both layouts and every kind of mask."""
+    torch.manual_seed(0)
+    kdim = 6 if separate else WIDTH
+    m = nn.MultiheadAttention(WIDTH, HEADS, kdim=kdim, vdim=kdim, batch_first=batch_first).double()
+    shape = (BATCH, LENGTH) if batch_first else (LENGTH, BATCH)
+    source_shape = (BATCH, SOURCE) if batch_first else (SOURCE, BATCH)
+    for kind in ("none", "bool", "float", "3d", "padding", "both", "causal"):
+        masks = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                 for k, v in _masks(kind).items()}
+        query = torch.randn(*shape, WIDTH, dtype=torch.float64, requires_grad=True)
+        key = torch.randn(*source_shape, kdim, dtype=torch.float64, requires_grad=True)
+        value = key if kind != "none" else torch.randn(*source_shape, kdim, dtype=torch.float64, requires_grad=True)
+        results = []
+        for patched in (False, True):
+            m.zero_grad()
+            for t in (query, key, value):
+                t.grad = None
+            with captured_attention() if patched else _nothing():
+                out, weights = m(query, key, value, need_weights=need_weights, average_attn_weights=average,
+                                 **masks)
+            loss = out.square().sum() + (weights.sum() if weights is not None else 0)
+            loss.backward()
+            grads = [t.grad.clone() for t in (query, key, value)] + [p.grad.clone() for p in m.parameters()]
+            results.append((out.detach(), None if weights is None else weights.detach(), grads))
+        (out0, w0, g0), (out1, w1, g1) = results
+        assert torch.allclose(out0, out1, atol=1e-12), kind
+        assert (w0 is None) == (w1 is None) and (w0 is None or torch.allclose(w0, w1, atol=1e-12)), kind
+        for a, b in zip(g0, g1, strict=True):
+            assert torch.allclose(a, b, atol=1e-10), kind
+
+
+@pytest.mark.parametrize("mask,causal,scale,kv_heads", [
+    (None, True, None, HEADS), ("bool", False, 0.3, HEADS), ("float", False, None, 1), (None, False, None, 1)])
+def test_written_out_attention_computes_what_sdpa_computes(mask, causal, scale, kv_heads):
+    """Attention written out (what capture traces for SDPA with dropout) equals PyTorch's fused attention
+    without dropout: outputs and gradients, causal (query shorter than keys too), boolean and float masks,
+    a scale, one key and value head broadcast."""
+    from soap.capture.attention import _written_out
+
+    torch.manual_seed(0)
+    q = torch.randn(BATCH, HEADS, LENGTH, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(BATCH, kv_heads, SOURCE + 2, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(BATCH, kv_heads, SOURCE + 2, 4, dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(LENGTH, SOURCE + 2) > 0.3
+    keep[:, 0] = True
+    given = {"bool": keep, "float": torch.randn(BATCH, 1, LENGTH, SOURCE + 2, dtype=torch.float64), None: None}[mask]
+    additive = given if given is None or given.is_floating_point() else \
+        torch.zeros(given.shape, dtype=torch.float64).masked_fill(~given, float("-inf"))
+    got = _written_out(q, k, v, additive, 0.0, causal, scale)[0]
+    expected = F.scaled_dot_product_attention(q, k.expand(-1, HEADS, -1, -1), v.expand(-1, HEADS, -1, -1),
+                                              attn_mask=given, is_causal=causal, scale=scale)
+    assert torch.allclose(got, expected, atol=1e-12)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v)), strict=True):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+class SdpaDropout(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (4, 4)).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True).transpose(1, 2).flatten(-2)
+
+
+def test_sdpa_with_dropout_is_written_out():
+    """SDPA with dropout p > 0 captures as matmuls, a softmax and a ``dropout`` op, nothing opaque; without
+    dropout it stays one ``attention`` op."""
+    dropped = capture(SdpaDropout(0.1), torch.empty(2, 6, 16), torch.empty(2, 6, 16))
+    kinds = [op.kind for op in dropped]
+    assert "opaque" not in kinds and "attention" not in kinds and kinds.count("matmul") == 2
+    assert [op.attrs["p"] for op in dropped if op.kind == "dropout"] == [0.1]
+    plain = capture(SdpaDropout(0.0), torch.empty(2, 6, 16), torch.empty(2, 6, 16))
+    assert [op.kind for op in plain].count("attention") == 1 and "dropout" not in [op.kind for op in plain]
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_unsupported_calls_keep_pytorch_forward():
+    """Unbatched inputs and ``add_bias_kv`` run PyTorch's own forward (and so compute what it computes);
+    a call PyTorch refuses is refused with PyTorch's error."""
+    torch.manual_seed(0)
+    for m, x in ((nn.MultiheadAttention(WIDTH, HEADS), torch.randn(LENGTH, WIDTH)),
+                 (nn.MultiheadAttention(WIDTH, HEADS, add_bias_kv=True), torch.randn(LENGTH, BATCH, WIDTH))):
+        expected, _ = m(x, x, x)
+        with captured_attention():
+            got, _ = m(x, x, x)
+        assert torch.equal(expected, got)
+    original = nn.MultiheadAttention.forward
+    m = nn.MultiheadAttention(WIDTH, HEADS)
+    x = torch.randn(LENGTH, BATCH, WIDTH)
+    with pytest.raises(RuntimeError, match="attn_mask"), captured_attention():
+        m(x, x, x, is_causal=True, need_weights=False)
+    assert nn.MultiheadAttention.forward is original
+
+
+class Encoder(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 4, 32, dropout=dropout, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.inp(x)))
+
+
+def _encoder_graph(dropout: float = 0.0):
+    return capture(Encoder(dropout), torch.empty(8, 10, 8), torch.empty(8, 10, 4))
+
+
+def test_batch_first_attention_keeps_the_batch_first():
+    """Every op of a batch-first encoder layer holds the batch (8) on its first axis; q, k and v are three
+    linears over the three blocks of ``in_proj_weight``; the attention is one op; nothing is opaque."""
+    graph = _encoder_graph()
+    assert all(op.outputs[0].shape[0] == 8 for op in graph if op.kind != "loss"), [
+        (op.name, op.outputs[0].shape) for op in graph if op.outputs[0].shape[:1] != (8,)]
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    blocks = sorted(op.params["weight"].offset for op in graph if op.params.get("weight") is not None
+                    and op.params["weight"].fqn == "enc.self_attn.in_proj_weight")
+    assert blocks == [(0, 0), (16, 0), (32, 0)]
+    assert [op.kind for op in graph].count("attention") == 1
+
+
+def test_attention_dropout_is_a_dropout_op():
+    """With dropout, the attention is written out and its dropout is a ``dropout`` op (numbered first:
+    the layer's own dropouts come after it), so the runtime can draw its mask."""
+    graph = _encoder_graph(dropout=0.1)
+    dropouts = [op for op in graph if op.kind == "dropout"]
+    assert dropouts[0].name == "enc.self_attn.dropout" and dropouts[0].attrs["p"] == 0.1
+    assert [op.attrs["seed"] for op in dropouts] == list(range(len(dropouts)))
+    assert not [op.name for op in graph if op.kind == "opaque"]
+
+
+def test_data_parallel_attention_exchanges_nothing():
+    """Data parallelism over the encoder layer issues gradient all-reduces only: no op between the
+    attention's permutes is split by sequence any more."""
+    graph = _encoder_graph()
+    topology = load_topology("cpu-2")
+    sim = Simulator(graph, topology)
+    sim.full(parse_baseline("dp")(graph, topology))
+    for rank in sim.collectives():
+        assert set(rank) == {"all_reduce"}, rank
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.attn(x, x, x)
+        return self.head(out) + weights.mean()
+
+
+def test_fx_fallback_traces_attention_alike(monkeypatch):
+    """Where export fails, symbolic tracing stops at ``nn.MultiheadAttention`` (whose forward branches on
+    its inputs) and runs it on fake tensors: the same graph."""
+    exported = capture(SelfAttention(), torch.empty(8, 10, 16), torch.empty(8, 10, 4))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("export unavailable")
+
+    monkeypatch.setattr(capture_module, "_trace_export", fail)
+    traced = capture(SelfAttention(), torch.empty(8, 10, 16), torch.empty(8, 10, 4))
+    assert "attention" not in [op.kind for op in traced] and "dropout" in [op.kind for op in traced]
+    assert [op.kind for op in traced] == [op.kind for op in exported]
+    assert [op.outputs for op in traced] == [op.outputs for op in exported]
+    assert [op.params for op in traced] == [op.params for op in exported]
+
+
+def test_parameter_blocks():
+    """Each cut is a block of its parameter: the linears hold their rows of w and b, the add its block of
+    b, the opaque cumsum w's last rows; the cuts make no op."""
+    graph = capture(rc.Sliced(), torch.empty(4, 8), torch.empty(4, 4))
+    linears = sorted((p.offset, p.shape, op.params["bias"].offset) for op in graph if op.kind == "linear"
+                     for p in [op.params["weight"]] if p.fqn == "w")
+    assert linears == [((0, 0), (8, 8), (0,)), ((8, 0), (8, 8), (8,)), ((16, 0), (8, 8), (16,))]
+    assert [(p.fqn, p.offset) for op in graph if op.kind == "binary" for p in op.params.values()] == [("b", (8,))]
+    opaque = [op for op in graph if op.kind == "opaque"]
+    assert [op.attrs["target"] for op in opaque] == ["torch.ops.aten.cumsum.default"]
+    assert list(opaque[0].params) == ["w@16,0"] and opaque[0].params["w@16,0"].offset == (16, 0)
+    assert not [op for op in graph if op.kind == "opaque" and "split" in op.attrs["target"]]
+    assert graph.num_params == sum(p.numel() for p in rc.Sliced().parameters())
+
+
+@pytest.fixture(scope="module")
+def attention_runs() -> list[dict]:
+    """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights)
+    and the sliced model under the baselines and random strategies, each verified against one process."""
+    cases = [c for m in ("attention", "sliced") for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
+             if (c := rc.baseline_case(m, b, 2)) is not None]
+    for model, seed in itertools.product(("attention", "sliced"), range(2)):
+        graph = rc.graph_of(model)
+        cases.append(rc.train_case(f"{model}/random{seed}", model,
+                                   rc.random_strategy(graph, 2, random.Random(seed)), graph))
+    results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=60, wall_timeout_s=600, num_threads=1)
+    return [cases, results[0]]
+
+
+def test_attention_and_blocks_train_as_one_process(attention_runs):
+    cases, results = attention_runs
+    assert len(cases) >= 10 and [r["label"] for r in results] == [c["label"] for c in cases]
+    bad = rc.failures(results, cases=cases, num_devices=2)
+    assert not bad, "\n".join(bad)
+    assert all(r["verify"]["passed"] for r in results)
