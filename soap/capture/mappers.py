@@ -642,7 +642,8 @@ def _attention(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     if not all(b.is_act(t) and len(_shape(t)) == 4 for t in (q, k, v)):
         return None
     # Dropout inside the fused kernel draws from torch's generator in the kernel's own order, so no part
-    # could draw the unsplit op's mask (the `dropout` kind hashes global indices instead): p > 0 stays opaque.
+    # could draw the unsplit op's mask (the `dropout` kind hashes global indices instead): p > 0 stays
+    # opaque. (Tracing writes such calls out, `attention`; those it leaves, grouped-query ones, reach here.)
     if a["dropout_p"]:
         return None
     (n, hq, tq, _), (nk, hkv, tk, _), (nv, hv, tv, _) = _shape(q), _shape(k), _shape(v)
