@@ -27,7 +27,8 @@ The rules, each stated once:
 - **Gradient synchronization.** Parameters are identified by their fully qualified name, so ops that share
   a weight share its shards: a device holds each (parameter, region) once. A shard held on several
   devices is all-reduced over exactly those devices (when a parameter's shards overlap without being
-  equal, the whole parameter is all-reduced over the union of their devices). Ops that share parameters
+  equal, the whole parameter, or the whole block its ops use, is all-reduced over the union of their
+  devices). Ops that share parameters
   form one *parameter unit* (`GradFlow.units`), lowered together (`lower_params`).
 - **Buckets.** Parameters enter buckets in backward order (a parameter when its first user in forward
   order, whose backward finishes its gradient, is reached; an op's parameters all go into the bucket

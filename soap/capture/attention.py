@@ -20,8 +20,8 @@ into one axis, sequence outermost. Captured as it runs, the ops between those tr
 on their first axis, which capture's kinds name the sample axis, and the flattened axis follows neither:
 data parallelism would split those ops by sequence and exchange activations around every attention.
 
-So while capture traces, the class gets a forward that computes the same function
-in the layout the caller passed, with nothing flattened across the batch:
+So while capture traces, the class gets a forward that computes the same function in the layout the
+caller passed, with nothing flattened across the batch:
 
 - q, k and v are three ``linear`` ops over their blocks of the packed ``in_proj_weight`` and
   ``in_proj_bias`` (or over ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``), as capture makes of a
