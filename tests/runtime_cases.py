@@ -222,6 +222,36 @@ class Sliced(nn.Module):
         return self.head(torch.tanh(q) * k + v + bk) + torch.cumsum(self.w[-8:], 0).sum()
 
 
+class PackedHeads(nn.Module):
+    """Attention as timm's vision transformers write it: one qkv linear reshaped to (batch, tokens, 3,
+    heads, head features), permuted to put q, k, v first and unbound; then a second block reading q, k, v
+    by index after a transpose."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.qkv2 = nn.Linear(width, 3 * width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        h = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, tokens, width))
+        qkv2 = self.qkv2(h).view(batch, tokens, 3, self.heads, -1).transpose(1, 2)
+        a = F.scaled_dot_product_attention(qkv2[:, 0].transpose(1, 2), qkv2[:, 1].transpose(1, 2),
+                                           qkv2[:, 2].transpose(1, 2), is_causal=True)
+        return self.head(h + a.transpose(1, 2).flatten(-2))
+
+
+def packed_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=PackedHeads(), inputs=(torch.empty(batch, 6, 16, device="meta"),),
+                    target=torch.empty(batch, 6, 4, device="meta"), loss_fn=default_loss)
+
+
 def sliced_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=Sliced(), inputs=(torch.empty(batch, 8, device="meta"),),
@@ -285,6 +315,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "llama": functools.partial(llama_build, 4),
     "attention": functools.partial(attention_build, 4),
     "sliced": functools.partial(sliced_build, 4),
+    "packed": functools.partial(packed_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

@@ -242,13 +242,48 @@ def test_parameter_blocks():
     assert graph.num_params == sum(p.numel() for p in rc.Sliced().parameters())
 
 
+def test_packed_heads_select_before_permute_and_split_the_projection():
+    """timm's ``qkv.reshape(..., 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)``, and q, k, v read by index
+    after a transpose: nothing opaque, every op holds the batch first, each qkv projection is three linears
+    over its blocks, and data parallelism issues only all-reduces."""
+    graph = rc.graph_of("packed")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert all(op.outputs[0].shape[0] == 4 for op in graph if op.kind != "loss")
+    for fqn in ("qkv.weight", "qkv2.weight"):
+        assert sorted(op.params["weight"].offset for op in graph if op.kind == "linear"
+                      and op.params["weight"].fqn == fqn) == [(0, 0), (16, 0), (32, 0)]
+    topology = load_topology("cpu-2")
+    sim = Simulator(graph, topology)
+    sim.full(parse_baseline("dp")(graph, topology))
+    assert all(set(rank) == {"all_reduce"} for rank in sim.collectives())
+
+
+class SharedPermute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.fc(x).reshape(x.shape[0], 3, 8).permute(1, 0, 2)
+        a, b, c = t.unbind(0)
+        return a * b + c + t.sum(0)
+
+
+def test_permute_read_otherwise_stays():
+    """A permute some op reads whole stays, its pieces read from it; the graph computes the model."""
+    graph = capture(SharedPermute(), torch.empty(4, 8), torch.empty(4, 8))
+    kinds = [op.kind for op in graph]
+    assert kinds.count("transpose") == 1 and kinds.count("slice") == 3 and "opaque" not in kinds
+
+
 @pytest.fixture(scope="module")
 def attention_runs() -> list[dict]:
-    """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights)
-    and the sliced model under the baselines and random strategies, each verified against one process."""
-    cases = [c for m in ("attention", "sliced") for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
+    """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
+    sliced model and the packed-heads model under the baselines and random strategies, each verified
+    against one process."""
+    cases = [c for m in ("attention", "sliced", "packed") for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
-    for model, seed in itertools.product(("attention", "sliced"), range(2)):
+    for model, seed in itertools.product(("attention", "sliced", "packed"), range(2)):
         graph = rc.graph_of(model)
         cases.append(rc.train_case(f"{model}/random{seed}", model,
                                    rc.random_strategy(graph, 2, random.Random(seed)), graph))

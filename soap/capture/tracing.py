@@ -17,6 +17,13 @@ way Hugging Face rotary embeddings compute their tables. `_inline_wrappers` repl
 its body's aten ops, so they map to op kinds (or fold into constants) like any others; outputs of a body
 run without gradients pass through ``aten.detach``, which keeps that meaning.
 
+Pieces before permutes. ``unbind`` becomes one ``select`` per piece, and a ``permute`` (or ``transpose``)
+whose every reader is a ``select`` is replaced, per reader, by the ``select`` of the axis it permuted there
+and then the permute of the axes left (none where they keep their order): ``qkv.permute(2, 0, 3, 1,
+4).unbind(0)`` (timm's attention) becomes ``qkv.select(2, i).permute(0, 2, 1, 3)``. The values are the
+same; the batch stays on the first axis of every op, where capture's kinds look for it, and q, k and v are
+each one select of the qkv projection, which `fused` splits into three linears (`_selects_first`).
+
 In-place writes. The training IR keeps a model's in-place ops (``shifted[:, 1:] = ids[:, :-1]`` is a
 ``slice`` then ``copy_``; ``masked_fill_``, ``fill_``, ``add_``, ...). `_functionalize` rewrites each into
 its out-of-place form and, where it wrote through a chain of ``slice``, ``select`` or ``diagonal`` views,
@@ -166,6 +173,7 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
     program = torch.export.export(wrapper, (inputs, target), strict=False)
     _inline_wrappers(program.graph_module)
     written = _functionalize(program.graph)
+    _selects_first(program.graph)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -305,6 +313,63 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     return value, anchor
 
 
+def _selects_first(graph: fx.Graph) -> None:
+    """Rewrite, in place, ``unbind`` into one ``select`` per piece, and a ``select`` of a ``permute`` (or
+    ``transpose``) whose every reader selects into the ``select`` of the permuted axis then the permute
+    of what is left (the module docstring's rule)."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.unbind.int:
+            continue
+        users = list(node.users)
+        if not users or not all(u.target is operator.getitem for u in users):
+            continue
+        x, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        for u in users:
+            with graph.inserting_before(u):
+                piece = graph.call_function(aten.select.int, (x, dim, u.args[1]))
+            piece.meta = {**node.meta, "val": u.meta["val"]}
+            u.replace_all_uses_with(piece)
+            graph.erase_node(u)
+        graph.erase_node(node)
+    for node in list(graph.nodes):
+        perm = _permutation(node)
+        users = list(node.users)
+        if perm is None or not users or not all(u.target is aten.select.int and u.args[0] is node for u in users):
+            continue
+        x = node.args[0]
+        mode = torch._guards.detect_fake_mode([x.meta["val"]])
+        for u in users:
+            axis = int(u.args[1]) % len(perm)
+            kept = [q - (q > perm[axis]) for j, q in enumerate(perm) if j != axis]
+            with graph.inserting_before(u):
+                piece = moved = graph.call_function(aten.select.int, (x, perm[axis], u.args[2]))
+                if kept != sorted(kept):
+                    moved = graph.call_function(aten.permute.default, (piece, kept))
+            with mode or contextlib.nullcontext():
+                piece.meta = {**u.meta, "val": x.meta["val"].select(perm[axis], u.args[2])}
+            if moved is not piece:
+                moved.meta = dict(u.meta)
+            u.replace_all_uses_with(moved)
+            graph.erase_node(u)
+        graph.erase_node(node)
+
+
+def _permutation(node: fx.Node) -> list[int] | None:
+    """The axes order of a ``permute`` or ``transpose`` node, else None."""
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    ndim = node.meta["val"].dim()
+    if node.target is torch.ops.aten.permute.default:
+        return [int(d) % ndim for d in node.args[1]]
+    if node.target is torch.ops.aten.transpose.int:
+        a, b = int(node.args[1]) % ndim, int(node.args[2]) % ndim
+        perm = list(range(ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    return None
+
+
 def _functionalize(graph: fx.Graph) -> dict[fx.Node, str]:
     """Rewrite every in-place write of `graph` out of place (the module docstring's rules), in place;
     returns the placeholders written (through views or directly), each with the first op writing it."""
@@ -417,6 +482,7 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
         else:
             env[node] = _inline(out, node.target, args, kwargs, stack)
     written = _functionalize(out)
+    _selects_first(out)
     nodes = [n for n in out.nodes if n.op == "call_function"]
     return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers,
                    buffer_writes=_buffer_writes(wrapper, written, buffers))
