@@ -408,6 +408,36 @@ def test_fx_fallback_gives_the_same_graph(monkeypatch):
         assert traced.fingerprint == graph.fingerprint
 
 
+def test_capture_leaves_the_models_buffers_as_they_were(monkeypatch):
+    """A forward writing its buffers (refused) leaves them untouched, on either path: symbolic tracing runs
+    in-place ops on real buffers, which capture puts back, values and objects."""
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("count", torch.zeros(4))
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count.add_(1)
+            self.scale = self.scale * 2
+            return self.fc(x) + self.count + self.scale
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("export unavailable")
+
+    for fx_only in (False, True):
+        if fx_only:
+            monkeypatch.setattr(capture_module, "_trace_export", fail)
+        model = Counting()
+        count, scale = model.count, model.scale
+        with pytest.raises(ValueError, match="writes its buffer 'count'"):
+            capture(model, torch.empty(2, 4), torch.empty(2, 4))
+        assert model.count is count and model.scale is scale
+        assert torch.equal(count, torch.zeros(4)) and torch.equal(scale, torch.ones(4))
+
+
 def test_untraceable_model_is_a_clear_error():
     class DataDependent(nn.Module):
         def __init__(self) -> None:

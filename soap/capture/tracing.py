@@ -429,7 +429,8 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
     """symbolic_trace with leaf modules, then each call lowered to training-IR aten ops by make_fx."""
     from torch.fx._symbolic_trace import PH
 
-    graph = _LeafTracer().trace(wrapper, concrete_args={"inputs": tuple(PH for _ in inputs), "target": PH})
+    with _buffers_restored(wrapper):
+        graph = _LeafTracer().trace(wrapper, concrete_args={"inputs": tuple(PH for _ in inputs), "target": PH})
     out = fx.Graph()
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -486,6 +487,23 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
     nodes = [n for n in out.nodes if n.op == "call_function"]
     return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers,
                    buffer_writes=_buffer_writes(wrapper, written, buffers))
+
+
+@contextlib.contextmanager
+def _buffers_restored(root: nn.Module) -> Iterator[None]:
+    """Symbolic tracing runs a forward's in-place ops on buffers eagerly (a buffer is a real tensor there,
+    not a proxy) and its assignments for real: afterwards each buffer is put back, object and values, so
+    that capturing never changes the model (the wrapper has recorded the writes by then)."""
+    saved = [(owner, name, b, b._version, b.detach().clone())
+             for owner in root.modules() for name, b in owner._buffers.items() if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, name, b, version, values in saved:
+                owner._buffers[name] = b
+                if b._version != version:
+                    b.copy_(values)
 
 
 def _get_attr(root: nn.Module, target: str) -> torch.Tensor:
