@@ -18,7 +18,7 @@ import soap.capture as capture_module
 from runtime.launch import launch
 from search.baselines import parse_baseline
 from simulator.engine import Simulator
-from soap.capture import capture
+from soap.capture import capture, default_loss
 from soap.capture.attention import captured_attention
 from soap.topology import load_topology
 
@@ -222,6 +222,9 @@ def test_fx_fallback_traces_attention_alike(monkeypatch):
     monkeypatch.setattr(capture_module, "_trace_export", fail)
     traced = capture(SelfAttention(), torch.empty(8, 10, 16), torch.empty(8, 10, 4))
     assert "attention" not in [op.kind for op in traced] and "dropout" in [op.kind for op in traced]
+    # (a model given `default_loss` explicitly, as the runtime's workloads are, traces on this path too)
+    given = capture(SelfAttention(), torch.empty(8, 10, 16), torch.empty(8, 10, 4), default_loss)
+    assert [op.to_dict() for op in given] == [op.to_dict() for op in traced]
     assert [op.kind for op in traced] == [op.kind for op in exported]
     assert [op.outputs for op in traced] == [op.outputs for op in exported]
     assert [op.params for op in traced] == [op.params for op in exported]

@@ -77,7 +77,9 @@ def capture(module: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], 
     for t in (*tensors, target):
         _dtype_name(t.dtype)
 
-    wrapper = _WithLoss(module, loss_fn or _default_loss(target))
+    # `default_loss` picks its loss by the target's dtype and rank, which symbolic tracing cannot branch on:
+    # pick it here, once, as for no loss given
+    wrapper = _WithLoss(module, _default_loss(target) if loss_fn in (None, default_loss) else loss_fn)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     device = _device_of(module, tensors[0])
     with fake_mode:
