@@ -252,6 +252,29 @@ def packed_build(batch: int) -> Workload:
                     target=torch.empty(batch, 6, 4, device="meta"), loss_fn=default_loss)
 
 
+class SequenceFirstLM(nn.Module):
+    """A language model as PyTorch's word-language-model example writes it: token ids (time, batch), an
+    LSTM and a GRU sequence first (their default layout)."""
+
+    def __init__(self, vocab: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 8)
+        self.lstm = nn.LSTM(8, 16, 2)
+        self.gru = nn.GRU(16, 16)
+        self.out = nn.Linear(16, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.emb(ids))
+        h, _ = self.gru(h)
+        return self.out(h)
+
+
+def sequence_first_build(batch: int, steps: int = 6) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=SequenceFirstLM(), inputs=(torch.empty(steps, batch, dtype=torch.long, device="meta"),),
+                    target=torch.empty(steps, batch, dtype=torch.long, device="meta"), loss_fn=lm_cross_entropy)
+
+
 def sliced_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=Sliced(), inputs=(torch.empty(batch, 8, device="meta"),),
@@ -316,6 +339,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "attention": functools.partial(attention_build, 4),
     "sliced": functools.partial(sliced_build, 4),
     "packed": functools.partial(packed_build, 4),
+    "seqfirst": functools.partial(sequence_first_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

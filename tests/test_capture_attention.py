@@ -1,5 +1,6 @@
 """Attention as capture traces it (`soap.capture.attention`): ``nn.MultiheadAttention`` in its inputs'
-layout, SDPA with dropout written out; and blocks of parameters cut by slicing (`soap.capture.builder`).
+layout, SDPA with dropout written out; timm's packed heads and sequence-first recurrences
+(`soap.capture.tracing`); and blocks of parameters cut by slicing (`soap.capture.builder`).
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -279,14 +280,24 @@ def test_permute_read_otherwise_stays():
     assert kinds.count("transpose") == 1 and kinds.count("slice") == 3 and "opaque" not in kinds
 
 
+def test_sequence_first_recurrences_run_batch_first():
+    """A sequence-first LSTM then GRU (PyTorch's default layout) map to the recurrent kinds, batch first,
+    between one transpose in and one out (the one between them undone); before, they were opaque."""
+    graph = rc.graph_of("seqfirst")
+    kinds = [op.kind for op in graph]
+    assert "opaque" not in kinds and kinds.count("transpose") == 2
+    assert graph["lstm"].outputs[0].shape == (4, 6, 16) and graph["gru"].inputs[0].op == "lstm"
+    assert {op.module for op in graph if op.kind == "transpose"} == {""}
+
+
 @pytest.fixture(scope="module")
 def attention_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
-    sliced model and the packed-heads model under the baselines and random strategies, each verified
-    against one process."""
-    cases = [c for m in ("attention", "sliced", "packed") for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
+    sliced model, the packed-heads model and the sequence-first LM under the baselines and random
+    strategies, each verified against one process."""
+    cases = [c for m in ("attention", "sliced", "packed", "seqfirst") for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
-    for model, seed in itertools.product(("attention", "sliced", "packed"), range(2)):
+    for model, seed in itertools.product(("attention", "sliced", "packed", "seqfirst"), range(2)):
         graph = rc.graph_of(model)
         cases.append(rc.train_case(f"{model}/random{seed}", model,
                                    rc.random_strategy(graph, 2, random.Random(seed)), graph))

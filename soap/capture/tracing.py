@@ -24,6 +24,10 @@ and then the permute of the axes left (none where they keep their order): ``qkv.
 same; the batch stays on the first axis of every op, where capture's kinds look for it, and q, k and v are
 each one select of the qkv projection, which `fused` splits into three linears (`_selects_first`).
 
+Recurrences batch first. A sequence-first ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` (PyTorch's default,
+``batch_first=False``) runs batch first between two transposes that belong to the calling module, so that
+it maps to the recurrent kinds (batch first) instead of staying opaque (`_batch_first_recurrences`).
+
 In-place writes. The training IR keeps a model's in-place ops (``shifted[:, 1:] = ids[:, :-1]`` is a
 ``slice`` then ``copy_``; ``masked_fill_``, ``fill_``, ``add_``, ...). `_functionalize` rewrites each into
 its out-of-place form and, where it wrote through a chain of ``slice``, ``select`` or ``diagonal`` views,
@@ -174,6 +178,7 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
     _inline_wrappers(program.graph_module)
     written = _functionalize(program.graph)
     _selects_first(program.graph)
+    _batch_first_recurrences(program.graph)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -355,6 +360,49 @@ def _selects_first(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
+def _batch_first_recurrences(graph: fx.Graph) -> None:
+    """Rewrite, in place, each sequence-first ``lstm``, ``gru``, ``rnn_tanh`` or ``rnn_relu`` (PyTorch's
+    default layout, (time, batch, features)) into a batch-first one between two transposes (the module
+    docstring's rule); the transposes belong to the module that called the recurrent module."""
+    aten = torch.ops.aten
+    recurrent = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in recurrent or len(node.args) != 9 or node.args[8]:
+            continue
+        x = node.args[0]
+        if x.meta["val"].dim() != 3:
+            continue
+        stack = dict(node.meta.get("nn_module_stack") or {})
+        outer = {k: v for k, v in list(stack.items())[:-1]}
+        mode = torch._guards.detect_fake_mode([x.meta["val"]])
+        undone = x.target is aten.transpose.int and sorted(int(d) % 3 for d in x.args[1:3]) == [0, 1] \
+            and len(x.users) == 1  # (the previous recurrence's output, back to sequence first: undone)
+        if undone:
+            swapped = x.args[0]
+        else:
+            first = node  # the module call's first node (its initial states come before the recurrence)
+            while first.prev.op == "call_function" and first.prev.meta.get("nn_module_stack") == stack:
+                first = first.prev
+            with graph.inserting_before(first):
+                swapped = graph.call_function(aten.transpose.int, (x, 0, 1))
+        with mode or contextlib.nullcontext():
+            if not undone:
+                swapped.meta = {"val": x.meta["val"].transpose(0, 1), "nn_module_stack": outer}
+            out = node.meta["val"][0].transpose(0, 1).contiguous()
+        node.args = (swapped, *node.args[1:8], True)
+        if undone:
+            graph.erase_node(x)
+        node.meta["val"] = (out, *node.meta["val"][1:])
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] == 0:
+                user.meta["val"] = out
+                with graph.inserting_after(user):
+                    back = graph.call_function(aten.transpose.int, (user, 0, 1))
+                with mode or contextlib.nullcontext():
+                    back.meta = {"val": out.transpose(0, 1), "nn_module_stack": outer}
+                user.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
+
+
 def _permutation(node: fx.Node) -> list[int] | None:
     """The axes order of a ``permute`` or ``transpose`` node, else None."""
     if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
@@ -484,6 +532,7 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
             env[node] = _inline(out, node.target, args, kwargs, stack)
     written = _functionalize(out)
     _selects_first(out)
+    _batch_first_recurrences(out)
     nodes = [n for n in out.nodes if n.op == "call_function"]
     return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers,
                    buffer_writes=_buffer_writes(wrapper, written, buffers))
