@@ -149,6 +149,8 @@ def test_unsupported_calls_keep_pytorch_forward():
     x = torch.randn(LENGTH, BATCH, WIDTH)
     with pytest.raises(RuntimeError, match="attn_mask"), captured_attention():
         m(x, x, x, is_causal=True, need_weights=False)
+    with pytest.raises(AssertionError, match="key_padded_mask"), captured_attention():
+        m(x, x, x, key_padding_mask=torch.zeros(BATCH, LENGTH + 1, dtype=torch.bool))
     assert nn.MultiheadAttention.forward is original
 
 

@@ -36,8 +36,8 @@ caller passed, with nothing flattened across the batch:
   is the attention's causal flag where the attention is one op and no key padding mask is merged.
 
 What it leaves to PyTorch's own forward: unbatched (2-D) inputs, ``add_bias_kv``, ``add_zero_attn``, and
-the calls PyTorch refuses (a 3-D ``attn_mask`` of the wrong size, ``is_causal`` without ``attn_mask``),
-so that PyTorch's own error speaks. Those trace as before.
+the calls PyTorch refuses (a mask of the wrong size, ``is_causal`` without ``attn_mask``), so that
+PyTorch's own error speaks. Those trace as before.
 
 Imports torch only.
 """
@@ -80,7 +80,7 @@ def captured_attention() -> Iterator[None]:
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not _supported(self, query, key, value, attn_mask, is_causal):
+        if not _supported(self, query, key, value, key_padding_mask, attn_mask, is_causal):
             return original(self, query, key, value, key_padding_mask=key_padding_mask,
                             need_weights=need_weights, attn_mask=attn_mask,
                             average_attn_weights=average_attn_weights, is_causal=is_causal)
@@ -97,16 +97,19 @@ def captured_attention() -> Iterator[None]:
 
 
 def _supported(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attn_mask: torch.Tensor | None, is_causal: bool) -> bool:
+               key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, is_causal: bool) -> bool:
     if is_causal and attn_mask is None:  # PyTorch asks for the mask with its hint
         return False
     if not (query.dim() == key.dim() == value.dim() == 3) or m.bias_k is not None or m.bias_v is not None \
             or m.add_zero_attn:
         return False
+    b = 0 if m.batch_first else 1
+    batch, length, source = query.shape[b], query.shape[1 - b], key.shape[1 - b]
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, source):
+        return False
     if attn_mask is not None and attn_mask.dim() == 3:
-        b = 0 if m.batch_first else 1
-        return tuple(attn_mask.shape) == (query.shape[b] * m.num_heads, query.shape[1 - b], key.shape[1 - b])
-    return attn_mask is None or attn_mask.dim() == 2
+        return tuple(attn_mask.shape) == (batch * m.num_heads, length, source)
+    return attn_mask is None or tuple(attn_mask.shape) == (length, source)
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
