@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from soap.graph import Operator
 from soap.opdef import Box, Range, Region, input_shape, pair
-from soap.registry import op_def
+from soap.registry import POINTWISE_FNS, op_def
 
 Tensor = torch.Tensor
 
@@ -457,6 +457,8 @@ _UNARY: dict[str, Callable[[Tensor, Mapping[str, Any]], Tensor]] = {
 
 def _elementwise(op, box, inputs, params, ctx):
     fn = op.attrs["fn"]
+    if fn in POINTWISE_FNS:
+        return (getattr(torch.ops.aten, fn).default(inputs[0], *(op.attrs[k] for k in POINTWISE_FNS[fn])),)
     if fn not in _UNARY:
         raise ValueError(f"op {op.name!r}: unknown elementwise fn {fn!r}; known: {', '.join(_UNARY)}")
     return (_UNARY[fn](inputs[0], op.attrs),)

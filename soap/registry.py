@@ -735,10 +735,21 @@ class AdaptivePool2d(OpDef):
 # ---------------------------------------------------------------- pointwise and shape ops
 
 
+# the aten pointwise ops an elementwise op may name as its `fn`, each with its scalar arguments in schema
+# order (capture's mapper and the runtime's kernel read this one table)
+POINTWISE_FNS: dict[str, tuple[str, ...]] = {
+    "leaky_relu": ("negative_slope",), "hardtanh": ("min_val", "max_val"), "elu": ("alpha", "scale", "input_scale"),
+    "celu": ("alpha",), "softplus": ("beta", "threshold"), "selu": (), "mish": (), "hardswish": (),
+    "hardsigmoid": (), "abs": (), "sqrt": (), "log": (), "sin": (), "cos": (), "reciprocal": (), "erf": (),
+}
+
+
 class Elementwise(_AxisOp):
     """y = fn(x) elementwise. attrs: `fn` in relu, gelu (`approximate`), tanh, sigmoid, silu, neg, exp,
     rsqrt, identity (also a copy or a ``to`` that keeps the dtype), scale (x * `scalar`), add_scalar
-    (x + `scalar`), pow_scalar (x ** `scalar`), rsub_scalar (`scalar` - x).
+    (x + `scalar`), pow_scalar (x ** `scalar`), rsub_scalar (`scalar` - x); or the name of an aten
+    pointwise op of `POINTWISE_FNS` (leaky_relu, hardtanh, elu, ...), its scalar arguments as attrs by
+    their schema names (`negative_slope`, `min_val` and `max_val`, ...).
 
     dims: `sample`, `d1`.. all splittable.
     """
@@ -746,7 +757,8 @@ class Elementwise(_AxisOp):
     kind = "elementwise"
     # the scalar forms of the arithmetic ops (x + 2.0) are elementwise; their tensor forms are binary
     captured_from = ("relu", "gelu", "tanh", "sigmoid", "silu", "neg", "exp", "rsqrt", "clone", "alias",
-                     "contiguous", "to", "_to_copy", "type_as", "add", "sub", "mul", "div", "rsub", "pow")
+                     "contiguous", "to", "_to_copy", "type_as", "add", "sub", "mul", "div", "rsub", "pow",
+                     *POINTWISE_FNS)
     kernel = "elementwise"
 
     def output_is_view(self, op: Operator) -> bool:

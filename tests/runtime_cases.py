@@ -275,6 +275,29 @@ def sequence_first_build(batch: int, steps: int = 6) -> Workload:
                     target=torch.empty(steps, batch, dtype=torch.long, device="meta"), loss_fn=lm_cross_entropy)
 
 
+class Activations(nn.Module):
+    """An MLP through the activations capture keeps by name (`soap.registry.POINTWISE_FNS`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.acts = nn.ModuleList([nn.Sequential(nn.LeakyReLU(0.1), nn.Hardswish()),
+                                   nn.Sequential(nn.ReLU6(), nn.ELU(0.5), nn.Mish()),
+                                   nn.Sequential(nn.Softplus(2.0), nn.SELU(), nn.CELU(0.7)),
+                                   nn.Sequential(nn.Hardsigmoid(), nn.Hardtanh(-0.5, 0.5))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, act in zip(self.layers, self.acts, strict=True):
+            x = act(layer(x)) * 4
+        return x
+
+
+def activations_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=Activations(), inputs=(torch.empty(batch, 8, device="meta"),),
+                    target=torch.empty(batch, 8, device="meta"), loss_fn=default_loss)
+
+
 def sliced_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=Sliced(), inputs=(torch.empty(batch, 8, device="meta"),),
@@ -340,6 +363,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "sliced": functools.partial(sliced_build, 4),
     "packed": functools.partial(packed_build, 4),
     "seqfirst": functools.partial(sequence_first_build, 4),
+    "activations": functools.partial(activations_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

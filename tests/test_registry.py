@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from runtime.kernels import compute_chunk, compute_part, dropout_keep, run_opaque
 from soap.config import ConfigError, ParallelConfig, parts, validate
 from soap.graph import DTYPE_BYTES, Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
 from soap.opdef import Box, Region, carry_sources, full_box
-from soap.registry import REGISTRY, dims_of, op_def, reshape_region
+from soap.registry import POINTWISE_FNS, REGISTRY, dims_of, op_def, reshape_region
 
 DTYPE = torch.float64
 Tensors = dict[str, torch.Tensor]
@@ -308,8 +309,18 @@ def _cases() -> list[Case]:
         ("scale", {"scalar": 0.5}, lambda x: x * 0.5), ("add_scalar", {"scalar": 2.0}, lambda x: x + 2.0),
         ("pow_scalar", {"scalar": 2.0}, lambda x: x ** 2.0),
         ("rsub_scalar", {"scalar": 1.0}, lambda x: 1.0 - x),
+        # the aten pointwise ops kept by name (`POINTWISE_FNS`), against the torch.nn modules users write
+        ("leaky_relu", {"negative_slope": 0.2}, nn.LeakyReLU(0.2)),
+        ("hardtanh", {"min_val": 0.0, "max_val": 6.0}, nn.ReLU6()),
+        ("elu", {"alpha": 0.5, "scale": 1.0, "input_scale": 1.0}, nn.ELU(0.5)),
+        ("celu", {"alpha": 0.7}, nn.CELU(0.7)), ("softplus", {"beta": 2.0, "threshold": 1.0}, nn.Softplus(2.0, 1.0)),
+        ("selu", {}, nn.SELU()), ("mish", {}, nn.Mish()), ("hardswish", {}, nn.Hardswish()),
+        ("hardsigmoid", {}, nn.Hardsigmoid()), ("abs", {}, torch.abs), ("sqrt", {}, torch.sqrt),
+        ("log", {}, torch.log), ("sin", {}, torch.sin), ("cos", {}, torch.cos), ("reciprocal", {}, torch.reciprocal),
+        ("erf", {}, torch.erf),
     ]:
-        x = _rand(4, 6).abs() + 0.5 if fn == "rsqrt" else _rand(4, 6)
+        x = _rand(4, 6).abs() + 0.5 if fn in ("rsqrt", "sqrt", "log", "reciprocal") else _rand(4, 6)
+        x = x * 3 if fn in POINTWISE_FNS and x.min() < 0 else x  # across the kinks (ReLU6's 6, softplus's 1)
         cases.append(Case(id=f"elementwise-{fn}", kind="elementwise", inputs=(x,),
                           attrs={"fn": fn, **extra}, reference=ref))
     return cases
@@ -337,6 +348,8 @@ def test_every_kind_is_covered():
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():
         assert entry.kind == kind and "dims" in (type(entry).__doc__ or ""), kind
+    covered = {c.attrs["fn"] for c in CASES if c.kind == "elementwise"}
+    assert set(POINTWISE_FNS) <= covered, set(POINTWISE_FNS) - covered
 
 
 # ---------------------------------------------------------------- configs

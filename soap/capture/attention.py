@@ -2,7 +2,7 @@
 
 Two forwards change while capture traces (`captured_attention`), and the verifying reference runs under
 the same ones (runtime.train), so that its attention dropout draws the runtime's masks; without dropout
-each computes what PyTorch's computes, to rounding (tests/test_capture_attention.py).
+each computes what PyTorch's computes, to rounding (tests/test_capture_forms.py).
 
 ``F.scaled_dot_product_attention`` with dropout. The fused kernel draws its dropout mask from torch's
 generator in its own order, which no part of a split op could reproduce, so capture would leave it opaque

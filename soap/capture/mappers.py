@@ -17,7 +17,7 @@ Loss. The loss function runs inside the traced wrapper, so its ops are in the gr
 loss function is named ``loss.<aten op name>`` (the reshapes of ``lm_cross_entropy`` are ``loss.reshape``
 and ``loss.reshape_1``). A loss other than these ends in whatever ops compute it.
 
-Imports torch, soap.opdef, `tracing`, `grouping` and `nodes`; must not import `builder` (it reaches the
+Imports torch, soap.opdef, soap.registry, `tracing`, `grouping` and `nodes`; must not import `builder` (it reaches the
 builder through `_Context`), the simulator, the search, the runtime or soapflow.
 """
 
@@ -34,6 +34,7 @@ from soap.capture.grouping import _Call
 from soap.capture.nodes import _aten_name, _axis, _is_getitem, _shape
 from soap.capture.tracing import _Traced
 from soap.opdef import pair
+from soap.registry import POINTWISE_FNS
 
 # aten op name → the `fn` of the elementwise op it becomes
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
@@ -284,6 +285,15 @@ def _adaptive_pool2d(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | No
     return _Draft(kind="adaptive_pool2d", inputs=[x], outputs=[out], out_index={0: 0},
                   attrs={"mode": "avg" if _aten_name(call.node) == "adaptive_avg_pool2d" else "max",
                          "output_size": [int(s) for s in out.shape[-2:]]})
+
+
+@_maps(*POINTWISE_FNS)
+def _pointwise(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x = a["self"]
+    name = _aten_name(call.node)
+    if not b.is_act(x) or not x.meta["val"].is_floating_point():
+        return None
+    return _Draft(kind="elementwise", inputs=[x], attrs={"fn": name, **{k: float(a[k]) for k in POINTWISE_FNS[name]}})
 
 
 @_maps(*_UNARY)

@@ -1,6 +1,7 @@
-"""Attention as capture traces it (`soap.capture.attention`): ``nn.MultiheadAttention`` in its inputs'
-layout, SDPA with dropout written out; timm's packed heads and sequence-first recurrences
-(`soap.capture.tracing`); and blocks of parameters cut by slicing (`soap.capture.builder`).
+"""The forms of real models capture maps: attention as capture traces it (`soap.capture.attention`):
+``nn.MultiheadAttention`` in its inputs' layout, SDPA with dropout written out; timm's packed heads and
+sequence-first recurrences (`soap.capture.tracing`); blocks of parameters cut by slicing
+(`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`).
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -292,14 +293,28 @@ def test_sequence_first_recurrences_run_batch_first():
     assert {op.module for op in graph if op.kind == "transpose"} == {""}
 
 
+def test_activations_are_elementwise_ops():
+    """Every activation of the MLP is an ``elementwise`` op naming its aten op and arguments: none opaque."""
+    graph = rc.graph_of("activations")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    fns = [op.attrs["fn"] for op in graph if op.kind == "elementwise" and op.attrs["fn"] != "scale"]
+    assert fns == ["leaky_relu", "hardswish", "hardtanh", "elu", "mish", "softplus", "selu", "celu",
+                   "hardsigmoid", "hardtanh"]
+    assert [op.attrs.get("min_val") for op in graph if op.attrs.get("fn") == "hardtanh"] == [0.0, -0.5]
+
+
+# the models of the one launch below (tests/runtime_cases.py)
+LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations")
+
+
 @pytest.fixture(scope="module")
 def attention_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
-    sliced model, the packed-heads model and the sequence-first LM under the baselines and random
-    strategies, each verified against one process."""
-    cases = [c for m in ("attention", "sliced", "packed", "seqfirst") for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
+    sliced model, the packed-heads model, the sequence-first LM and the activations MLP under the
+    baselines and random strategies, each verified against one process."""
+    cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
-    for model, seed in itertools.product(("attention", "sliced", "packed", "seqfirst"), range(2)):
+    for model, seed in itertools.product(LAUNCHED, range(2)):
         graph = rc.graph_of(model)
         cases.append(rc.train_case(f"{model}/random{seed}", model,
                                    rc.random_strategy(graph, 2, random.Random(seed)), graph))
