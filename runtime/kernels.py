@@ -291,6 +291,13 @@ def _layernorm(op, box, inputs, params, ctx):
                          eps=float(op.attrs.get("eps", 1e-5))).to(x.dtype),)
 
 
+def _groupnorm(op, box, inputs, params, ctx):
+    x = inputs[0]
+    weight, bias = params.get("weight"), params.get("bias")
+    return (F.group_norm(_wide(x, cpu_only=True), int(op.attrs["num_groups"]), _wide(weight, cpu_only=True),
+                         _wide(bias, cpu_only=True), eps=float(op.attrs.get("eps", 1e-5))).to(x.dtype),)
+
+
 def _rmsnorm(op, box, inputs, params, ctx):
     # written out as Hugging Face's LlamaRMSNorm computes it (the normalization in float32, back to the
     # input's dtype before the weight), so that a fused hand-written norm gives the model's own rounding
@@ -394,6 +401,15 @@ def _attention(op, box, inputs, params, ctx):
 
 
 # ---------------------------------------------------------------- pooling
+
+
+def _upsample(op, box, inputs, params, ctx):
+    # the part's input rows upsampled, then the rows of the part's box (a split may fall inside a row's copies)
+    (region,) = op_def(op.kind).input_regions(op, box)
+    s, t = (int(f) for f in op.attrs["scale"])
+    y = F.interpolate(inputs[0], scale_factor=(s, t), mode="nearest")
+    top, left = box[2][0] - region[2][0] * s, box[3][0] - region[3][0] * t
+    return (y[:, :, top:top + box[2][1] - box[2][0], left:left + box[3][1] - box[3][0]],)
 
 
 def _pool2d(op, box, inputs, params, ctx):
@@ -604,8 +620,10 @@ def _loss(op, box, inputs, params, ctx):
 # names match the registry both ways).
 KERNELS: dict[str, Kernel] = {
     "conv2d": _conv2d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
-    "layernorm": _layernorm, "rmsnorm": _rmsnorm, "embedding": _embedding, "lstm": _lstm, "gru": _gru,
-    "rnn": _rnn, "attention": _attention, "pool2d": _pool2d, "adaptive_pool2d": _adaptive_pool2d,
+    "layernorm": _layernorm, "groupnorm": _groupnorm, "rmsnorm": _rmsnorm, "embedding": _embedding,
+    "lstm": _lstm, "gru": _gru,
+    "rnn": _rnn, "attention": _attention, "pool2d": _pool2d, "upsample": _upsample,
+    "adaptive_pool2d": _adaptive_pool2d,
     "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
     "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
     "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss,

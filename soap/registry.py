@@ -386,6 +386,35 @@ class LayerNorm(_AxisOp):
         return 5.0 * output_numel(op)
 
 
+class GroupNorm(OpDef):
+    """y = group_norm(x[N, C, ..], `num_groups`, weight, bias, `eps`): each sample's channels in
+    `num_groups` consecutive groups, each normalized over its channels and the spatial axes; affine
+    `weight`, `bias` [C] optional (read whole). Also an instance norm without running statistics
+    (`num_groups` = C).
+
+    dims: `sample` splittable; `channels` and the spatial axes `d2`.. not splittable (a group's
+    statistics span them).
+    """
+
+    kind = "groupnorm"
+    captured_from = ("group_norm", "instance_norm")
+    kernel = "groupnorm"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        shape = op.outputs[0].shape
+        out = [DimSpec(name="sample", kind=DimKind.SAMPLE, size=shape[0], out_axis=0),
+               DimSpec(name="channels", kind=DimKind.ATTRIBUTE, size=shape[1], out_axis=1, splittable=False)]
+        out += [DimSpec(name=f"d{a}", kind=DimKind.ATTRIBUTE, size=shape[a], out_axis=a, splittable=False)
+                for a in range(2, len(shape))]
+        return tuple(out)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return (tuple(box),)
+
+    def flops(self, op: Operator) -> float:
+        return 5.0 * output_numel(op)
+
+
 class RMSNorm(_AxisOp):
     """y = x / sqrt(mean(x^2 over the normalized axes) + `eps`) * (`offset` + weight) (F.rms_norm, and the
     hand-written Llama and Gemma patterns capture fuses); attrs `normalized_shape`, `eps` (None: the dtype's
@@ -705,6 +734,33 @@ class Pool2d(OpDef):
 
     def flops(self, op: Operator) -> float:
         return float(output_numel(op) * math.prod(op.attrs["kernel"]))
+
+
+class Upsample(OpDef):
+    """y[N, C, H*s, W*t] = nearest-neighbour upsampling of x[N, C, H, W] by whole factors `scale` [s, t]
+    (output row r copies input row r // s).
+
+    dims: `sample`, `channels`, `height`, `width` (attribute; a part reads the input rows its rows copy,
+    the row a split falls inside read by both neighbours).
+    """
+
+    kind = "upsample"
+    captured_from = ("upsample_nearest2d",)
+    kernel = "upsample"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, c, ho, wo = op.outputs[0].shape
+        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+                DimSpec(name="channels", kind=DimKind.ATTRIBUTE, size=c, out_axis=1),
+                DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
+                DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        (s, t), (rows, cols) = op.attrs["scale"], (box[2], box[3])
+        return ((box[0], box[1], (rows[0] // s, -(-rows[1] // s)), (cols[0] // t, -(-cols[1] // t))),)
+
+    def flops(self, op: Operator) -> float:
+        return float(output_numel(op))
 
 
 class AdaptivePool2d(OpDef):
@@ -1274,8 +1330,8 @@ class Opaque(OpDef):
         return None  # no formula: the counter's figures stand
 
 
-for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), RMSNorm(), Embedding(),
-               LSTM(), GRU(), RNN(), Attention(), Pool2d(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(),
-               Concat(), Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(), Transpose(), Softmax(), Dropout(),
-               Loss(), Opaque()):
+for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), GroupNorm(), RMSNorm(),
+               Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(), Upsample(), AdaptivePool2d(), Elementwise(),
+               Binary(), Reduce(), Concat(), Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(), Transpose(),
+               Softmax(), Dropout(), Loss(), Opaque()):
     register(_entry)

@@ -292,6 +292,32 @@ class Activations(nn.Module):
         return x
 
 
+class SmallUNet(nn.Module):
+    """A U-Net step as diffusion and segmentation nets write it: a GroupNorm'd convolution, down by max
+    pooling, an affine InstanceNorm'd convolution, up by nearest upsampling, and the skip added."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(4, 8)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.inorm = nn.InstanceNorm2d(8, affine=True)
+        self.up = nn.Upsample(scale_factor=2)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gn(self.conv1(x)))
+        low = F.relu(self.inorm(self.conv2(self.pool(h))))
+        return self.fc((self.up(low) + h).mean((2, 3)))
+
+
+def unet_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=SmallUNet(), inputs=(torch.empty(batch, 3, 8, 8, device="meta"),),
+                    target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
+
+
 def activations_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=Activations(), inputs=(torch.empty(batch, 8, device="meta"),),
@@ -364,6 +390,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "packed": functools.partial(packed_build, 4),
     "seqfirst": functools.partial(sequence_first_build, 4),
     "activations": functools.partial(activations_build, 4),
+    "unet": functools.partial(unet_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

@@ -1,7 +1,8 @@
 """The forms of real models capture maps: attention as capture traces it (`soap.capture.attention`):
 ``nn.MultiheadAttention`` in its inputs' layout, SDPA with dropout written out; timm's packed heads and
 sequence-first recurrences (`soap.capture.tracing`); blocks of parameters cut by slicing
-(`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`).
+(`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`); group and instance
+norms (the ``groupnorm`` kind) and nearest upsampling (``upsample``).
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -303,15 +304,24 @@ def test_activations_are_elementwise_ops():
     assert [op.attrs.get("min_val") for op in graph if op.attrs.get("fn") == "hardtanh"] == [0.0, -0.5]
 
 
+def test_unet_norms_and_upsampling_are_splittable_ops():
+    """GroupNorm and InstanceNorm are ``groupnorm`` ops (one channel per group for the instance norm), the
+    nearest upsampling an ``upsample`` op: nothing opaque."""
+    graph = rc.graph_of("unet")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert [(op.name, op.attrs["num_groups"]) for op in graph if op.kind == "groupnorm"] == [("gn", 4), ("inorm", 8)]
+    assert [(op.name, tuple(op.attrs["scale"])) for op in graph if op.kind == "upsample"] == [("up", (2, 2))]
+
+
 # the models of the one launch below (tests/runtime_cases.py)
-LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations")
+LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet")
 
 
 @pytest.fixture(scope="module")
 def attention_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
-    sliced model, the packed-heads model, the sequence-first LM and the activations MLP under the
-    baselines and random strategies, each verified against one process."""
+    sliced model, the packed-heads model, the sequence-first LM, the activations MLP and the U-Net step
+    under the baselines and random strategies, each verified against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
     for model, seed in itertools.product(LAUNCHED, range(2)):

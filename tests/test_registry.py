@@ -187,6 +187,13 @@ def _cases() -> list[Case]:
              params={"weight": _rand(8, seed=2), "bias": _rand(8, seed=3)},
              attrs={"normalized_shape": [8], "eps": 1e-5},
              reference=lambda x, weight, bias: F.layer_norm(x, [8], weight, bias, 1e-5)),
+        Case(id="upsample", kind="upsample", inputs=(_rand(2, 3, 3, 4),), attrs={"scale": [2, 3]},
+             reference=lambda x: F.interpolate(x, scale_factor=(2, 3), mode="nearest")),
+        Case(id="groupnorm", kind="groupnorm", inputs=(_rand(4, 6, 3, 5),),
+             params={"weight": _rand(6, seed=2), "bias": _rand(6, seed=3)}, attrs={"num_groups": 3, "eps": 1e-5},
+             reference=lambda x, weight, bias: F.group_norm(x, 3, weight, bias, 1e-5)),
+        Case(id="instancenorm", kind="groupnorm", inputs=(_rand(4, 6, 7),), attrs={"num_groups": 6, "eps": 1e-5},
+             reference=lambda x: F.instance_norm(x, eps=1e-5)),
         Case(id="rmsnorm", kind="rmsnorm", inputs=(_rand(4, 5, 8),), params={"weight": _rand(8, seed=2)},
              attrs={"normalized_shape": [8], "eps": 1e-6},
              reference=lambda x, weight: F.rms_norm(x, [8], weight, 1e-6)),
@@ -340,8 +347,9 @@ ALL_OPS = [c.op() for c in CASES] + SOURCE_OPS
 
 
 def test_every_kind_is_covered():
-    documented = {"input", "constant", "conv2d", "linear", "matmul", "batchnorm", "layernorm", "rmsnorm",
-                  "embedding", "lstm", "gru", "rnn", "attention", "pool2d", "adaptive_pool2d", "elementwise",
+    documented = {"input", "constant", "conv2d", "linear", "matmul", "batchnorm", "layernorm", "groupnorm", "rmsnorm",
+                  "embedding", "lstm", "gru", "rnn", "attention", "pool2d", "upsample", "adaptive_pool2d",
+                  "elementwise",
                   "binary", "reduce", "concat", "stack", "split", "slice", "reshape", "expand", "repeat",
                   "transpose", "softmax", "dropout", "loss", "opaque"}
     assert set(REGISTRY) == documented

@@ -172,6 +172,23 @@ def _batch_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                          "running_mean": fqns[0], "running_var": fqns[1]})
 
 
+@_maps("upsample_nearest2d")
+def _upsample(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """Nearest upsampling of a 4-D activation by whole factors (the output a whole multiple of the input,
+    and the scale factors, where given, those multiples)."""
+    x = a["input"] if "input" in a else a["self"]
+    if not b.is_act(x) or len(_shape(x)) != 4:
+        return None
+    (h, w), (ho, wo) = _shape(x)[2:], call.node.meta["val"].shape[2:]
+    if ho % h or wo % w:
+        return None
+    scale = [ho // h, wo // w]
+    given = a.get("scale_factors") or [a.get("scales_h"), a.get("scales_w")]
+    if any(f is not None and float(f) != float(k) for f, k in zip(given, scale, strict=True)):
+        return None
+    return _Draft(kind="upsample", inputs=[x], attrs={"scale": scale})
+
+
 @_maps("layer_norm")
 def _layer_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["input"]
@@ -180,6 +197,29 @@ def _layer_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
         return None
     return _Draft(kind="layernorm", inputs=[x], params=params,
                   attrs={"normalized_shape": [int(s) for s in a["normalized_shape"]], "eps": float(a["eps"])})
+
+
+@_maps("group_norm")
+def _group_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x = a["input"]
+    params = _weights(b, weight=a["weight"], bias=a["bias"])
+    if params is None or not b.is_act(x) or len(_shape(x)) < 2:
+        return None
+    return _Draft(kind="groupnorm", inputs=[x], params=params,
+                  attrs={"num_groups": int(a["num_groups"]), "eps": float(a["eps"])})
+
+
+@_maps("instance_norm")
+def _instance_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """An instance norm that normalizes with its input's statistics and keeps none: a group norm with one
+    channel per group."""
+    x = a["input"]
+    params = _weights(b, weight=a["weight"], bias=a["bias"])
+    if (params is None or not b.is_act(x) or len(_shape(x)) < 3 or not a["use_input_stats"]
+            or a["running_mean"] is not None or a["running_var"] is not None):
+        return None
+    return _Draft(kind="groupnorm", inputs=[x], params=params,
+                  attrs={"num_groups": int(_shape(x)[1]), "eps": float(a["eps"])})
 
 
 @_maps("rms_norm")
