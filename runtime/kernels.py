@@ -232,6 +232,18 @@ def _conv2d(op, box, inputs, params, ctx):
                      padding=padding or 0, dilation=pair(op.attrs.get("dilation", 1)), groups=groups),)
 
 
+def _conv1d(op, box, inputs, params, ctx):
+    entry = op_def(op.kind)
+    (region,) = entry.input_regions(op, box)
+    (need,) = entry.needed_window(op, box)
+    x, weight = inputs[0], params["weight"]
+    before, after = _pads(need, region[2])
+    if before or after:
+        x = F.pad(x, (before, after))
+    return (F.conv1d(x, weight, params.get("bias"), stride=int(op.attrs.get("stride", 1)),
+                     dilation=int(op.attrs.get("dilation", 1)), groups=x.shape[1] // weight.shape[1]),)
+
+
 def _linear(op, box, inputs, params, ctx):
     weight = params["weight"]
     if op.attrs.get("transposed", False):
@@ -619,7 +631,7 @@ def _loss(op, box, inputs, params, ctx):
 # The part kernel of each kind, by the name its `OpDef.kernel` gives (tests/test_op_kinds.py checks that the
 # names match the registry both ways).
 KERNELS: dict[str, Kernel] = {
-    "conv2d": _conv2d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
+    "conv2d": _conv2d, "conv1d": _conv1d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
     "layernorm": _layernorm, "groupnorm": _groupnorm, "rmsnorm": _rmsnorm, "embedding": _embedding,
     "lstm": _lstm, "gru": _gru,
     "rnn": _rnn, "attention": _attention, "pool2d": _pool2d, "upsample": _upsample,

@@ -201,18 +201,19 @@ def op_gemms(op: Operator, box: Box, grads: Sequence[bool] | None = None
         bwd = ([Gemm(m, k, n, batch)] if _input_grad(op, grads, 0) else [])
         bwd += [Gemm(k, n, m, batch)] if _input_grad(op, grads, 1) else []
         return [Gemm(m, n, k, batch)], bwd
-    if op.kind == "conv2d":
+    if op.kind in ("conv2d", "conv1d"):  # a 1-D convolution as a 2-D one of height 1
         groups = int(op.attrs.get("groups", 1))
-        kh, kw = op.params["weight"].shape[2:]
-        imgs, co, ho, wo, ci = (_span(r) for r in box)
+        flat = op.kind == "conv1d"
+        kh, kw = (1, *op.params["weight"].shape[2:]) if flat else op.params["weight"].shape[2:]
+        imgs, co, ho, wo, ci = (_span(r) for r in ((box[0], box[1], (0, 1), box[2], box[3]) if flat else box))
         batch = 1
         if groups > 1:  # one GEMM per group the part touches: its output over its input channels
             per_group = op.outputs[0].shape[1] // groups
             batch = max(1, co // per_group)
             co, ci = co // batch, op.params["weight"].shape[1]
-        h, w = input_shape(op, 0)[2:]
+        h, w = (1, *input_shape(op, 0)[2:]) if flat else input_shape(op, 0)[2:]
         stride = op.attrs.get("stride", 1)
-        sh, sw = (stride, stride) if isinstance(stride, int) else tuple(stride)
+        sh, sw = (1, stride) if flat else (stride, stride) if isinstance(stride, int) else tuple(stride)
         hin, win = min(h, ho * sh), min(w, wo * sw)  # the input pixels this part's windows cover
         x, y, w = imgs * ci * hin * win * batch, imgs * co * ho * wo * batch, co * ci * kh * kw * batch
         fwd = Gemm(imgs * ho * wo, co, ci * kh * kw, batch, conv=True, nbytes=x + y + w)

@@ -212,7 +212,7 @@ class Conv2d(OpDef):
             per_group = op.outputs[0].shape[1] // groups
             chunk = op.outputs[0].shape[1] // degree
             if chunk % per_group and per_group % chunk:
-                reason = (f"conv2d with groups={groups} cannot split 'out_channels' {degree} ways: "
+                reason = (f"{op.kind} with groups={groups} cannot split 'out_channels' {degree} ways: "
                           f"chunks of {chunk} channels straddle groups of {per_group}")
         return reason
 
@@ -225,10 +225,14 @@ class Conv2d(OpDef):
         return (window_range(box[2], kernel=kh, stride=sh, padding=ph, dilation=dh),
                 window_range(box[3], kernel=kw, stride=sw, padding=pw, dilation=dw))
 
+    def _reduction(self, box: Box) -> Range:
+        """The part's range of the `in_channels` dim."""
+        return box[4]
+
     def _in_channels(self, op: Operator, box: Box) -> Range:
         groups = int(op.attrs.get("groups", 1))
         if groups == 1:
-            return box[4]
+            return self._reduction(box)
         per_out = op.outputs[0].shape[1] // groups
         per_in = op.params["weight"].shape[1]
         lo, hi = box[1]
@@ -249,6 +253,51 @@ class Conv2d(OpDef):
 
     def flops(self, op: Operator) -> float | None:
         return None  # no formula: the counter's figures stand
+
+
+class Conv1d(Conv2d):
+    """y[N, Co, Lo] = conv1d(x[N, Ci, L], weight[Co, Ci/groups, k]) + bias[Co].
+
+    attrs: `stride`, `padding`, `dilation` (one int each), `groups`.
+    dims: `sample`; `out_channels` (parameter, as conv2d's); `length` (attribute: the input region is the
+    window range clipped to the tensor, neighbours' positions read as a halo); `in_channels` (reduction,
+    as conv2d's).
+    """
+
+    kind = "conv1d"
+    captured_from = ("conv1d",)
+    kernel = "conv1d"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, co, lo = op.outputs[0].shape
+        groups = int(op.attrs.get("groups", 1))
+        ci = op.params["weight"].shape[1] * groups
+        return (
+            DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+            DimSpec(name="out_channels", kind=DimKind.PARAMETER, size=co, out_axis=1),
+            DimSpec(name="length", kind=DimKind.ATTRIBUTE, size=lo, out_axis=2),
+            DimSpec(name="in_channels", kind=DimKind.REDUCTION, size=ci, out_axis=None, splittable=groups == 1),
+        )
+
+    def needed_window(self, op: Operator, box: Box) -> tuple[Range]:
+        """The unclipped input positions of the part; the kernel pads the clipped remainder."""
+        a = op.attrs
+        return (window_range(box[2], kernel=op.params["weight"].shape[2], stride=int(a.get("stride", 1)),
+                             padding=int(a.get("padding", 0)), dilation=int(a.get("dilation", 1))),)
+
+    def _reduction(self, box: Box) -> Range:
+        return box[3]
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        (window,) = self.needed_window(op, box)
+        return ((box[0], self._in_channels(op, box), clip_range(window, input_shape(op, 0)[2])),)
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        cin = box[3] if int(op.attrs.get("groups", 1)) == 1 else (0, op.params["weight"].shape[1])
+        regions = {"weight": (box[1], cin, (0, op.params["weight"].shape[2]))}
+        if "bias" in op.params and box[3][0] == 0:
+            regions["bias"] = (box[1],)
+        return regions
 
 
 class Linear(OpDef):
@@ -1330,8 +1379,8 @@ class Opaque(OpDef):
         return None  # no formula: the counter's figures stand
 
 
-for _entry in (Input(), Constant(), Conv2d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), GroupNorm(), RMSNorm(),
-               Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(), Upsample(), AdaptivePool2d(), Elementwise(),
-               Binary(), Reduce(), Concat(), Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(), Transpose(),
-               Softmax(), Dropout(), Loss(), Opaque()):
+for _entry in (Input(), Constant(), Conv2d(), Conv1d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), GroupNorm(),
+               RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(), Upsample(), AdaptivePool2d(),
+               Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(),
+               Transpose(), Softmax(), Dropout(), Loss(), Opaque()):
     register(_entry)

@@ -312,6 +312,27 @@ class SmallUNet(nn.Module):
         return self.fc((self.up(low) + h).mean((2, 3)))
 
 
+class SmallTCN(nn.Module):
+    """A temporal convolution stack as audio models write it: padded, strided and grouped Conv1d."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv1d(4, 8, 3, padding="same")
+        self.conv2 = nn.Conv1d(8, 8, 3, stride=2, padding=1, groups=2)
+        self.conv3 = nn.Conv1d(8, 8, 3, dilation=2, bias=False)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv3(F.gelu(self.conv2(F.gelu(self.conv1(x)))))
+        return self.fc(h.mean(-1))
+
+
+def tcn_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=SmallTCN(), inputs=(torch.empty(batch, 4, 16, device="meta"),),
+                    target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
+
+
 def unet_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=SmallUNet(), inputs=(torch.empty(batch, 3, 8, 8, device="meta"),),
@@ -391,6 +412,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "seqfirst": functools.partial(sequence_first_build, 4),
     "activations": functools.partial(activations_build, 4),
     "unet": functools.partial(unet_build, 4),
+    "tcn": functools.partial(tcn_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

@@ -2,7 +2,7 @@
 ``nn.MultiheadAttention`` in its inputs' layout, SDPA with dropout written out; timm's packed heads and
 sequence-first recurrences (`soap.capture.tracing`); blocks of parameters cut by slicing
 (`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`); group and instance
-norms (the ``groupnorm`` kind) and nearest upsampling (``upsample``).
+norms (the ``groupnorm`` kind), nearest upsampling (``upsample``) and 1-D convolutions (``conv1d``).
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -313,14 +313,21 @@ def test_unet_norms_and_upsampling_are_splittable_ops():
     assert [(op.name, tuple(op.attrs["scale"])) for op in graph if op.kind == "upsample"] == [("up", (2, 2))]
 
 
+def test_conv1d_stack_is_conv1d_ops():
+    graph = rc.graph_of("tcn")
+    assert [op.name for op in graph if op.kind == "conv1d"] == ["conv1", "conv2", "conv3"]
+    assert not [op.name for op in graph if op.kind == "opaque"]
+
+
 # the models of the one launch below (tests/runtime_cases.py)
-LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet")
+LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", "tcn")
 
 
 @pytest.fixture(scope="module")
 def attention_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
-    sliced model, the packed-heads model, the sequence-first LM, the activations MLP and the U-Net step
+    sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step and the
+    temporal convolutions
     under the baselines and random strategies, each verified against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]

@@ -91,6 +91,15 @@ def _conv(case_id: str, x_shape, w_shape, *, stride=1, padding=0, dilation=1, gr
                                                                 groups))
 
 
+def _conv1d(case_id: str, x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups=1, bias=True) -> Case:
+    params = {"weight": _rand(*w_shape, seed=2)}
+    if bias:
+        params["bias"] = _rand(w_shape[0], seed=3)
+    return Case(id=case_id, kind="conv1d", inputs=(_rand(*x_shape),), params=params,
+                attrs={"stride": stride, "padding": padding, "dilation": dilation, "groups": groups},
+                reference=lambda x, weight, bias=None: F.conv1d(x, weight, bias, stride, padding, dilation, groups))
+
+
 def _pool(case_id: str, x_shape, *, mode, kernel, stride, padding=0, dilation=1, ceil_mode=False,
           count_include_pad=True) -> Case:
     if mode == "max":
@@ -150,6 +159,9 @@ def _cases() -> list[Case]:
         _conv("conv2d-alexnet", (2, 3, 35, 35), (4, 3, 11, 11), stride=4, padding=2, bias=False),
         _conv("conv2d-grouped", (2, 8, 6, 6), (8, 2, 3, 3), padding=1, groups=4),
         _conv("conv2d-1x1-pad", (2, 3, 4, 4), (4, 3, 1, 1), padding=1),
+        _conv1d("conv1d", (4, 4, 12), (6, 4, 3), padding=1),
+        _conv1d("conv1d-strided-dilated", (2, 4, 15), (4, 4, 3), stride=2, padding=2, dilation=2, bias=False),
+        _conv1d("conv1d-grouped", (2, 8, 9), (8, 2, 5), padding=2, groups=4),
         Case(id="linear", kind="linear", inputs=(_rand(4, 3, 8),),
              params={"weight": _rand(6, 8, seed=2), "bias": _rand(6, seed=3)}, reference=F.linear),
         Case(id="linear-transposed", kind="linear", inputs=(_rand(6, 8),),
@@ -347,8 +359,8 @@ ALL_OPS = [c.op() for c in CASES] + SOURCE_OPS
 
 
 def test_every_kind_is_covered():
-    documented = {"input", "constant", "conv2d", "linear", "matmul", "batchnorm", "layernorm", "groupnorm", "rmsnorm",
-                  "embedding", "lstm", "gru", "rnn", "attention", "pool2d", "upsample", "adaptive_pool2d",
+    documented = {"input", "constant", "conv2d", "conv1d", "linear", "matmul", "batchnorm", "layernorm", "groupnorm",
+                  "rmsnorm", "embedding", "lstm", "gru", "rnn", "attention", "pool2d", "upsample", "adaptive_pool2d",
                   "elementwise",
                   "binary", "reduce", "concat", "stack", "split", "slice", "reshape", "expand", "repeat",
                   "transpose", "softmax", "dropout", "loss", "opaque"}

@@ -111,25 +111,38 @@ def _weights(b: _Context, **named: Any) -> dict[str, fx.Node] | None:
     return out
 
 
-@_maps("conv2d")
-def _conv2d(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+@_maps("conv2d", "conv1d")
+def _conv(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x, weight = a["input"], a["weight"]
+    spatial = 2 if _aten_name(call.node) == "conv2d" else 1
     params = _weights(b, weight=weight, bias=a["bias"])
-    if params is None or "weight" not in params or not b.is_act(x) or len(_shape(x)) != 4:
+    if params is None or "weight" not in params or not b.is_act(x) or len(_shape(x)) != 2 + spatial:
         return None
-    kernel, dilation = _shape(weight)[2:], _spatial(a["dilation"], [1, 1])
+    kernel, dilation = _shape(weight)[2:], _per_axis(a["dilation"], spatial, 1)
     padding = a["padding"]
     if isinstance(padding, str):
         if padding == "valid":
-            padding = [0, 0]
+            padding = [0] * spatial
         else:
             totals = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
             if any(t % 2 for t in totals):
                 return None
             padding = [t // 2 for t in totals]
-    return _Draft(kind="conv2d", inputs=[x], params=params,
-                  attrs={"stride": _spatial(a["stride"], [1, 1]), "padding": _spatial(padding, [0, 0]),
-                         "dilation": dilation, "groups": int(a["groups"])})
+    attrs = {"stride": _per_axis(a["stride"], spatial, 1), "padding": _per_axis(padding, spatial, 0),
+             "dilation": dilation}
+    if spatial == 1:  # conv1d's attrs are ints
+        attrs = {k: v[0] for k, v in attrs.items()}
+    return _Draft(kind=f"conv{spatial}d", inputs=[x], params=params, attrs={**attrs, "groups": int(a["groups"])})
+
+
+def _per_axis(value: Any, n: int, default: int) -> list[int]:
+    """A spatial aten argument as one int per axis (`_spatial` for `n` axes)."""
+    if n == 2:
+        return _spatial(value, [default, default])
+    if value is None or (isinstance(value, list | tuple) and len(value) == 0):
+        return [default] * n
+    values = [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+    return values * n if len(values) == 1 else values
 
 
 @_maps("linear")
