@@ -313,23 +313,28 @@ class SmallUNet(nn.Module):
 
 
 class SmallTCN(nn.Module):
-    """A temporal convolution stack as audio models write it: padded, strided and grouped Conv1d."""
+    """A temporal convolution stack as audio models write it: padded, strided, grouped and dilated Conv1d
+    with 1-D max, average and adaptive pooling."""
 
     def __init__(self):
         super().__init__()
         self.conv1 = nn.Conv1d(4, 8, 3, padding="same")
+        self.pool1 = nn.MaxPool1d(3, 2, padding=1)
         self.conv2 = nn.Conv1d(8, 8, 3, stride=2, padding=1, groups=2)
         self.conv3 = nn.Conv1d(8, 8, 3, dilation=2, bias=False)
+        self.pool2 = nn.AvgPool1d(2)
+        self.head = nn.AdaptiveAvgPool1d(1)
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv3(F.gelu(self.conv2(F.gelu(self.conv1(x)))))
-        return self.fc(h.mean(-1))
+        h = self.pool1(F.gelu(self.conv1(x)))
+        h = self.pool2(self.conv3(F.gelu(self.conv2(h))))
+        return self.fc(self.head(h).flatten(1))
 
 
 def tcn_build(batch: int) -> Workload:
     torch.manual_seed(0)
-    return Workload(module=SmallTCN(), inputs=(torch.empty(batch, 4, 16, device="meta"),),
+    return Workload(module=SmallTCN(), inputs=(torch.empty(batch, 4, 32, device="meta"),),
                     target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
 
 

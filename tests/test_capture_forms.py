@@ -2,7 +2,7 @@
 ``nn.MultiheadAttention`` in its inputs' layout, SDPA with dropout written out; timm's packed heads and
 sequence-first recurrences (`soap.capture.tracing`); blocks of parameters cut by slicing
 (`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`); group and instance
-norms (the ``groupnorm`` kind), nearest upsampling (``upsample``) and 1-D convolutions (``conv1d``).
+norms (the ``groupnorm`` kind), nearest upsampling (``upsample``), 1-D convolutions (``conv1d``) and 1-D pools.
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -313,9 +313,12 @@ def test_unet_norms_and_upsampling_are_splittable_ops():
     assert [(op.name, tuple(op.attrs["scale"])) for op in graph if op.kind == "upsample"] == [("up", (2, 2))]
 
 
-def test_conv1d_stack_is_conv1d_ops():
+def test_conv1d_stack_is_conv1d_and_pool_ops():
+    """Conv1d is a ``conv1d`` op; 1-D pools are the 2-D pool kinds over a height-1 view."""
     graph = rc.graph_of("tcn")
     assert [op.name for op in graph if op.kind == "conv1d"] == ["conv1", "conv2", "conv3"]
+    assert [op.kind for op in graph if op.module in ("pool1", "pool2", "head") and op.kind.endswith("pool2d")] == [
+        "pool2d", "pool2d", "adaptive_pool2d"]
     assert not [op.name for op in graph if op.kind == "opaque"]
 
 

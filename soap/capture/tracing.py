@@ -28,6 +28,9 @@ Recurrences batch first. A sequence-first ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` 
 ``batch_first=False``) runs batch first between two transposes that belong to the calling module, so that
 it maps to the recurrent kinds (batch first) instead of staying opaque (`_batch_first_recurrences`).
 
+Pools in 2-D. A 1-D max, average or adaptive average pooling of x[N, C, L] becomes the 2-D one of
+``x.unsqueeze(2)`` then a squeeze, so that it maps to the pool kinds (`_pools_in_2d`).
+
 In-place writes. The training IR keeps a model's in-place ops (``shifted[:, 1:] = ids[:, :-1]`` is a
 ``slice`` then ``copy_``; ``masked_fill_``, ``fill_``, ``add_``, ...). `_functionalize` rewrites each into
 its out-of-place form and, where it wrote through a chain of ``slice``, ``select`` or ``diagonal`` views,
@@ -181,6 +184,7 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
     written = _functionalize(program.graph)
     _selects_first(program.graph)
     _batch_first_recurrences(program.graph)
+    _pools_in_2d(program.graph)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -405,6 +409,45 @@ def _batch_first_recurrences(graph: fx.Graph) -> None:
                 user.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
 
 
+def _pools_in_2d(graph: fx.Graph) -> None:
+    """Rewrite, in place, each 1-D max, average or adaptive average pooling of x[N, C, L] into the 2-D one
+    of x.unsqueeze(2) (height 1) then a squeeze: the same values, pooled by the pool kinds (the module
+    docstring's rule)."""
+    aten = torch.ops.aten
+
+    def two_d(node: fx.Node) -> tuple[Any, tuple] | None:
+        a = list(node.args)
+        if node.target is aten.max_pool1d.default:  # (x, kernel, stride, padding, dilation, ceil_mode)
+            a += [[], [0], [1], False][len(a) - 2:]
+            kernel = list(a[1])
+            return aten.max_pool2d.default, ([1, *kernel], [1, *(a[2] or kernel)], [0, *a[3]], [1, *a[4]], a[5])
+        if node.target is aten.avg_pool1d.default:  # (x, kernel, stride, padding, ceil_mode, count_include_pad)
+            a += [[], [0], False, True][len(a) - 2:]
+            kernel = list(a[1])
+            return aten.avg_pool2d.default, ([1, *kernel], [1, *(a[2] or kernel)], [0, *a[3]], a[4], a[5])
+        if node.target is aten.adaptive_avg_pool1d.default:
+            return aten.adaptive_avg_pool2d.default, ([1, *a[1]],)
+        return None
+
+    for node in list(graph.nodes):
+        found = two_d(node) if node.op == "call_function" and not node.kwargs else None
+        x = node.args[0] if found else None
+        if found is None or not isinstance(x, fx.Node) or x.meta["val"].dim() != 3:
+            continue
+        target, args = found
+        mode = torch._guards.detect_fake_mode([x.meta["val"]])
+        with graph.inserting_before(node):
+            tall = graph.call_function(aten.unsqueeze.default, (x, 2))
+            pooled = graph.call_function(target, (tall, *args))
+            flat = graph.call_function(aten.squeeze.dim, (pooled, 2))
+        with mode or contextlib.nullcontext():
+            tall.meta = {**node.meta, "val": x.meta["val"].unsqueeze(2)}
+            pooled.meta = {**node.meta, "val": target(tall.meta["val"], *args)}
+        flat.meta = dict(node.meta)
+        node.replace_all_uses_with(flat)
+        graph.erase_node(node)
+
+
 def _permutation(node: fx.Node) -> list[int] | None:
     """The axes order of a ``permute`` or ``transpose`` node, else None."""
     if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
@@ -535,6 +578,7 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
     written = _functionalize(out)
     _selects_first(out)
     _batch_first_recurrences(out)
+    _pools_in_2d(out)
     nodes = [n for n in out.nodes if n.op == "call_function"]
     return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers,
                    buffer_writes=_buffer_writes(wrapper, written, buffers))
