@@ -338,6 +338,26 @@ def tcn_build(batch: int) -> Workload:
                     target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
 
 
+class Bags(nn.Module):
+    """Recommendation-style pooled embeddings: a mean and a sum ``nn.EmbeddingBag`` over the same ids,
+    concatenated into a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean_bag = nn.EmbeddingBag(32, 8)
+        self.sum_bag = nn.EmbeddingBag(32, 8, mode="sum")
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.mean_bag(ids), self.sum_bag(ids)], dim=1))
+
+
+def bags_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=Bags(), inputs=(torch.empty(batch, 5, dtype=torch.long, device="meta"),),
+                    target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
+
+
 def unet_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=SmallUNet(), inputs=(torch.empty(batch, 3, 8, 8, device="meta"),),
@@ -418,6 +438,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "activations": functools.partial(activations_build, 4),
     "unet": functools.partial(unet_build, 4),
     "tcn": functools.partial(tcn_build, 4),
+    "bags": functools.partial(bags_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

@@ -2,7 +2,8 @@
 ``nn.MultiheadAttention`` in its inputs' layout, SDPA with dropout written out; timm's packed heads and
 sequence-first recurrences (`soap.capture.tracing`); blocks of parameters cut by slicing
 (`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`); group and instance
-norms (the ``groupnorm`` kind), nearest upsampling (``upsample``), 1-D convolutions (``conv1d``) and 1-D pools.
+norms (the ``groupnorm`` kind), nearest upsampling (``upsample``), 1-D convolutions (``conv1d``), 1-D pools and
+embedding bags.
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -322,15 +323,23 @@ def test_conv1d_stack_is_conv1d_and_pool_ops():
     assert not [op.name for op in graph if op.kind == "opaque"]
 
 
+def test_embedding_bags_are_embeddings_then_reductions():
+    graph = rc.graph_of("bags")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert [(op.module, op.kind, op.attrs.get("fn")) for op in graph if op.module.endswith("_bag")] == [
+        ("mean_bag", "embedding", None), ("mean_bag", "reduce", "mean"),
+        ("sum_bag", "embedding", None), ("sum_bag", "reduce", "sum")]
+
+
 # the models of the one launch below (tests/runtime_cases.py)
-LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", "tcn")
+LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", "tcn", "bags")
 
 
 @pytest.fixture(scope="module")
 def attention_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
-    sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step and the
-    temporal convolutions
+    sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step, the
+    temporal convolutions and the embedding bags
     under the baselines and random strategies, each verified against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]

@@ -31,6 +31,11 @@ it maps to the recurrent kinds (batch first) instead of staying opaque (`_batch_
 Pools in 2-D. A 1-D max, average or adaptive average pooling of x[N, C, L] becomes the 2-D one of
 ``x.unsqueeze(2)`` then a squeeze, so that it maps to the pool kinds (`_pools_in_2d`).
 
+Bags as embeddings. A sum or mean ``nn.EmbeddingBag`` of ids [N, L] (equal bags, no per-sample weights)
+becomes the embedding of the ids then the sum or mean over the bag axis, so that it maps to the
+``embedding`` and ``reduce`` kinds (`_bags_as_embeddings`); a max bag, or bags given by offsets, stay
+opaque.
+
 In-place writes. The training IR keeps a model's in-place ops (``shifted[:, 1:] = ids[:, :-1]`` is a
 ``slice`` then ``copy_``; ``masked_fill_``, ``fill_``, ``add_``, ...). `_functionalize` rewrites each into
 its out-of-place form and, where it wrote through a chain of ``slice``, ``select`` or ``diagonal`` views,
@@ -185,6 +190,7 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
     _selects_first(program.graph)
     _batch_first_recurrences(program.graph)
     _pools_in_2d(program.graph)
+    _bags_as_embeddings(program.graph)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -448,6 +454,47 @@ def _pools_in_2d(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
+def _bags_as_embeddings(graph: fx.Graph) -> None:
+    """Rewrite, in place, each sum or mean ``embedding_bag`` of equal bags (an ``nn.EmbeddingBag`` given
+    ids [N, L]: the flattened ids and offsets ``arange(0, N * L, L)``) into the embedding of the ids then
+    the sum or mean over the bag axis (the module docstring's rule)."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.embedding_bag.default,
+                                                                aten.embedding_bag.padding_idx):
+            continue
+        a = [*node.args, *([None] * (9 - len(node.args)))]
+        weight, flat, offsets, scale_grad, mode, sparse, per_sample, last_offset, padding = a
+        x = flat.args[0] if isinstance(flat, fx.Node) and flat.target in (aten.reshape.default,
+                                                                           aten.view.default) else None
+        if (x is None or node.kwargs or mode not in (0, 1) or scale_grad or sparse or per_sample is not None
+                or last_offset or padding not in (None, -1) or x.meta["val"].dim() != 2):
+            continue
+        n, length = x.meta["val"].shape
+        if not (isinstance(offsets, fx.Node) and offsets.target is aten.arange.start_step
+                and list(offsets.args[:3]) == [0, n * length, length]):
+            continue
+        outs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+        if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in node.users):
+            continue
+        mode_fn = (aten.sum.dim_IntList, aten.mean.dim)[mode]
+        fake = torch._guards.detect_fake_mode([x.meta["val"]])
+        with graph.inserting_before(node):
+            looked = graph.call_function(aten.embedding.default, (weight, x))
+            bagged = graph.call_function(mode_fn, (looked, [1]))
+        with fake or contextlib.nullcontext():
+            looked.meta = {**node.meta, "val": aten.embedding.default(weight.meta["val"], x.meta["val"])}
+            bagged.meta = {**node.meta, "val": mode_fn(looked.meta["val"], [1])}
+        for u in outs:
+            u.replace_all_uses_with(bagged)
+        for u in list(node.users):
+            graph.erase_node(u)
+        graph.erase_node(node)
+        for dead in (flat, offsets):
+            if not dead.users:
+                graph.erase_node(dead)
+
+
 def _permutation(node: fx.Node) -> list[int] | None:
     """The axes order of a ``permute`` or ``transpose`` node, else None."""
     if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
@@ -579,6 +626,7 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
     _selects_first(out)
     _batch_first_recurrences(out)
     _pools_in_2d(out)
+    _bags_as_embeddings(out)
     nodes = [n for n in out.nodes if n.op == "call_function"]
     return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers,
                    buffer_writes=_buffer_writes(wrapper, written, buffers))
