@@ -191,15 +191,18 @@ class Conv2d(OpDef):
     kernel = "conv2d"
     flops_counted = True
 
+    # the output's spatial axes, in order (a subclass with fewer spatial axes names its own)
+    spatial: tuple[str, ...] = ("height", "width")
+
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
-        n, co, ho, wo = op.outputs[0].shape
+        n, co, *sizes = op.outputs[0].shape
         groups = int(op.attrs.get("groups", 1))
         ci = op.params["weight"].shape[1] * groups
         return (
             DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
             DimSpec(name="out_channels", kind=DimKind.PARAMETER, size=co, out_axis=1),
-            DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
-            DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3),
+            *(DimSpec(name=name, kind=DimKind.ATTRIBUTE, size=size, out_axis=2 + i)
+              for i, (name, size) in enumerate(zip(self.spatial, sizes, strict=True))),
             DimSpec(name="in_channels", kind=DimKind.REDUCTION, size=ci, out_axis=None,
                     splittable=groups == 1),
         )
@@ -227,7 +230,7 @@ class Conv2d(OpDef):
 
     def _reduction(self, box: Box) -> Range:
         """The part's range of the `in_channels` dim."""
-        return box[4]
+        return box[2 + len(self.spatial)]
 
     def _in_channels(self, op: Operator, box: Box) -> Range:
         groups = int(op.attrs.get("groups", 1))
@@ -267,26 +270,13 @@ class Conv1d(Conv2d):
     kind = "conv1d"
     captured_from = ("conv1d",)
     kernel = "conv1d"
-
-    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
-        n, co, lo = op.outputs[0].shape
-        groups = int(op.attrs.get("groups", 1))
-        ci = op.params["weight"].shape[1] * groups
-        return (
-            DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
-            DimSpec(name="out_channels", kind=DimKind.PARAMETER, size=co, out_axis=1),
-            DimSpec(name="length", kind=DimKind.ATTRIBUTE, size=lo, out_axis=2),
-            DimSpec(name="in_channels", kind=DimKind.REDUCTION, size=ci, out_axis=None, splittable=groups == 1),
-        )
+    spatial = ("length",)
 
     def needed_window(self, op: Operator, box: Box) -> tuple[Range]:
         """The unclipped input positions of the part; the kernel pads the clipped remainder."""
         a = op.attrs
         return (window_range(box[2], kernel=op.params["weight"].shape[2], stride=int(a.get("stride", 1)),
                              padding=int(a.get("padding", 0)), dilation=int(a.get("dilation", 1))),)
-
-    def _reduction(self, box: Box) -> Range:
-        return box[3]
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         (window,) = self.needed_window(op, box)
@@ -742,6 +732,15 @@ class Attention(OpDef):
 # ---------------------------------------------------------------- pooling
 
 
+def _image_dims(op: Operator) -> tuple[DimSpec, ...]:
+    """`sample`, `channels`, `height`, `width` of an [N, C, H, W] output, every one splittable."""
+    n, c, ho, wo = op.outputs[0].shape
+    return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+            DimSpec(name="channels", kind=DimKind.ATTRIBUTE, size=c, out_axis=1),
+            DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
+            DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3))
+
+
 class Pool2d(OpDef):
     """y[N, C, Ho, Wo] = max or average pooling of x[N, C, H, W].
 
@@ -762,11 +761,7 @@ class Pool2d(OpDef):
         return region_numel(self.output_region(op, box)) * DTYPE_BYTES["int64"]
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
-        n, c, ho, wo = op.outputs[0].shape
-        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
-                DimSpec(name="channels", kind=DimKind.ATTRIBUTE, size=c, out_axis=1),
-                DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
-                DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3))
+        return _image_dims(op)
 
     def needed_window(self, op: Operator, box: Box) -> tuple[Range, Range]:
         """The unclipped input rows and columns of the part; the kernel pads the clipped remainder."""
@@ -798,11 +793,7 @@ class Upsample(OpDef):
     kernel = "upsample"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
-        n, c, ho, wo = op.outputs[0].shape
-        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
-                DimSpec(name="channels", kind=DimKind.ATTRIBUTE, size=c, out_axis=1),
-                DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
-                DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3))
+        return _image_dims(op)
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         (s, t), (rows, cols) = op.attrs["scale"], (box[2], box[3])
