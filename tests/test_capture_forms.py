@@ -340,13 +340,15 @@ def attention_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
     sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step, the
     temporal convolutions and the embedding bags
-    under the baselines and random strategies, each verified against one process."""
+    under the baselines, a strategy drawn from the search's space and a random valid one, each verified
+    against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
     for model, seed in itertools.product(LAUNCHED, range(2)):
         graph = rc.graph_of(model)
-        cases.append(rc.train_case(f"{model}/random{seed}", model,
-                                   rc.random_strategy(graph, 2, random.Random(seed)), graph))
+        # one draw from the search's own space (what it can emit), one from every valid config
+        draw = rc.space_strategy if seed % 2 == 0 else rc.random_strategy
+        cases.append(rc.train_case(f"{model}/random{seed}", model, draw(graph, 2, random.Random(seed)), graph))
     results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=60, wall_timeout_s=600, num_threads=1)
     return [cases, results[0]]
 
