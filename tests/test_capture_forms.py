@@ -336,12 +336,11 @@ LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", 
 
 
 @pytest.fixture(scope="module")
-def attention_runs() -> list[dict]:
+def forms_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
     sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step, the
-    temporal convolutions and the embedding bags
-    under the baselines, a strategy drawn from the search's space and a random valid one, each verified
-    against one process."""
+    temporal convolutions and the embedding bags under the baselines, a strategy drawn from the search's
+    space and a random valid one, each verified against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
     for model, seed in itertools.product(LAUNCHED, range(2)):
@@ -353,8 +352,8 @@ def attention_runs() -> list[dict]:
     return [cases, results[0]]
 
 
-def test_attention_and_blocks_train_as_one_process(attention_runs):
-    cases, results = attention_runs
+def test_forms_train_as_one_process(forms_runs):
+    cases, results = forms_runs
     assert len(cases) >= 10 and [r["label"] for r in results] == [c["label"] for c in cases]
     bad = rc.failures(results, cases=cases, num_devices=2)
     assert not bad, "\n".join(bad)
