@@ -232,6 +232,30 @@ def _conv2d(op, box, inputs, params, ctx):
                      padding=padding or 0, dilation=pair(op.attrs.get("dilation", 1)), groups=groups),)
 
 
+def _conv_transpose2d(op, box, inputs, params, ctx):
+    # the part's input rows transposed-convolved without padding (row 0 at output row in_lo * stride -
+    # padding), then the part's own rows kept (zeros where no input row reaches: output padding)
+    (region,) = op_def(op.kind).input_regions(op, box)
+    a, x, weight = op.attrs, inputs[0], params["weight"]
+    stride, padding, dilation = pair(a.get("stride", 1)), pair(a.get("padding", 0)), pair(a.get("dilation", 1))
+    groups = int(a.get("groups", 1))  # (with groups > 1 its channels are never split)
+    if all(hi > lo for lo, hi in region[2:]):
+        y = F.conv_transpose2d(x, weight, None, stride=stride, groups=groups, dilation=dilation)
+    else:
+        y = x.new_zeros((x.shape[0], weight.shape[1] * groups, 0, 0))
+    pads = []
+    for axis, (out, got, s, p) in enumerate(zip(box[2:4], region[2:], stride, padding, strict=True)):
+        start = out[0] - (got[0] * s - p)  # where the part's first row lies in y
+        pads.append((max(0, -start), max(0, start + out[1] - out[0] - y.shape[2 + axis])))
+    if any(pads[0]) or any(pads[1]):
+        y = F.pad(y, (*pads[1], *pads[0]))
+    top, left = (out[0] - (got[0] * s - p) + pad[0]
+                 for out, got, s, p, pad in zip(box[2:4], region[2:], stride, padding, pads, strict=True))
+    y = y[:, :, top:top + box[2][1] - box[2][0], left:left + box[3][1] - box[3][0]]
+    bias = params.get("bias")
+    return (y if bias is None else y + bias.view(1, -1, 1, 1),)
+
+
 def _conv1d(op, box, inputs, params, ctx):
     entry = op_def(op.kind)
     (region,) = entry.input_regions(op, box)
@@ -631,7 +655,8 @@ def _loss(op, box, inputs, params, ctx):
 # The part kernel of each kind, by the name its `OpDef.kernel` gives (tests/test_op_kinds.py checks that the
 # names match the registry both ways).
 KERNELS: dict[str, Kernel] = {
-    "conv2d": _conv2d, "conv1d": _conv1d, "linear": _linear, "matmul": _matmul, "batchnorm": _batchnorm,
+    "conv2d": _conv2d, "conv1d": _conv1d, "conv_transpose2d": _conv_transpose2d, "linear": _linear,
+    "matmul": _matmul, "batchnorm": _batchnorm,
     "layernorm": _layernorm, "groupnorm": _groupnorm, "rmsnorm": _rmsnorm, "embedding": _embedding,
     "lstm": _lstm, "gru": _gru,
     "rnn": _rnn, "attention": _attention, "pool2d": _pool2d, "upsample": _upsample,

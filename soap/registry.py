@@ -258,6 +258,58 @@ class Conv2d(OpDef):
         return None  # no formula: the counter's figures stand
 
 
+def _transposed_rows(out: Range, *, kernel: int, stride: int, padding: int, dilation: int, size: int) -> Range:
+    """The input rows of a transposed convolution whose windows reach output rows `out` (input row i adds
+    to output rows i*stride - padding + j*dilation, j < kernel), clipped to [0, size)."""
+    lo = -(-(out[0] + padding - (kernel - 1) * dilation) // stride)
+    hi = (out[1] - 1 + padding) // stride + 1
+    return clip_range((lo, hi), size) if out[1] > out[0] else (0, 0)
+
+
+class ConvTranspose2d(OpDef):
+    """y[N, Co, Ho, Wo] = conv_transpose2d(x[N, Ci, H, W], weight[Ci, Co/groups, kh, kw]) + bias[Co].
+
+    attrs: `stride`, `padding`, `output_padding`, `dilation` ([h, w] each), `groups`.
+    dims: `sample`; `out_channels` (parameter: shards weight columns and bias; only with groups 1);
+    `height`, `width` (attribute: a part reads the input rows whose windows reach its rows, computes their
+    output and keeps its own rows); `in_channels` (reduction, only with groups 1: parts hold partial sums,
+    the first chunk adds the bias).
+    """
+
+    kind = "conv_transpose2d"
+    captured_from = ("conv_transpose2d",)
+    kernel = "conv_transpose2d"
+    flops_counted = True
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        n, co, ho, wo = op.outputs[0].shape
+        whole = int(op.attrs.get("groups", 1)) == 1
+        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=n, out_axis=0),
+                DimSpec(name="out_channels", kind=DimKind.PARAMETER, size=co, out_axis=1, splittable=whole),
+                DimSpec(name="height", kind=DimKind.ATTRIBUTE, size=ho, out_axis=2),
+                DimSpec(name="width", kind=DimKind.ATTRIBUTE, size=wo, out_axis=3),
+                DimSpec(name="in_channels", kind=DimKind.REDUCTION, size=op.params["weight"].shape[0],
+                        out_axis=None, splittable=whole))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        a, (h, w) = op.attrs, input_shape(op, 0)[2:]
+        (kh, kw), (sh, sw) = op.params["weight"].shape[2:], pair(a.get("stride", 1))
+        (ph, pw), (dh, dw) = pair(a.get("padding", 0)), pair(a.get("dilation", 1))
+        return ((box[0], box[4], _transposed_rows(box[2], kernel=kh, stride=sh, padding=ph, dilation=dh, size=h),
+                 _transposed_rows(box[3], kernel=kw, stride=sw, padding=pw, dilation=dw, size=w)),)
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        per_group, kh, kw = op.params["weight"].shape[1:]
+        columns = box[1] if int(op.attrs.get("groups", 1)) == 1 else (0, per_group)
+        regions = {"weight": (box[4], columns, (0, kh), (0, kw))}
+        if "bias" in op.params and box[4][0] == 0:
+            regions["bias"] = (box[1],)
+        return regions
+
+    def flops(self, op: Operator) -> float | None:
+        return None  # no formula: the counter's figures stand
+
+
 class Conv1d(Conv2d):
     """y[N, Co, Lo] = conv1d(x[N, Ci, L], weight[Co, Ci/groups, k]) + bias[Co].
 
@@ -1370,8 +1422,8 @@ class Opaque(OpDef):
         return None  # no formula: the counter's figures stand
 
 
-for _entry in (Input(), Constant(), Conv2d(), Conv1d(), Linear(), Matmul(), BatchNorm(), LayerNorm(), GroupNorm(),
-               RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(), Upsample(), AdaptivePool2d(),
-               Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(), Reshape(), Expand(), Repeat(),
-               Transpose(), Softmax(), Dropout(), Loss(), Opaque()):
+for _entry in (Input(), Constant(), Conv2d(), Conv1d(), ConvTranspose2d(), Linear(), Matmul(), BatchNorm(),
+               LayerNorm(), GroupNorm(), RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(),
+               Upsample(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(),
+               Reshape(), Expand(), Repeat(), Transpose(), Softmax(), Dropout(), Loss(), Opaque()):
     register(_entry)

@@ -294,7 +294,8 @@ class Activations(nn.Module):
 
 class SmallUNet(nn.Module):
     """A U-Net step as diffusion and segmentation nets write it: a GroupNorm'd convolution, down by max
-    pooling, an affine InstanceNorm'd convolution, up by nearest upsampling, and the skip added."""
+    pooling, an affine InstanceNorm'd convolution, up by nearest upsampling and by a transposed
+    convolution, and the skip added."""
 
     def __init__(self):
         super().__init__()
@@ -304,12 +305,13 @@ class SmallUNet(nn.Module):
         self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
         self.inorm = nn.InstanceNorm2d(8, affine=True)
         self.up = nn.Upsample(scale_factor=2)
+        self.deconv = nn.ConvTranspose2d(8, 8, 3, stride=2, padding=1, output_padding=1)
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.gn(self.conv1(x)))
         low = F.relu(self.inorm(self.conv2(self.pool(h))))
-        return self.fc((self.up(low) + h).mean((2, 3)))
+        return self.fc((self.up(low) + self.deconv(low) + h).mean((2, 3)))
 
 
 class SmallTCN(nn.Module):

@@ -307,11 +307,13 @@ def test_activations_are_elementwise_ops():
 
 def test_unet_norms_and_upsampling_are_splittable_ops():
     """GroupNorm and InstanceNorm are ``groupnorm`` ops (one channel per group for the instance norm), the
-    nearest upsampling an ``upsample`` op: nothing opaque."""
+    nearest upsampling an ``upsample`` op, the transposed convolution a ``conv_transpose2d`` op: nothing
+    opaque."""
     graph = rc.graph_of("unet")
     assert not [op.name for op in graph if op.kind == "opaque"]
     assert [(op.name, op.attrs["num_groups"]) for op in graph if op.kind == "groupnorm"] == [("gn", 4), ("inorm", 8)]
     assert [(op.name, tuple(op.attrs["scale"])) for op in graph if op.kind == "upsample"] == [("up", (2, 2))]
+    assert [op.name for op in graph if op.kind == "conv_transpose2d"] == ["deconv"]
 
 
 def test_conv1d_stack_is_conv1d_and_pool_ops():

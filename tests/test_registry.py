@@ -100,6 +100,19 @@ def _conv1d(case_id: str, x_shape, w_shape, *, stride=1, padding=0, dilation=1, 
                 reference=lambda x, weight, bias=None: F.conv1d(x, weight, bias, stride, padding, dilation, groups))
 
 
+def _deconv(case_id: str, x_shape, w_shape, *, stride=1, padding=0, output_padding=0, dilation=1, groups=1,
+            bias=True) -> Case:
+    params = {"weight": _rand(*w_shape, seed=2)}
+    if bias:
+        params["bias"] = _rand(w_shape[1] * groups, seed=3)
+    pair = lambda v: [v, v] if isinstance(v, int) else list(v)  # noqa: E731
+    return Case(id=case_id, kind="conv_transpose2d", inputs=(_rand(*x_shape),), params=params,
+                attrs={"stride": pair(stride), "padding": pair(padding), "output_padding": pair(output_padding),
+                       "dilation": pair(dilation), "groups": groups},
+                reference=lambda x, weight, bias=None: F.conv_transpose2d(x, weight, bias, stride, padding,
+                                                                          output_padding, groups, dilation))
+
+
 def _pool(case_id: str, x_shape, *, mode, kernel, stride, padding=0, dilation=1, ceil_mode=False,
           count_include_pad=True) -> Case:
     if mode == "max":
@@ -159,6 +172,11 @@ def _cases() -> list[Case]:
         _conv("conv2d-alexnet", (2, 3, 35, 35), (4, 3, 11, 11), stride=4, padding=2, bias=False),
         _conv("conv2d-grouped", (2, 8, 6, 6), (8, 2, 3, 3), padding=1, groups=4),
         _conv("conv2d-1x1-pad", (2, 3, 4, 4), (4, 3, 1, 1), padding=1),
+        _deconv("conv_transpose2d", (2, 4, 5, 4), (4, 6, 3, 3), stride=2, padding=1, output_padding=1),
+        _deconv("conv_transpose2d-plain", (2, 3, 4, 5), (3, 4, 2, 2), stride=2, bias=False),
+        _deconv("conv_transpose2d-dilated", (2, 4, 4, 4), (4, 2, 3, 3), stride=3, padding=2, dilation=2,
+                output_padding=(1, 2)),
+        _deconv("conv_transpose2d-grouped", (2, 4, 3, 3), (4, 3, 3, 3), stride=1, padding=1, groups=2),
         _conv1d("conv1d", (4, 4, 12), (6, 4, 3), padding=1),
         _conv1d("conv1d-strided-dilated", (2, 4, 15), (4, 4, 3), stride=2, padding=2, dilation=2, bias=False),
         _conv1d("conv1d-grouped", (2, 8, 9), (8, 2, 5), padding=2, groups=4),
@@ -359,11 +377,10 @@ ALL_OPS = [c.op() for c in CASES] + SOURCE_OPS
 
 
 def test_every_kind_is_covered():
-    documented = {"input", "constant", "conv2d", "conv1d", "linear", "matmul", "batchnorm", "layernorm", "groupnorm",
-                  "rmsnorm", "embedding", "lstm", "gru", "rnn", "attention", "pool2d", "upsample", "adaptive_pool2d",
-                  "elementwise",
-                  "binary", "reduce", "concat", "stack", "split", "slice", "reshape", "expand", "repeat",
-                  "transpose", "softmax", "dropout", "loss", "opaque"}
+    documented = {"input", "constant", "conv2d", "conv1d", "conv_transpose2d", "linear", "matmul", "batchnorm",
+                  "layernorm", "groupnorm", "rmsnorm", "embedding", "lstm", "gru", "rnn", "attention", "pool2d",
+                  "upsample", "adaptive_pool2d", "elementwise", "binary", "reduce", "concat", "stack", "split",
+                  "slice", "reshape", "expand", "repeat", "transpose", "softmax", "dropout", "loss", "opaque"}
     assert set(REGISTRY) == documented
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():

@@ -135,6 +135,18 @@ def _conv(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return _Draft(kind=f"conv{spatial}d", inputs=[x], params=params, attrs={**attrs, "groups": int(a["groups"])})
 
 
+@_maps("conv_transpose2d")
+def _conv_transpose2d(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x = a["input"]
+    params = _weights(b, weight=a["weight"], bias=a["bias"])
+    if params is None or "weight" not in params or not b.is_act(x) or len(_shape(x)) != 4:
+        return None
+    return _Draft(kind="conv_transpose2d", inputs=[x], params=params,
+                  attrs={"stride": _per_axis(a["stride"], 2, 1), "padding": _per_axis(a["padding"], 2, 0),
+                         "output_padding": _per_axis(a["output_padding"], 2, 0),
+                         "dilation": _per_axis(a["dilation"], 2, 1), "groups": int(a["groups"])})
+
+
 def _per_axis(value: Any, n: int, default: int) -> list[int]:
     """A spatial aten argument as one int per axis (`_spatial` for `n` axes)."""
     if n == 2:

@@ -67,9 +67,9 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 LEAF_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Conv2d, nn.Conv1d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.LSTM,
-    nn.GRU, nn.RNN, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.ReLU, nn.GELU,
-    nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Softmax, nn.Flatten, nn.Identity, nn.GroupNorm,
+    nn.Conv2d, nn.Conv1d, nn.ConvTranspose2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.RMSNorm,
+    nn.Embedding, nn.LSTM, nn.GRU, nn.RNN, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
+    nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Softmax, nn.Flatten, nn.Identity, nn.GroupNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.ELU, nn.SELU,
     nn.CELU, nn.Softplus, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Upsample,
 )
