@@ -243,14 +243,14 @@ def _conv_transpose2d(op, box, inputs, params, ctx):
         y = F.conv_transpose2d(x, weight, None, stride=stride, groups=groups, dilation=dilation)
     else:
         y = x.new_zeros((x.shape[0], weight.shape[1] * groups, 0, 0))
-    pads = []
+    pads, firsts = [], []
     for axis, (out, got, s, p) in enumerate(zip(box[2:4], region[2:], stride, padding, strict=True)):
         start = out[0] - (got[0] * s - p)  # where the part's first row lies in y
         pads.append((max(0, -start), max(0, start + out[1] - out[0] - y.shape[2 + axis])))
+        firsts.append(start + pads[-1][0])  # ... and in y once padded
     if any(pads[0]) or any(pads[1]):
         y = F.pad(y, (*pads[1], *pads[0]))
-    top, left = (out[0] - (got[0] * s - p) + pad[0]
-                 for out, got, s, p, pad in zip(box[2:4], region[2:], stride, padding, pads, strict=True))
+    top, left = firsts
     y = y[:, :, top:top + box[2][1] - box[2][0], left:left + box[3][1] - box[3][0]]
     bias = params.get("bias")
     return (y if bias is None else y + bias.view(1, -1, 1, 1),)

@@ -701,10 +701,9 @@ def _reference_loss(workload: Workload, module: nn.Module, graph: OperatorGraph,
                     dtype: torch.dtype, device: torch.device, highs: Mapping[int, int], *,
                     autocast: bool = True) -> torch.Tensor:
     """The reference's loss of `step` (in `dtype`): the step's synthetic batch (integer inputs below
-    `highs`, `integer_highs`) through the module, its
-    dropouts drawing the runtime's masks (attention's included: ``nn.MultiheadAttention`` computes as
-    capture traced it, `soap.capture.attention`), under torch.autocast to the compute dtype unless the run computes
-    in float32 or not `autocast`."""
+    `highs`, `integer_highs`) through the module, its dropouts drawing the runtime's masks (attention's
+    included: attention computes as capture traced it, `soap.capture.attention`), under torch.autocast to
+    the compute dtype unless the run computes in float32 or not `autocast`."""
     batch = synthetic_batch(workload.example, step=step, seed=options.seed, highs=highs, dtype=dtype,
                             device=device)
     dropouts = [op for op in graph if op.kind == "dropout"]

@@ -96,6 +96,11 @@ class ParamSpec:
         return self.whole_shape or self.shape
 
     @property
+    def box(self) -> tuple[tuple[int, int], ...]:
+        """What the op holds as a region of the whole parameter: the block, or the whole parameter."""
+        return tuple((o, o + n) for o, n in zip(self.offset or (0,) * len(self.shape), self.shape, strict=True))
+
+    @property
     def key(self) -> str:
         """What the op holds: the fqn, with the block's offset where it uses a block."""
         return f"{self.fqn}@{','.join(map(str, self.offset))}" if self.offset else self.fqn

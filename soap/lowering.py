@@ -28,8 +28,8 @@ The rules, each stated once:
   a weight share its shards: a device holds each (parameter, region) once. A shard held on several
   devices is all-reduced over exactly those devices (when a parameter's shards overlap without being
   equal, the whole parameter, or the whole block its ops use, is all-reduced over the union of their
-  devices). Ops that share parameters
-  form one *parameter unit* (`GradFlow.units`), lowered together (`lower_params`).
+  devices). Ops that share parameters form one *parameter unit* (`GradFlow.units`), lowered together
+  (`lower_params`).
 - **Buckets.** Parameters enter buckets in backward order (a parameter when its first user in forward
   order, whose backward finishes its gradient, is reached; an op's parameters all go into the bucket
   that is open when it is reached), and a bucket closes once it holds `TrainSetup.bucket_bytes` of
@@ -942,9 +942,8 @@ def lower_params(flow: GradFlow, unit: int, steps: Mapping[int, OpStep], replica
             # device must see each other's.
             group = tuple(sorted(set().union(*(set(out.shards[k]) for k in keys))))
             numel = spec.numel
-            box = tuple((o, o + n) for o, n in zip(spec.offset or (0,) * len(spec.shape), spec.shape, strict=True))
             sync.append(SyncEntry(fqn, None, group, bucket, numel, numel * itemsize,
-                                  tuple(sorted({h for k in keys for h in holders[k]})), box))
+                                  tuple(sorted({h for k in keys for h in holders[k]})), spec.box))
     out.sync = tuple(sync)
     out.update_bytes = update
     out.memory_bytes = memory

@@ -68,10 +68,7 @@ def captured_attention() -> Iterator[None]:
              enable_gqa: bool = False) -> torch.Tensor:
         if dropout_p > 0.0 and query.dim() >= 3 and key.shape[-3] in (1, query.shape[-3]) and \
                 value.shape[-3] == key.shape[-3] and not (is_causal and attn_mask is not None):
-            mask = attn_mask
-            if mask is not None and not mask.is_floating_point():
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    mask.logical_not(), float("-inf"))
+            mask = _additive(attn_mask, query.dtype, keeps=True)
             return _written_out(query, key, value, mask, dropout_p, is_causal, scale)[0]
         return fused(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                      scale=scale, enable_gqa=enable_gqa)
@@ -112,11 +109,13 @@ def _supported(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
     return attn_mask is None or tuple(attn_mask.shape) == (length, source)
 
 
-def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask (True: masked out) as an additive one; a float mask as it is."""
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype, *, keeps: bool = False) -> torch.Tensor | None:
+    """A boolean mask as an additive one, ``-inf`` where it masks out (where True: MultiheadAttention's
+    convention; with `keeps`, where False: SDPA's); a float mask as it is."""
     if mask is None or mask.is_floating_point():
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        mask.logical_not() if keeps else mask, float("-inf"))
 
 
 def _forward(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -164,8 +163,8 @@ def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     scores = torch.matmul(q * (scale if scale is not None else math.sqrt(1.0 / q.shape[-1])), k.transpose(-2, -1))
     if is_causal:
         length, source = q.shape[-2], k.shape[-2]
-        scores = scores + torch.zeros(length, source, dtype=q.dtype, device=q.device).masked_fill(
-            torch.ones(length, source, dtype=torch.bool, device=q.device).tril().logical_not(), float("-inf"))
+        scores = scores + _additive(torch.ones(length, source, dtype=torch.bool, device=q.device).tril(), q.dtype,
+                                    keeps=True)
     if mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1)

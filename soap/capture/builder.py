@@ -261,14 +261,12 @@ class _Builder:
                     if _is_getitem(user):
                         self.blocks[user] = (base, _shifted(offset, dim, starts[user.args[1]]))
         boxes: dict[fx.Node, set[tuple[tuple[int, int], ...]]] = {}
-        for node, (base, offset) in self.blocks.items():
+        for node, (base, _) in self.blocks.items():
             if any(u not in cuts for u in _uses(node)):
-                box = tuple((o, o + n) for o, n in zip(offset or (0,) * node.meta["val"].dim(),
-                                                       node.meta["val"].shape, strict=True))
-                boxes.setdefault(base, set()).add(box)
+                boxes.setdefault(base, set()).add(self.param_spec(node).box)
         for base in boxes:
             if any(u not in cuts for u in _uses(base)):
-                boxes[base].add(tuple((0, n) for n in base.meta["val"].shape))
+                boxes[base].add(self.param_spec(base).box)
         overlapping = {base for base, found in boxes.items()
                        if any(a != b and intersect(a, b) is not None for a in found for b in found)}
         self.blocks = {n: v for n, v in self.blocks.items() if v[0] not in overlapping}

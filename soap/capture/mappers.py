@@ -17,8 +17,8 @@ Loss. The loss function runs inside the traced wrapper, so its ops are in the gr
 loss function is named ``loss.<aten op name>`` (the reshapes of ``lm_cross_entropy`` are ``loss.reshape``
 and ``loss.reshape_1``). A loss other than these ends in whatever ops compute it.
 
-Imports torch, soap.opdef, soap.registry, `tracing`, `grouping` and `nodes`; must not import `builder` (it reaches the
-builder through `_Context`), the simulator, the search, the runtime or soapflow.
+Imports torch, soap.opdef, soap.registry, `tracing`, `grouping` and `nodes`; must not import `builder` (it
+reaches the builder through `_Context`), the simulator, the search, the runtime or soapflow.
 """
 
 from __future__ import annotations

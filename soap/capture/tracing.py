@@ -187,10 +187,7 @@ def _trace_export(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: 
     program = torch.export.export(wrapper, (inputs, target), strict=False)
     _inline_wrappers(program.graph_module)
     written = _functionalize(program.graph)
-    _selects_first(program.graph)
-    _batch_first_recurrences(program.graph)
-    _pools_in_2d(program.graph)
-    _bags_as_embeddings(program.graph)
+    _rewrite_forms(program.graph)
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     params: dict[fx.Node, str] = {}
     buffers: dict[fx.Node, str] = {}
@@ -330,6 +327,21 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     return value, anchor
 
 
+def _rewrite_forms(graph: fx.Graph) -> None:
+    """The rewrites that keep values and give the graph the forms capture's kinds split (the module
+    docstring's pieces before permutes, recurrences batch first, pools in 2-D and bags as embeddings)."""
+    _selects_first(graph)
+    _batch_first_recurrences(graph)
+    _pools_in_2d(graph)
+    _bags_as_embeddings(graph)
+
+
+def _fake_mode(node: fx.Node) -> Any:
+    """The fake mode `node`'s value was traced under (a context that does nothing where there is none), for
+    computing the values of nodes a rewrite adds."""
+    return torch._guards.detect_fake_mode([node.meta["val"]]) or contextlib.nullcontext()
+
+
 def _selects_first(graph: fx.Graph) -> None:
     """Rewrite, in place, ``unbind`` into one ``select`` per piece, and a ``select`` of a ``permute`` (or
     ``transpose``) whose every reader selects into the ``select`` of the permuted axis then the permute
@@ -355,7 +367,7 @@ def _selects_first(graph: fx.Graph) -> None:
         if perm is None or not users or not all(u.target is aten.select.int and u.args[0] is node for u in users):
             continue
         x = node.args[0]
-        mode = torch._guards.detect_fake_mode([x.meta["val"]])
+        mode = _fake_mode(x)
         for u in users:
             axis = int(u.args[1]) % len(perm)
             kept = [q - (q > perm[axis]) for j, q in enumerate(perm) if j != axis]
@@ -363,7 +375,7 @@ def _selects_first(graph: fx.Graph) -> None:
                 piece = moved = graph.call_function(aten.select.int, (x, perm[axis], u.args[2]))
                 if kept != sorted(kept):
                     moved = graph.call_function(aten.permute.default, (piece, kept))
-            with mode or contextlib.nullcontext():
+            with mode:
                 piece.meta = {**u.meta, "val": x.meta["val"].select(perm[axis], u.args[2])}
             if moved is not piece:
                 moved.meta = dict(u.meta)
@@ -386,7 +398,7 @@ def _batch_first_recurrences(graph: fx.Graph) -> None:
             continue
         stack = dict(node.meta.get("nn_module_stack") or {})
         outer = {k: v for k, v in list(stack.items())[:-1]}
-        mode = torch._guards.detect_fake_mode([x.meta["val"]])
+        mode = _fake_mode(x)
         undone = x.target is aten.transpose.int and sorted(int(d) % 3 for d in x.args[1:3]) == [0, 1] \
             and len(x.users) == 1  # (the previous recurrence's output, back to sequence first: undone)
         if undone:
@@ -397,7 +409,7 @@ def _batch_first_recurrences(graph: fx.Graph) -> None:
                 first = first.prev
             with graph.inserting_before(first):
                 swapped = graph.call_function(aten.transpose.int, (x, 0, 1))
-        with mode or contextlib.nullcontext():
+        with mode:
             if not undone:
                 swapped.meta = {"val": x.meta["val"].transpose(0, 1), "nn_module_stack": outer}
             out = node.meta["val"][0].transpose(0, 1).contiguous()
@@ -410,7 +422,7 @@ def _batch_first_recurrences(graph: fx.Graph) -> None:
                 user.meta["val"] = out
                 with graph.inserting_after(user):
                     back = graph.call_function(aten.transpose.int, (user, 0, 1))
-                with mode or contextlib.nullcontext():
+                with mode:
                     back.meta = {"val": out.transpose(0, 1), "nn_module_stack": outer}
                 user.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
 
@@ -441,12 +453,12 @@ def _pools_in_2d(graph: fx.Graph) -> None:
         if found is None or not isinstance(x, fx.Node) or x.meta["val"].dim() != 3:
             continue
         target, args = found
-        mode = torch._guards.detect_fake_mode([x.meta["val"]])
+        mode = _fake_mode(x)
         with graph.inserting_before(node):
             tall = graph.call_function(aten.unsqueeze.default, (x, 2))
             pooled = graph.call_function(target, (tall, *args))
             flat = graph.call_function(aten.squeeze.dim, (pooled, 2))
-        with mode or contextlib.nullcontext():
+        with mode:
             tall.meta = {**node.meta, "val": x.meta["val"].unsqueeze(2)}
             pooled.meta = {**node.meta, "val": target(tall.meta["val"], *args)}
         flat.meta = dict(node.meta)
@@ -478,11 +490,11 @@ def _bags_as_embeddings(graph: fx.Graph) -> None:
         if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in node.users):
             continue
         mode_fn = (aten.sum.dim_IntList, aten.mean.dim)[mode]
-        fake = torch._guards.detect_fake_mode([x.meta["val"]])
+        mode = _fake_mode(x)
         with graph.inserting_before(node):
             looked = graph.call_function(aten.embedding.default, (weight, x))
             bagged = graph.call_function(mode_fn, (looked, [1]))
-        with fake or contextlib.nullcontext():
+        with mode:
             looked.meta = {**node.meta, "val": aten.embedding.default(weight.meta["val"], x.meta["val"])}
             bagged.meta = {**node.meta, "val": mode_fn(looked.meta["val"], [1])}
         for u in outs:
@@ -623,10 +635,7 @@ def _trace_fx(wrapper: _WithLoss, inputs: tuple[torch.Tensor, ...], target: torc
         else:
             env[node] = _inline(out, node.target, args, kwargs, stack)
     written = _functionalize(out)
-    _selects_first(out)
-    _batch_first_recurrences(out)
-    _pools_in_2d(out)
-    _bags_as_embeddings(out)
+    _rewrite_forms(out)
     nodes = [n for n in out.nodes if n.op == "call_function"]
     return _Traced(nodes=nodes, user_inputs=user_inputs, params=params, buffers=buffers,
                    buffer_writes=_buffer_writes(wrapper, written, buffers))
