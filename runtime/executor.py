@@ -70,7 +70,7 @@ from soap.lowering import (
     chunk_numel,
 )
 from soap.opdef import Region
-from soap.registry import op_def
+from soap.registry import counts_targets, op_def
 
 TORCH_DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -141,6 +141,7 @@ class Executor:
                              "kernel has no float16 form); use bf16")
         self.where = "setup"
         self.step = 0
+        self.counted: dict[str, int] = {}  # per cross-entropy mean, its step's count (`run_step`)
         self.num_forwards = 0
         self.distributed = plan.num_devices > 1
         self.log = CollectiveLog()
@@ -512,7 +513,7 @@ class Executor:
         if op.kind != "opaque":
             return kernels.compute_chunk(op, box, inputs, params, state=state, training=True,
                                          buffers=self.op_buffers[op.name], step=self.step,
-                                         check=self.num_forwards == 0)
+                                         check=self.num_forwards == 0, counted=self.counted.get(op.name))
         target = None
         if op.attrs.get("target", "module") == "module":
             assert self.module is not None, "opaque ops need the model"
@@ -545,6 +546,9 @@ class Executor:
             if op.kind == "input":
                 # Every rank holds the whole global batch and reads from it what its parts need.
                 self.sources[op.name] = self._as_output(batch[int(op.attrs["position"])].to(self.device), op)
+        # a cross-entropy mean divides by the targets not ignored over the whole batch, which each part is handed
+        self.counted = {op.name: kernels.counted_targets(self.graph, op, self.sources, step=step)
+                        for op in self.graph if counts_targets(op)}
         last = len(self.graph.ops) - 1
         losses: list[torch.Tensor] = []
         order = self.plan.order

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from soap.graph import Operator
-from soap.opdef import Box, Range, Region, input_shape, pair
-from soap.registry import POINTWISE_FNS, op_def
+from soap.graph import Operator, OperatorGraph, TensorRef
+from soap.opdef import Box, Range, Region, full_box, input_shape, pair
+from soap.registry import POINTWISE_FNS, dims_of, op_def
 
 Tensor = torch.Tensor
 
@@ -42,6 +42,9 @@ class _Context:
     # the initial state of a chunk along a carried dim (`soap.opdef.DimSpec.carried`): the final state of
     # the chunk before it; None: zeros
     state: tuple[Tensor, ...] | None = None
+    # a cross-entropy mean's count of the whole target's entries that are not ignored (`counted_targets`);
+    # None: this part's own (right for a part holding the whole target)
+    counted: int | None = None
 
 
 Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor], _Context],
@@ -50,7 +53,7 @@ Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor],
 
 def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
                  training: bool = True, buffers: Mapping[str, Tensor] | None = None,
-                 step: int = 0, check: bool = True) -> tuple[Tensor, ...]:
+                 step: int = 0, check: bool = True, counted: int | None = None) -> tuple[Tensor, ...]:
     """The outputs of part `box` of `op`, each shaped as `output_region(op, box, i)`.
 
     `inputs` holds one tensor per entry of `input_regions(op, box)` (None where that is None), `params`
@@ -59,15 +62,19 @@ def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params
     `num_batches_tracked`, already counting this batch). Where the box covers part of a dim without an
     output axis the outputs are partial sums. `training` switches dropout and batchnorm; `step` varies the
     dropout mask from one training step to the next. `check` asserts the output shapes against the
-    registry (the runtime checks the first step only: the shapes do not change between steps).
+    registry (the runtime checks the first step only: the shapes do not change between steps). `counted`:
+    for a cross-entropy mean (`soap.registry.counts_targets`), how many entries of the whole target are not
+    ignored (`counted_targets`); None counts this part's own, which is right only for a part holding the
+    whole target.
     """
-    return compute_chunk(op, box, inputs, params, training=training, buffers=buffers, step=step, check=check)[0]
+    return compute_chunk(op, box, inputs, params, training=training, buffers=buffers, step=step, check=check,
+                         counted=counted)[0]
 
 
 def compute_chunk(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
                   state: Sequence[Tensor] | None = None, training: bool = True,
-                  buffers: Mapping[str, Tensor] | None = None, step: int = 0, check: bool = True
-                  ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+                  buffers: Mapping[str, Tensor] | None = None, step: int = 0, check: bool = True,
+                  counted: int | None = None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """`compute_part` of a chunk along the op's carried dim (`soap.opdef.DimSpec.carried`): it starts from
     `state`, the final state of the chunk before it (None: zeros), and returns (its outputs, its final
     state). The kernel of a kind with a carried dim returns its outputs followed by its final state; the
@@ -78,7 +85,7 @@ def compute_chunk(op: Operator, box: Box, inputs: Sequence[Tensor | None], param
     if kernel is None:
         raise ValueError(f"op {op.name!r}: kind {op.kind!r} has no partitioned kernel ({entry.run_specially})")
     ctx = _Context(training=training, buffers=dict(buffers or {}), step=step,
-                   state=None if state is None else tuple(state))
+                   state=None if state is None else tuple(state), counted=counted)
     everything = kernel(op, box, inputs, params, ctx)
     outputs, final = everything[:len(op.outputs)], everything[len(op.outputs):]
     if not check:
@@ -440,12 +447,37 @@ def _attention(op, box, inputs, params, ctx):
 
 
 def _upsample(op, box, inputs, params, ctx):
-    # the part's input rows upsampled, then the rows of the part's box (a split may fall inside a row's copies)
-    (region,) = op_def(op.kind).input_regions(op, box)
-    s, t = (int(f) for f in op.attrs["scale"])
-    y = F.interpolate(inputs[0], scale_factor=(s, t), mode="nearest")
-    top, left = box[2][0] - region[2][0] * s, box[3][0] - region[3][0] * t
-    return (y[:, :, top:top + box[2][1] - box[2][0], left:left + box[3][1] - box[3][0]],)
+    entry = op_def(op.kind)
+    (region,) = entry.input_regions(op, box)
+    x = inputs[0]
+    if op.attrs.get("mode", "nearest") == "nearest":
+        # the part's input rows upsampled, then the rows of the part's box (a split may fall inside a row's
+        # copies)
+        s, t = (int(f) for f in op.attrs["scale"])
+        y = F.interpolate(x, scale_factor=(s, t), mode="nearest")
+        top, left = box[2][0] - region[2][0] * s, box[3][0] - region[3][0] * t
+        return (y[:, :, top:top + box[2][1] - box[2][0], left:left + box[3][1] - box[3][0]],)
+    # bilinear: along each spatial axis, every output row of the box blends the two input rows around its
+    # source coordinate, computed as torch computes it (in float32 for float32, bfloat16 and float16 inputs)
+    opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n_in = input_shape(op, 0)[2:]
+    for axis in (0, 1):
+        (lo, hi), start, n = box[2 + axis], region[2 + axis][0], n_in[axis]
+        s = int(op.attrs["scale"][axis])
+        rows = torch.arange(lo, hi, dtype=opmath, device=x.device)
+        if op.attrs.get("align_corners"):
+            u = rows * ((n - 1) / (n * s - 1) if n * s > 1 else 0.0)
+        else:
+            u = ((rows + 0.5) * (1.0 / s) - 0.5).clamp(min=0.0)
+        lower = u.floor().to(torch.int64).clamp(max=n - 1)
+        upper = torch.where(lower < n - 1, lower + 1, lower)
+        lam = (u - lower.to(opmath)).clamp(0.0, 1.0).to(x.dtype)
+        view = [1, 1, 1, 1]
+        view[2 + axis] = hi - lo
+        lam = lam.view(view)
+        a, b = x.index_select(2 + axis, lower - start), x.index_select(2 + axis, upper - start)
+        x = a + (b - a) * lam
+    return (x,)
 
 
 def _pool2d(op, box, inputs, params, ctx):
@@ -619,12 +651,18 @@ def dropout_keep(region: Region, shape: Sequence[int], *, p: float, seed: int, s
     return h >= round(p * 2**32)
 
 
-def dropped(x: Tensor, region: Region, shape: Sequence[int], *, p: float, seed: int, step: int) -> Tensor:
+def dropped(x: Tensor, region: Region, shape: Sequence[int], *, p: float, seed: int, step: int,
+            feature: bool = False) -> Tensor:
     """`x`, the `region` of a tensor of `shape`, with dropout `p` > 0 applied as `dropout_keep` draws it
-    (the kept elements scaled by 1 / (1 - p))."""
+    (the kept elements scaled by 1 / (1 - p)); `feature`: one draw per (sample, channel), over the first two
+    axes, kept or dropped whole (``feature_dropout``)."""
     if p >= 1.0:
         return x * 0.0
-    keep = dropout_keep(region, shape, p=p, seed=seed, step=step, device=x.device)
+    if feature:
+        keep = dropout_keep(region[:2], shape[:2], p=p, seed=seed, step=step, device=x.device)
+        keep = keep.view(*keep.shape, *[1] * (x.dim() - 2))
+    else:
+        keep = dropout_keep(region, shape, p=p, seed=seed, step=step, device=x.device)
     return x * keep.to(x.dtype) / (1.0 - p)
 
 
@@ -632,24 +670,66 @@ def _dropout(op, box, inputs, params, ctx):
     x, p = inputs[0], float(op.attrs.get("p", 0.5))
     if not ctx.training or p == 0.0:
         return (x,)
-    return (dropped(x, tuple(box), op.outputs[0].shape, p=p, seed=int(op.attrs.get("seed") or 0), step=ctx.step),)
+    return (dropped(x, tuple(box), op.outputs[0].shape, p=p, seed=int(op.attrs.get("seed") or 0), step=ctx.step,
+                    feature=bool(op.attrs.get("feature"))),)
+
+
+def _flip(op, box, inputs, params, ctx):
+    return (inputs[0].flip([int(a) for a in op.attrs["axes"]]),)
+
+
+def _prelu(op, box, inputs, params, ctx):
+    return (F.prelu(inputs[0], params["weight"]),)
 
 
 def _loss(op, box, inputs, params, ctx):
     logits, target = inputs
     a = op.attrs
+    mean = a.get("reduction", "mean") == "mean"
     if a["fn"] == "cross_entropy":
-        total = F.cross_entropy(logits, target, reduction="sum",
+        ignore = int(a.get("ignore_index", -100))
+        total = F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore,
                                 label_smoothing=float(a.get("label_smoothing") or 0.0))
-    elif a["fn"] == "mse":
-        total = F.mse_loss(logits, target, reduction="sum")
-    else:
+        if mean:
+            # every part divides by the count over the whole target, so the parts' values sum to the mean (a
+            # Python number: a tensor divisor would be saved for the backward as well)
+            count = ctx.counted if ctx.counted is not None else int((target != ignore).sum())
+            total = total / count if count else total * math.nan  # nothing counted: nan, as in PyTorch
+        return (total,)
+    if a["fn"] != "mse":
         raise ValueError(f"op {op.name!r}: unknown loss fn {a['fn']!r}")
-    if a.get("reduction", "mean") == "mean":
+    total = F.mse_loss(logits, target, reduction="sum")
+    if mean:
         # every part divides by the full count, so the parts' values sum to the global mean
-        dims = op_def(op.kind).dims(op)
-        total = total / math.prod(d.size for d in dims if d.name != "classes")
+        total = total / math.prod(input_shape(op, 0))
     return (total,)
+
+
+def counted_targets(graph: OperatorGraph, op: Operator, whole: Mapping[str, Tensor], *, step: int = 0) -> int:
+    """How many entries of the whole target of the cross-entropy `loss` op `op` are not its `ignore_index`:
+    what its mean divides by (`soap.registry.counts_targets`). `whole`: the whole output of each `input`
+    and `constant` op by name (every rank holds the global batch). The ops between them and the target
+    (reshapes, the slice that shifts a language model's labels, ...) are computed whole here, on integer
+    ids; a target computed by an op with parameters, or an opaque one, is a `ValueError`."""
+    values: dict[str, tuple[Tensor, ...]] = {}
+
+    def value(ref: TensorRef) -> Tensor:
+        if ref.op in whole:
+            return whole[ref.op]
+        if ref.op not in values:
+            producer = graph[ref.op]
+            if producer.kind == "opaque" or producer.params or op_def(producer.kind).buffer_regions(
+                    producer, full_box(dims_of(producer))):
+                raise ValueError(f"the target of loss {op.name!r} is computed by {producer.name!r} (kind "
+                                 f"{producer.kind}), which the count of its ignored entries cannot run whole")
+            box = full_box(dims_of(producer))
+            regions = op_def(producer.kind).input_regions(producer, box)
+            inputs = [None if region is None else value(r)[tuple(slice(lo, hi) for lo, hi in region)]
+                      for r, region in zip(producer.inputs, regions, strict=True)]
+            values[ref.op] = compute_part(producer, box, inputs, {}, step=step)
+        return values[ref.op][ref.index]
+
+    return int((value(op.inputs[1]) != int(op.attrs.get("ignore_index", -100))).sum())
 
 
 # The part kernel of each kind, by the name its `OpDef.kernel` gives (tests/test_op_kinds.py checks that the
@@ -663,5 +743,6 @@ KERNELS: dict[str, Kernel] = {
     "adaptive_pool2d": _adaptive_pool2d,
     "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
     "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
-    "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss,
+    "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss, "flip": _flip,
+    "prelu": _prelu,
 }

@@ -640,14 +640,15 @@ def _batchnorm_module(graph: OperatorGraph, name: str) -> str:
 
 class _RuntimeDropout:
     """One forward of the reference in which `torch.nn.functional.dropout` (what `nn.Dropout` and Hugging
-    Face models call) draws the runtime's masks, so that the reference trains on the masks the ``dropout``
-    ops draw. The forward's n-th call (from 0, whatever its p and training flag: capture numbers the ops so,
-    the op's ``seed``) keeps `runtime.kernels.dropout_keep` of the whole tensor with seed n and `step`,
-    scaled by 1/(1-p); with p = 0 or outside training it is the identity. A dropout of a parameter is no
-    ``dropout`` op (capture leaves it opaque): it keeps torch's. On leaving, the original is back; where
-    some mask mattered (a call of this forward drew one, or `masked`: a graph ``dropout`` op has p > 0), a
-    count of calls other than `num_ops` (the graph's ``dropout`` ops) is a `ValueError`: the masks could not
-    be matched, and comparing would report a false mismatch."""
+    Face models call) and aten's feature dropout (`nn.Dropout1d`/`2d`/`3d`) draw the runtime's masks, so
+    that the reference trains on the masks the ``dropout`` ops draw. The forward's n-th call (from 0,
+    whatever its p and training flag: capture numbers the ops so, the op's ``seed``) keeps
+    `runtime.kernels.dropout_keep` of the whole tensor (of its (sample, channel) index, for a feature
+    dropout) with seed n and `step`, scaled by 1/(1-p); with p = 0 or outside training it is the identity.
+    A dropout of a parameter is no ``dropout`` op (capture leaves it opaque): it keeps torch's. On leaving,
+    the original is back; where some mask mattered (a call of this forward drew one, or `masked`: a graph
+    ``dropout`` op has p > 0), a count of calls other than `num_ops` (the graph's ``dropout`` ops) is a
+    `ValueError`: the masks could not be matched, and comparing would report a false mismatch."""
 
     def __init__(self, *, num_ops: int, masked: bool, step: int) -> None:
         self.num_ops = num_ops
@@ -658,9 +659,14 @@ class _RuntimeDropout:
     def __enter__(self) -> None:
         self.original = torch.nn.functional.dropout
         torch.nn.functional.dropout = self.dropout
+        # `nn.Dropout1d`/`2d`/`3d` reach aten's feature dropout through torch's `_VF` module (whose attributes
+        # resolve on lookup: set here, they are taken away again on leaving)
+        torch._VF.feature_dropout = self.feature_dropout
+        torch._VF.feature_dropout_ = self.feature_dropout_
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         torch.nn.functional.dropout = self.original
+        del torch._VF.feature_dropout, torch._VF.feature_dropout_
         if exc_type is None and self.masked and self.calls != self.num_ops:
             raise ValueError(
                 f"verification cannot reproduce the dropout masks: the reference's forward called "
@@ -668,16 +674,25 @@ class _RuntimeDropout:
                 f"ops (a dropout called another way, or one capture left opaque); verify with dropout p=0")
 
     def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True,
-                inplace: bool = False) -> torch.Tensor:
+                inplace: bool = False, *, feature: bool = False) -> torch.Tensor:
         if isinstance(input, nn.Parameter):
+            if feature:
+                return torch._C._VariableFunctions.feature_dropout(input, p, training)
             return self.original(input, p, training, inplace)
         seed = self.calls
         self.calls += 1
         if not training or p == 0.0:
             return input
         self.masked = True
-        out = dropped(input, tuple((0, n) for n in input.shape), tuple(input.shape), p=p, seed=seed, step=self.step)
+        out = dropped(input, tuple((0, n) for n in input.shape), tuple(input.shape), p=p, seed=seed, step=self.step,
+                      feature=feature)
         return input.copy_(out) if inplace else out
+
+    def feature_dropout(self, input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        return self.dropout(input, p, train, feature=True)
+
+    def feature_dropout_(self, input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        return self.dropout(input, p, train, True, feature=True)
 
 
 def _reference_module(build: Callable[[], Workload], graph: OperatorGraph,

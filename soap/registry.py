@@ -832,27 +832,52 @@ class Pool2d(OpDef):
         return float(output_numel(op) * math.prod(op.attrs["kernel"]))
 
 
-class Upsample(OpDef):
-    """y[N, C, H*s, W*t] = nearest-neighbour upsampling of x[N, C, H, W] by whole factors `scale` [s, t]
-    (output row r copies input row r // s).
+# how near a whole number a bilinear source coordinate may fall for its rounding to decide the rows it
+# blends (the kernel computes coordinates in float32 for float32 inputs): closer, a row more is read
+_COORD_SLACK = 1e-3
 
-    dims: `sample`, `channels`, `height`, `width` (attribute; a part reads the input rows its rows copy,
-    the row a split falls inside read by both neighbours).
+
+class Upsample(OpDef):
+    """y[N, C, H*s, W*t] = upsampling of x[N, C, H, W] by whole factors `scale` [s, t]; `mode` `nearest`
+    (output row r copies input row r // s; where absent) or `bilinear` with `align_corners`.
+
+    Bilinear output row r blends input rows floor(u) and floor(u) + 1 at u = (r + 0.5) / s - 0.5 (clamped
+    to 0), or u = r (H - 1) / (H s - 1) with `align_corners`; columns likewise.
+
+    dims: `sample`, `channels`, `height`, `width` (attribute; a part reads the input rows its rows are made
+    of, the rows a split falls between read by both neighbours).
     """
 
     kind = "upsample"
-    captured_from = ("upsample_nearest2d",)
+    captured_from = ("upsample_nearest2d", "upsample_bilinear2d")
     kernel = "upsample"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
         return _image_dims(op)
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
-        (s, t), (rows, cols) = op.attrs["scale"], (box[2], box[3])
-        return ((box[0], box[1], (rows[0] // s, -(-rows[1] // s)), (cols[0] // t, -(-cols[1] // t))),)
+        return ((box[0], box[1], *(self.source_range(op, axis, *rows) for axis, rows in enumerate(box[2:]))),)
+
+    def source_coord(self, op: Operator, axis: int, row: int) -> float:
+        """Bilinear: the source coordinate u of output row `row` along spatial `axis` (0: height, 1: width)."""
+        s, n = int(op.attrs["scale"][axis]), input_shape(op, 0)[2 + axis]
+        if op.attrs.get("align_corners"):
+            return row * (n - 1) / (n * s - 1) if n * s > 1 else 0.0
+        return max((row + 0.5) / s - 0.5, 0.0)
+
+    def source_range(self, op: Operator, axis: int, lo: int, hi: int) -> Range:
+        """The input rows that output rows [lo, hi) along spatial `axis` are made of: the rows they copy
+        (nearest), or the two rows around each one's source coordinate (bilinear; widened by a row where
+        the coordinate is within `_COORD_SLACK` of a whole number, as the kernel computes it in the
+        input's precision)."""
+        s, n = int(op.attrs["scale"][axis]), input_shape(op, 0)[2 + axis]
+        if op.attrs.get("mode", "nearest") == "nearest" or hi <= lo:
+            return lo // s, max(-(-hi // s), lo // s)
+        first, last = self.source_coord(op, axis, lo), self.source_coord(op, axis, hi - 1)
+        return max(math.floor(first - _COORD_SLACK), 0), min(math.floor(last + _COORD_SLACK) + 2, n)
 
     def flops(self, op: Operator) -> float:
-        return float(output_numel(op))
+        return float(output_numel(op)) * (1 if op.attrs.get("mode", "nearest") == "nearest" else 8)
 
 
 class AdaptivePool2d(OpDef):
@@ -914,6 +939,25 @@ class Elementwise(_AxisOp):
 
     def flops(self, op: Operator) -> float:
         return float(output_numel(op))
+
+
+class PReLU(_AxisOp):
+    """y = max(0, x) + `weight` * min(0, x), the weight one value per channel (axis 1 of x[N, C, ..]) or
+    one value for all (`nn.PReLU`'s `num_parameters`).
+
+    dims: `sample`, `d1`.. all splittable; a part reads the weights of its channels (all of a single one).
+    """
+
+    kind = "prelu"
+    captured_from = ("prelu", "_prelu_kernel")
+    kernel = "prelu"
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        (size,) = op.params["weight"].shape
+        return {"weight": (box[1],) if size > 1 else ((0, 1),)}
+
+    def flops(self, op: Operator) -> float:
+        return 2.0 * output_numel(op)
 
 
 class Binary(OpDef):
@@ -1312,6 +1356,28 @@ class Transpose(OpDef):
         return 0.0  # data movement
 
 
+class Flip(_AxisOp):
+    """y = x.flip(`axes`): along each axis of `axes`, output row r is input row n - 1 - r.
+
+    dims: the output axes `sample`, `d1`.., all splittable: a part reads the mirror image of its rows
+    along the flipped axes (the reverse direction of a bidirectional recurrence runs between two flips of
+    the time axis).
+    """
+
+    kind = "flip"
+    captured_from = ("flip",)
+    kernel = "flip"
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        shape = op.outputs[0].shape
+        flipped = {_norm_axis(int(a), len(shape)) for a in op.attrs["axes"]}
+        return (tuple((shape[a] - hi, shape[a] - lo) if a in flipped else (lo, hi)
+                      for a, (lo, hi) in enumerate(box)),)
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
+
 class Softmax(_AxisOp):
     """y = softmax(x, `axis`) (log_softmax when `log`).
 
@@ -1330,14 +1396,15 @@ class Softmax(_AxisOp):
 
 
 class Dropout(_AxisOp):
-    """y = x * mask / (1 - `p`) in training, x in evaluation; attrs `p`, `seed`.
+    """y = x * mask / (1 - `p`) in training, x in evaluation; attrs `p`, `seed`, `feature` (true: one draw
+    per sample and channel, kept or dropped whole: `nn.Dropout1d`/`2d`/`3d`, aten's ``feature_dropout``).
 
-    dims: `sample`, `d1`.. all splittable: the mask is a hash of the global element index, the seed and
-    the step, so any split draws the unsplit mask.
+    dims: `sample`, `d1`.. all splittable: the mask is a hash of the global element index (of the
+    (sample, channel) index for `feature`), the seed and the step, so any split draws the unsplit mask.
     """
 
     kind = "dropout"
-    captured_from = ("dropout",)
+    captured_from = ("dropout", "feature_dropout")
     kernel = "dropout"
 
     def output_is_view(self, op: Operator) -> bool:
@@ -1347,19 +1414,25 @@ class Dropout(_AxisOp):
         # the keep mask, in the output's dtype, which the product saves
         if self.output_is_view(op) or float(op.attrs.get("p", 0.5)) >= 1.0:
             return 0
-        return region_numel(self.output_region(op, box)) * DTYPE_BYTES[op.outputs[0].dtype]
+        region = self.output_region(op, box)
+        return region_numel(region[:2] if op.attrs.get("feature") else region) * DTYPE_BYTES[op.outputs[0].dtype]
 
     def flops(self, op: Operator) -> float:
         return float(output_numel(op))
 
 
 class Loss(OpDef):
-    """The scalar mean (or sum, `reduction`) loss of logits against target. attrs: `fn`, `reduction`.
+    """The scalar mean (or sum, `reduction`) loss of logits against target. attrs: `fn`, `reduction`;
+    for cross entropy `ignore_index` (-100 where absent: PyTorch's default) and `label_smoothing` (0 where
+    absent).
 
     `cross_entropy`: logits (N, C, d2..), target (N, d2..) int64; `mse`: logits and target of one shape.
     dims (none has an output axis: parts hold partial sums of the loss, each dividing by the full count):
     `sample` (sample kind); `d1`.. (for mse) or `d2`.. (for cross entropy) attribute; `classes` (axis 1
-    of cross entropy) not splittable.
+    of cross entropy) not splittable. The mean of cross entropy divides by the number of targets that are
+    not `ignore_index` (`counts_targets`), which only the whole target tells: that count is the data's,
+    handed to every part with the step's batch (as a data loader counts the tokens of a padded batch), not
+    a value the plan moves.
     """
 
     kind = "loss"
@@ -1392,7 +1465,17 @@ class Loss(OpDef):
         return (tuple(box), target)
 
     def flops(self, op: Operator) -> float:
-        return (5.0 if op.attrs["fn"] == "cross_entropy" else 3.0) * first_input_numel(op)
+        per = 3.0
+        if op.attrs["fn"] == "cross_entropy":
+            per = 6.0 if op.attrs.get("label_smoothing") else 5.0
+        return per * first_input_numel(op)
+
+
+def counts_targets(op: Operator) -> bool:
+    """Whether `op` is a loss that divides by the number of its targets that count (a cross-entropy mean:
+    those that are not `ignore_index`), which its parts are handed (`runtime.kernels.compute_part`'s
+    `counted`)."""
+    return op.kind == "loss" and op.attrs.get("fn") == "cross_entropy" and op.attrs.get("reduction", "mean") == "mean"
 
 
 class Opaque(OpDef):
@@ -1425,5 +1508,5 @@ class Opaque(OpDef):
 for _entry in (Input(), Constant(), Conv2d(), Conv1d(), ConvTranspose2d(), Linear(), Matmul(), BatchNorm(),
                LayerNorm(), GroupNorm(), RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(),
                Upsample(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(),
-               Reshape(), Expand(), Repeat(), Transpose(), Softmax(), Dropout(), Loss(), Opaque()):
+               Reshape(), Expand(), Repeat(), Transpose(), Flip(), PReLU(), Softmax(), Dropout(), Loss(), Opaque()):
     register(_entry)

@@ -360,6 +360,90 @@ def bags_build(batch: int) -> Workload:
                     target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
 
 
+class Tagger(nn.Module):
+    """A sequence tagger as NLP code writes it: a bidirectional two-layer LSTM, batch first, then a
+    bidirectional GRU, sequence first, whose final states also feed the head; trained with a label-smoothed
+    cross entropy that ignores id 0 (`tagger_loss`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.lstm = nn.LSTM(8, 8, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(16, 6, bidirectional=True)
+        self.head = nn.Linear(12, 5)
+        self.state_head = nn.Linear(12, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(ids))
+        out, h = self.gru(out.transpose(0, 1))
+        return self.head(out.transpose(0, 1)) + self.state_head(h.transpose(0, 1).flatten(1)).unsqueeze(1)
+
+
+def tagger_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Each position predicts the next tag: the logits but the last against the tags but the first, id 0
+    ignored (padding), smoothed labels."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), target[:, 1:], ignore_index=0, label_smoothing=0.1)
+
+
+def tagger_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=Tagger(), inputs=(torch.empty(batch, 6, dtype=torch.long, device="meta"),),
+                    target=torch.empty(batch, 6, dtype=torch.long, device="meta"), loss_fn=tagger_loss)
+
+
+class SuperResolution(nn.Module):
+    """Super-resolution and gated convolutions: per-channel and single PReLU, PixelShuffle up,
+    PixelUnshuffle down, a GLU over channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.act1 = nn.PReLU(16)
+        self.shuffle = nn.PixelShuffle(2)
+        self.act2 = nn.PReLU()
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.unshuffle = nn.PixelUnshuffle(2)
+        self.glu = nn.GLU(dim=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act2(self.shuffle(self.act1(self.conv1(x))))
+        h = self.glu(self.unshuffle(self.conv2(h)))
+        return self.fc(h.mean((2, 3)))
+
+
+def super_resolution_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=SuperResolution(), inputs=(torch.empty(batch, 3, 6, 6, device="meta"),),
+                    target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
+
+
+class BilinearUNet(nn.Module):
+    """A segmentation U-Net step: channel dropout, down by pooling, up by bilinear upsampling with and
+    without aligned corners."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.drop = nn.Dropout2d(0.2)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.up_corners = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(F.relu(self.conv1(x)))
+        low = F.relu(self.conv2(self.pool(h)))
+        return self.fc((self.up(low) + self.up_corners(low) + h).mean((2, 3)))
+
+
+def bilinear_unet_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=BilinearUNet(), inputs=(torch.empty(batch, 3, 10, 10, device="meta"),),
+                    target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
+
+
 def unet_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=SmallUNet(), inputs=(torch.empty(batch, 3, 8, 8, device="meta"),),
@@ -441,6 +525,9 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "unet": functools.partial(unet_build, 4),
     "tcn": functools.partial(tcn_build, 4),
     "bags": functools.partial(bags_build, 4),
+    "tagger": functools.partial(tagger_build, 4),
+    "superres": functools.partial(super_resolution_build, 4),
+    "bilinear": functools.partial(bilinear_unet_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

@@ -234,14 +234,35 @@ def test_gru_and_rnn_language_models(cell, kw, kind, attrs, flops):
     assert op.fwd_flops == flops and op.bwd_flops == 2 * flops
 
 
+@pytest.mark.parametrize(("cell", "kind"), [(nn.LSTM, "lstm"), (nn.GRU, "gru"), (nn.RNN, "rnn")])
+def test_bidirectional_recurrences_run_one_op_per_layer_and_direction(cell, kind):
+    """A bidirectional two-layer module is four one-layer recurrences, each holding its own layer and
+    direction's parameters; the reverse ones read and write through a flip of the time axis, each layer's
+    directions are concatenated, and the whole graph has the module's FLOPs."""
+    model = RecurrentLM(cell, num_layers=2, bidirectional=True)
+    x, y = torch.randint(0, 50, (3, 7)), torch.randint(0, 50, (3, 7))
+    graph = capture(model, meta_like(x), meta_like(y), lm_loss)
+    recurrences = [op for op in graph if op.kind == kind]
+    assert [op.name for op in recurrences] == ["rnn", "rnn_1", "rnn_2", "rnn_3"]
+    assert [op.params["weight_ih_l0"].fqn for op in recurrences] == [
+        "rnn.weight_ih_l0", "rnn.weight_ih_l0_reverse", "rnn.weight_ih_l1", "rnn.weight_ih_l1_reverse"]
+    assert all(op.attrs["num_layers"] == 1 and op.outputs[0].shape == (3, 7, 16) for op in recurrences)
+    flips = [op for op in graph if op.kind == "flip"]
+    assert [(op.inputs[0].op, tuple(op.attrs["axes"])) for op in flips] == [
+        ("embedding", (1,)), ("rnn_1", (1,)), ("cat", (1,)), ("rnn_3", (1,))]
+    assert [[r.op for r in op.inputs] for op in graph if op.kind == "concat"] == [
+        ["rnn", "flip_1"], ["rnn_2", "flip_3"]]
+    assert graph.num_params == sum(p.numel() for p in model.parameters())
+    assert not [op.name for op in graph if op.kind == "opaque"]
+
+
 @pytest.mark.parametrize(("cell", "kw"), [
-    (nn.GRU, {"bidirectional": True}), (nn.RNN, {"bidirectional": True}), (nn.GRU, {"bias": False}),
-    (nn.RNN, {"num_layers": 2, "dropout": 0.5}), (nn.LSTM, {"bidirectional": True}), (nn.LSTM, {"proj_size": 8}),
-], ids=["gru-bidirectional", "rnn-bidirectional", "gru-no-bias", "rnn-dropout", "lstm-bidirectional",
-        "lstm-proj"])
+    (nn.GRU, {"bias": False}), (nn.RNN, {"num_layers": 2, "dropout": 0.5}), (nn.LSTM, {"proj_size": 8}),
+    (nn.LSTM, {"bidirectional": True, "num_layers": 2, "dropout": 0.5}),
+], ids=["gru-no-bias", "rnn-dropout", "lstm-proj", "lstm-bidirectional-dropout"])
 def test_recurrent_modules_outside_the_kinds_stay_opaque(cell, kw):
-    """What the recurrent kinds do not cover (bidirectional, no biases, dropout between layers in
-    training, an LSTM's projection) runs whole as an opaque op."""
+    """What the recurrent kinds do not cover (no biases, dropout between layers in training, an LSTM's
+    projection) runs whole as an opaque op."""
     model = RecurrentLM(cell, **kw)
     if kw.get("proj_size"):
         model.decoder = nn.Linear(kw["proj_size"], 50)

@@ -2,8 +2,9 @@
 ``nn.MultiheadAttention`` in its inputs' layout, SDPA with dropout written out; timm's packed heads and
 sequence-first recurrences (`soap.capture.tracing`); blocks of parameters cut by slicing
 (`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`); group and instance
-norms (the ``groupnorm`` kind), nearest upsampling (``upsample``), 1-D convolutions (``conv1d``), 1-D pools and
-embedding bags.
+norms (the ``groupnorm`` kind), nearest and bilinear upsampling (``upsample``), 1-D convolutions (``conv1d``),
+1-D pools and embedding bags; bidirectional recurrences, PReLU, GLU, pixel shuffles, channel dropout, and cross
+entropy ignoring targets and smoothing labels.
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import soap.capture as capture_module
+from runtime.kernels import counted_targets
 from runtime.launch import launch
 from search.baselines import parse_baseline
 from simulator.engine import Simulator
@@ -333,16 +335,50 @@ def test_embedding_bags_are_embeddings_then_reductions():
         ("sum_bag", "embedding", None), ("sum_bag", "reduce", "sum")]
 
 
+def test_tagger_recurrences_and_loss():
+    """The bidirectional LSTM and GRU of the tagger are one recurrent op per layer and direction, nothing is
+    opaque, and its label-smoothed cross entropy ignoring id 0 is one ``loss`` op that counts the shifted
+    target's ids but the ignored ones (`runtime.kernels.counted_targets`)."""
+    graph = rc.graph_of("tagger")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert [op.kind for op in graph if op.kind in ("lstm", "gru")] == ["lstm"] * 4 + ["gru"] * 2
+    (loss,) = [op for op in graph if op.kind == "loss"]
+    assert (loss.attrs["ignore_index"], loss.attrs["label_smoothing"], loss.attrs["reduction"]) == (0, 0.1, "mean")
+    target = torch.tensor([[0, 1, 0, 2, 3, 0]] * 4)
+    whole = {op.name: target if op.attrs["role"] == "target" else torch.zeros(4, 6, dtype=torch.long)
+             for op in graph if op.kind == "input"}
+    assert counted_targets(graph, loss, whole) == 4 * 3  # ids 1..5 of each row: 1, 0, 2, 3, 0
+
+
+def test_gated_and_shuffled_convolutions_and_bilinear_upsampling():
+    """PReLU is a ``prelu`` op (one weight per channel, or one), the pixel shuffles and GLU are written out
+    as reshapes, permutes, slices and a product, bilinear upsampling is an ``upsample`` op with its corners
+    rule, and Dropout2d a ``dropout`` op drawing per channel: nothing opaque."""
+    graph = rc.graph_of("superres")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert [(op.name, op.params["weight"].shape) for op in graph if op.kind == "prelu"] == [
+        ("act1", (16,)), ("act2", (1,))]
+    assert [op.kind for op in graph if op.module == "glu"] == ["slice", "slice", "elementwise", "binary"]
+    assert [op.kind for op in graph if op.module == "shuffle"] == ["reshape", "transpose", "reshape"]
+    graph = rc.graph_of("bilinear")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert [(op.attrs.get("mode"), op.attrs.get("align_corners")) for op in graph if op.kind == "upsample"] == [
+        ("bilinear", False), ("bilinear", True)]
+    assert [(op.attrs["p"], op.attrs.get("feature")) for op in graph if op.kind == "dropout"] == [(0.2, True)]
+
+
 # the models of the one launch below (tests/runtime_cases.py)
-LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", "tcn", "bags")
+LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", "tcn", "bags", "tagger", "superres",
+            "bilinear")
 
 
 @pytest.fixture(scope="module")
 def forms_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
     sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step, the
-    temporal convolutions and the embedding bags under the baselines, a strategy drawn from the search's
-    space and a random valid one, each verified against one process."""
+    temporal convolutions, the embedding bags, the bidirectional tagger (its loss ignoring id 0, which the
+    synthetic targets hold), the super-resolution convolutions and the bilinear U-Net under the baselines,
+    a strategy drawn from the search's space and a random valid one, each verified against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
     for model, seed in itertools.product(LAUNCHED, range(2)):

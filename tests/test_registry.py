@@ -29,7 +29,7 @@ from runtime.kernels import compute_chunk, compute_part, dropout_keep, run_opaqu
 from soap.config import ConfigError, ParallelConfig, parts, validate
 from soap.graph import DTYPE_BYTES, Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
 from soap.opdef import Box, Region, carry_sources, full_box
-from soap.registry import POINTWISE_FNS, REGISTRY, dims_of, op_def, reshape_region
+from soap.registry import POINTWISE_FNS, REGISTRY, counts_targets, dims_of, op_def, reshape_region
 
 DTYPE = torch.float64
 Tensors = dict[str, torch.Tensor]
@@ -77,6 +77,13 @@ def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
 def _ints(high: int, *shape: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, high, shape, generator=g)
+
+
+def _ignoring(high: int, *shape: int) -> torch.Tensor:
+    """Class ids in [0, `high`) with every third one -100, the ignored index."""
+    ids = _ints(high, *shape)
+    ids.view(-1)[::3] = -100
+    return ids
 
 
 def _conv(case_id: str, x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups=1, bias=True) -> Case:
@@ -219,6 +226,12 @@ def _cases() -> list[Case]:
              reference=lambda x, weight, bias: F.layer_norm(x, [8], weight, bias, 1e-5)),
         Case(id="upsample", kind="upsample", inputs=(_rand(2, 3, 3, 4),), attrs={"scale": [2, 3]},
              reference=lambda x: F.interpolate(x, scale_factor=(2, 3), mode="nearest")),
+        Case(id="upsample-bilinear", kind="upsample", inputs=(_rand(2, 3, 5, 4),),
+             attrs={"scale": [2, 3], "mode": "bilinear", "align_corners": False},
+             reference=lambda x: F.interpolate(x, scale_factor=(2, 3), mode="bilinear", align_corners=False)),
+        Case(id="upsample-bilinear-corners", kind="upsample", inputs=(_rand(2, 3, 5, 3),),
+             attrs={"scale": [3, 2], "mode": "bilinear", "align_corners": True},
+             reference=lambda x: F.interpolate(x, scale_factor=(3, 2), mode="bilinear", align_corners=True)),
         Case(id="groupnorm", kind="groupnorm", inputs=(_rand(4, 6, 3, 5),),
              params={"weight": _rand(6, seed=2), "bias": _rand(6, seed=3)}, attrs={"num_groups": 3, "eps": 1e-5},
              reference=lambda x, weight, bias: F.group_norm(x, 3, weight, bias, 1e-5)),
@@ -331,12 +344,30 @@ def _cases() -> list[Case]:
         Case(id="softmax-log", kind="softmax", inputs=(_rand(4, 5, 6),), attrs={"axis": 1, "log": True},
              reference=lambda x: F.log_softmax(x, 1)),
         Case(id="dropout", kind="dropout", inputs=(_rand(4, 6, 5),), attrs={"p": 0.3, "seed": 7}),
+        Case(id="dropout-feature", kind="dropout", inputs=(_rand(4, 6, 5, 3),),
+             attrs={"p": 0.3, "seed": 7, "feature": True}),
+        Case(id="flip", kind="flip", inputs=(_rand(4, 6, 5),), attrs={"axes": [1, 2]},
+             reference=lambda x: x.flip([1, 2])),
+        Case(id="prelu", kind="prelu", inputs=(_rand(4, 6, 3, 2),), params={"weight": _rand(6, seed=2)},
+             reference=lambda x, weight: F.prelu(x, weight)),
+        Case(id="prelu-one", kind="prelu", inputs=(_rand(4, 6),), params={"weight": _rand(1, seed=2)},
+             reference=lambda x, weight: F.prelu(x, weight)),
         Case(id="loss-cross_entropy", kind="loss", inputs=(_rand(8, 5), _ints(5, 8)),
              attrs={"fn": "cross_entropy", "reduction": "mean"}, reference=F.cross_entropy),
         Case(id="loss-cross_entropy-nd", kind="loss", inputs=(_rand(4, 5, 6), _ints(5, 4, 6)),
              attrs={"fn": "cross_entropy", "reduction": "mean"}, reference=F.cross_entropy),
         Case(id="loss-mse", kind="loss", inputs=(_rand(8, 6), _rand(8, 6, seed=1)),
              attrs={"fn": "mse", "reduction": "mean"}, reference=F.mse_loss),
+        # ignored targets (padding, -100 by default) are left out of the mean's count, which every part
+        # takes from the whole target; label smoothing adds each sample's mean over classes
+        Case(id="loss-cross_entropy-ignored-smoothed", kind="loss", inputs=(_rand(4, 5, 6), _ignoring(5, 4, 6)),
+             attrs={"fn": "cross_entropy", "reduction": "mean", "ignore_index": -100, "label_smoothing": 0.1},
+             reference=lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1)),
+        Case(id="loss-cross_entropy-ignore-3-sum", kind="loss", inputs=(_rand(8, 5), _ints(5, 8)),
+             attrs={"fn": "cross_entropy", "reduction": "sum", "ignore_index": 3, "label_smoothing": 0.0},
+             reference=lambda x, t: F.cross_entropy(x, t, ignore_index=3, reduction="sum")),
+        Case(id="loss-mse-sum", kind="loss", inputs=(_rand(8, 6), _rand(8, 6, seed=1)),
+             attrs={"fn": "mse", "reduction": "sum"}, reference=lambda x, t: F.mse_loss(x, t, reduction="sum")),
     ]
     for fn, extra, ref in [
         ("relu", {}, F.relu), ("gelu", {"approximate": "tanh"}, lambda x: F.gelu(x, approximate="tanh")),
@@ -380,7 +411,8 @@ def test_every_kind_is_covered():
     documented = {"input", "constant", "conv2d", "conv1d", "conv_transpose2d", "linear", "matmul", "batchnorm",
                   "layernorm", "groupnorm", "rmsnorm", "embedding", "lstm", "gru", "rnn", "attention", "pool2d",
                   "upsample", "adaptive_pool2d", "elementwise", "binary", "reduce", "concat", "stack", "split",
-                  "slice", "reshape", "expand", "repeat", "transpose", "softmax", "dropout", "loss", "opaque"}
+                  "slice", "reshape", "expand", "repeat", "transpose", "flip", "prelu", "softmax", "dropout", "loss",
+                  "opaque"}
     assert set(REGISTRY) == documented
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():
@@ -461,6 +493,8 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 def _stitch(case: Case, op: Operator, boxes: list[Box], inputs, params, buffers) -> list[torch.Tensor]:
     entry = op_def(op.kind)
     outs = [torch.zeros(spec.shape, dtype=DTYPE) for spec in op.outputs]
+    # a cross-entropy mean's parts divide by the count over the whole target, which the runtime hands them
+    counted = int((inputs[1] != op.attrs.get("ignore_index", -100)).sum()) if counts_targets(op) else None
     for box in boxes:
         regions = entry.input_regions(op, box)
         assert len(regions) == len(inputs)
@@ -468,7 +502,7 @@ def _stitch(case: Case, op: Operator, boxes: list[Box], inputs, params, buffers)
         part_params = {k: params[k][_index(r)] for k, r in entry.param_regions(op, box).items()}
         part_buffers = {k: buffers[k][_index(r)] for k, r in entry.buffer_regions(op, box).items()}
         results = compute_part(op, box, part_inputs, part_params, training=case.training,
-                               buffers=part_buffers)
+                               buffers=part_buffers, counted=counted)
         assert len(results) == len(op.outputs)
         for i, y in enumerate(results):
             region = entry.output_region(op, box, i)
@@ -571,6 +605,20 @@ def test_dropout_mask_is_the_same_for_every_split_and_changes_per_step():
     assert torch.equal(compute_part(op, ((0, 64), (0, 50)), [x], {}, training=False)[0], x)
     keep = dropout_keep(((0, 2),), (2,), p=0.0, seed=0, step=0)
     assert keep.all()
+
+
+def test_feature_dropout_keeps_or_drops_whole_channels():
+    """``feature``: each (sample, channel) is kept or dropped whole, the same for every split."""
+    x = torch.ones(16, 24, 5, 3, dtype=DTYPE)
+    op = Operator(name="drop", kind="dropout", inputs=(TensorRef(op="x"),),
+                  outputs=(TensorSpec(shape=(16, 24, 5, 3), dtype="float64"),),
+                  attrs={"p": 0.25, "seed": 3, "feature": True})
+    full = compute_part(op, full_box(dims_of(op)), [x], {})[0]
+    per_channel = full.flatten(2)
+    assert torch.equal(per_channel.amin(2), per_channel.amax(2))  # whole channels
+    assert 0.1 < float((full[:, :, 0, 0] == 0).double().mean()) < 0.4
+    part = compute_part(op, ((4, 12), (6, 24), (1, 4), (0, 3)), [x[4:12, 6:, 1:4]], {})[0]
+    assert torch.equal(part, full[4:12, 6:, 1:4])
 
 
 # ---------------------------------------------------------------- (3) dims that cannot be split

@@ -12,8 +12,9 @@ Parameters an op reads become its `params` under their local names (``weight``, 
 it is in (training by default): a batch norm in eval mode is opaque, a dropout in eval mode has ``p`` 0.
 
 Loss. The loss function runs inside the traced wrapper, so its ops are in the graph after the model's.
-``aten.cross_entropy_loss`` and ``aten.mse_loss`` with mean reduction (and ``log_softmax`` followed by
-``nll_loss``, which the builder fuses) become one op of kind ``loss`` named ``loss``; any other op of the
+``aten.cross_entropy_loss`` (any ``ignore_index`` and ``label_smoothing``; no class weights) and
+``aten.mse_loss`` with mean or sum reduction (and ``log_softmax`` followed by ``nll_loss``, which the
+builder fuses) become one op of kind ``loss`` named ``loss``; any other op of the
 loss function is named ``loss.<aten op name>`` (the reshapes of ``lm_cross_entropy`` are ``loss.reshape``
 and ``loss.reshape_1``). A loss other than these ends in whatever ops compute it.
 
@@ -197,10 +198,10 @@ def _batch_norm(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                          "running_mean": fqns[0], "running_var": fqns[1]})
 
 
-@_maps("upsample_nearest2d")
+@_maps("upsample_nearest2d", "upsample_bilinear2d")
 def _upsample(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
-    """Nearest upsampling of a 4-D activation by whole factors (the output a whole multiple of the input,
-    and the scale factors, where given, those multiples)."""
+    """Nearest or bilinear upsampling of a 4-D activation by whole factors (the output a whole multiple of
+    the input, and the scale factors, where given, those multiples)."""
     x = a["input"] if "input" in a else a["self"]
     if not b.is_act(x) or len(_shape(x)) != 4:
         return None
@@ -211,7 +212,10 @@ def _upsample(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     given = a.get("scale_factors") or [a.get("scales_h"), a.get("scales_w")]
     if any(f is not None and float(f) != float(k) for f, k in zip(given, scale, strict=True)):
         return None
-    return _Draft(kind="upsample", inputs=[x], attrs={"scale": scale})
+    if _aten_name(call.node) == "upsample_nearest2d":
+        return _Draft(kind="upsample", inputs=[x], attrs={"scale": scale})
+    return _Draft(kind="upsample", inputs=[x],
+                  attrs={"scale": scale, "mode": "bilinear", "align_corners": bool(a["align_corners"])})
 
 
 @_maps("layer_norm")
@@ -270,6 +274,9 @@ def _embedding(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                   attrs={"padding_idx": None if padding_idx < 0 else padding_idx})
 
 
+_RECURRENT_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")  # each layer's, in torch's order
+
+
 def _recurrent_weights(b: _Context, call: _Call, a: dict[str, Any], num_states: int) -> dict[str, fx.Node] | None:
     """The parameters of a recurrent module's call (aten ``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``),
     or None where the call does not fit the recurrent kinds: an activation input [N, T, I], batch first,
@@ -285,7 +292,9 @@ def _recurrent_weights(b: _Context, call: _Call, a: dict[str, Any], num_states: 
             or not all(h in call.factories and _aten_name(h) == "zeros" for h in states)
             or not all(b.is_param(w) for w in weights)):
         return None
-    return {b.local_name(w, call.module): w for w in weights}
+    # by place, as the kinds name them: a layer of a bidirectional module (tracing's
+    # `_bidirectional_recurrences`) runs as layer 0 whatever the module calls it
+    return {f"{_RECURRENT_PARAMS[i % 4]}_l{i // 4}": w for i, w in enumerate(weights)}
 
 
 @_maps("lstm")
@@ -701,14 +710,38 @@ def _softmax(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                   attrs={"axis": _axis(int(a["dim"]), len(_shape(x))), "log": "log" in _aten_name(call.node)})
 
 
-@_maps("dropout")
+@_maps("dropout", "feature_dropout")
 def _dropout(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["input"]
-    if not b.is_act(x):
+    feature = _aten_name(call.node) == "feature_dropout"
+    if not b.is_act(x) or (feature and len(_shape(x)) < 2):
         return None
     seed = b.num_dropouts
     b.num_dropouts += 1
-    return _Draft(kind="dropout", inputs=[x], attrs={"p": float(a["p"]) if a["train"] else 0.0, "seed": seed})
+    attrs: dict[str, Any] = {"p": float(a["p"]) if a["train"] else 0.0, "seed": seed}
+    if feature:
+        attrs["feature"] = True
+    return _Draft(kind="dropout", inputs=[x], attrs=attrs)
+
+
+@_maps("flip")
+def _flip(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x = a["self"]
+    if not b.is_act(x):
+        return None
+    ndim = len(_shape(x))
+    return _Draft(kind="flip", inputs=[x], attrs={"axes": sorted({_axis(int(d), ndim) for d in a["dims"]})})
+
+
+@_maps("prelu", "_prelu_kernel")
+def _prelu(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """PReLU of an activation x[N, C, ..] with its weight, one per channel or a single one."""
+    x, weight = a["self"], a["weight"]
+    shape = _shape(x)
+    if not (b.is_act(x) and b.is_param(weight)) or len(_shape(weight)) != 1 or len(shape) < 2 or (
+            _shape(weight)[0] not in (1, shape[1])):
+        return None
+    return _Draft(kind="prelu", inputs=[x], params={"weight": weight})
 
 
 @_maps("scaled_dot_product_attention")
@@ -741,8 +774,12 @@ def _attention(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                   attrs={"is_causal": bool(a["is_causal"]), "scale": a["scale"]})
 
 
-def _loss(b: _Context, fn: str, logits: Any, target: Any) -> _Draft | None:
-    if not (b.is_act(logits) and b.is_act(target)):
+# aten's reduction enum (at::Reduction) → the `reduction` attr of the loss kinds; 0 (none) is no loss kind
+_REDUCTIONS = {1: "mean", 2: "sum"}
+
+
+def _loss(b: _Context, fn: str, logits: Any, target: Any, reduction: int, **attrs: Any) -> _Draft | None:
+    if not (b.is_act(logits) and b.is_act(target)) or reduction not in _REDUCTIONS:
         return None
     sl, st = _shape(logits), _shape(target)
     lt, tt = logits.meta["val"], target.meta["val"]
@@ -750,24 +787,38 @@ def _loss(b: _Context, fn: str, logits: Any, target: Any) -> _Draft | None:
         ok = len(sl) >= 2 and st == sl[:1] + sl[2:] and lt.is_floating_point() and tt.dtype == torch.int64
     else:
         ok = sl == st and len(sl) >= 1 and lt.is_floating_point() and tt.is_floating_point()
-    return _Draft(kind="loss", inputs=[logits, target], attrs={"fn": fn, "reduction": "mean"}) if ok else None
+    return _Draft(kind="loss", inputs=[logits, target],
+                  attrs={"fn": fn, "reduction": _REDUCTIONS[reduction], **attrs}) if ok else None
+
+
+def _cross_entropy_attrs(ignore_index: int, label_smoothing: float) -> dict[str, Any]:
+    """The attrs of a cross entropy's options, those at PyTorch's defaults left out (the kind's defaults)."""
+    attrs: dict[str, Any] = {}
+    if int(ignore_index) != -100:
+        attrs["ignore_index"] = int(ignore_index)
+    if float(label_smoothing):
+        attrs["label_smoothing"] = float(label_smoothing)
+    return attrs
 
 
 @_maps("cross_entropy_loss")
 def _cross_entropy(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
-    if (a["weight"] is not None or a["reduction"] != 1 or a["ignore_index"] != -100
-            or a["label_smoothing"] != 0):
-        return None
-    return _loss(b, "cross_entropy", a["self"], a["target"])
+    if a["weight"] is not None:
+        return None  # class weights: the loss runs as PyTorch writes it
+    return _loss(b, "cross_entropy", a["self"], a["target"], a["reduction"],
+                 **_cross_entropy_attrs(a["ignore_index"], a["label_smoothing"]))
 
 
 @_maps("nll_loss", "nll_loss_nd")
 def _nll_loss(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     logits = b.fused.get(call.node)
-    return None if logits is None else _loss(b, "cross_entropy", logits, a["target"])
+    if logits is None:
+        return None
+    return _loss(b, "cross_entropy", logits, a["target"], a["reduction"],
+                 **_cross_entropy_attrs(a["ignore_index"], 0.0))
 
 
 @_maps("mse_loss")
 def _mse_loss(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
-    return None if a["reduction"] != 1 else _loss(b, "mse", a["self"], a["target"])
+    return _loss(b, "mse", a["self"], a["target"], a["reduction"])
 

@@ -28,6 +28,16 @@ Recurrences batch first. A sequence-first ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` 
 ``batch_first=False``) runs batch first between two transposes that belong to the calling module, so that
 it maps to the recurrent kinds (batch first) instead of staying opaque (`_batch_first_recurrences`).
 
+Bidirectional recurrences. A bidirectional ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` (without dropout between
+layers in training) runs as one unidirectional recurrence per layer and direction: the reverse direction
+on the time-flipped input, its output flipped back (``flip`` ops), the two outputs concatenated for the
+next layer, the final states concatenated in torch's order (`_bidirectional_recurrences`). Each
+recurrence maps to a recurrent kind and splits by sample or runs in time chunks like any other.
+
+Written out. ``nn.GLU`` is the product of its first half and the sigmoid of its second (two slices, a
+sigmoid, a product); ``nn.PixelShuffle`` and ``nn.PixelUnshuffle`` are a reshape, a permute and a reshape
+(`_written_out`), so each splits by sample and channel instead of staying opaque.
+
 Pools in 2-D. A 1-D max, average or adaptive average pooling of x[N, C, L] becomes the 2-D one of
 ``x.unsqueeze(2)`` then a squeeze, so that it maps to the pool kinds (`_pools_in_2d`).
 
@@ -71,7 +81,8 @@ LEAF_MODULES: tuple[type[nn.Module], ...] = (
     nn.Embedding, nn.LSTM, nn.GRU, nn.RNN, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
     nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Softmax, nn.Flatten, nn.Identity, nn.GroupNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LeakyReLU, nn.ReLU6, nn.Hardtanh, nn.ELU, nn.SELU,
-    nn.CELU, nn.Softplus, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Upsample,
+    nn.CELU, nn.Softplus, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Upsample, nn.PReLU, nn.Dropout1d, nn.Dropout2d,
+    nn.Dropout3d, nn.PixelShuffle, nn.PixelUnshuffle, nn.GLU,
 )
 
 
@@ -332,6 +343,8 @@ def _rewrite_forms(graph: fx.Graph) -> None:
     docstring's pieces before permutes, recurrences batch first, pools in 2-D and bags as embeddings)."""
     _selects_first(graph)
     _batch_first_recurrences(graph)
+    _bidirectional_recurrences(graph)
+    _written_out(graph)
     _pools_in_2d(graph)
     _bags_as_embeddings(graph)
 
@@ -425,6 +438,126 @@ def _batch_first_recurrences(graph: fx.Graph) -> None:
                 with mode:
                     back.meta = {"val": out.transpose(0, 1), "nn_module_stack": outer}
                 user.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
+
+
+class _Appender:
+    """Adds nodes to a graph one after the other from `after`, each with its value computed under `mode`
+    and the module stack it is given."""
+
+    def __init__(self, graph: fx.Graph, after: fx.Node, mode: Any):
+        self.graph, self.cursor, self.mode = graph, after, mode
+
+    def __call__(self, target: Any, args: tuple, module_stack: dict, **kwargs: Any) -> fx.Node:
+        with self.graph.inserting_after(self.cursor):
+            self.cursor = self.graph.call_function(target, args, kwargs)
+        with self.mode:
+            vals = [a.meta["val"] if isinstance(a, fx.Node) else
+                    [v.meta["val"] for v in a] if isinstance(a, list) and a and isinstance(a[0], fx.Node) else a
+                    for a in args]
+            self.cursor.meta = {"val": target(*vals, **kwargs), "nn_module_stack": module_stack}
+        return self.cursor
+
+
+def _bidirectional_recurrences(graph: fx.Graph) -> None:
+    """Rewrite, in place, each batch-first bidirectional ``lstm``, ``gru``, ``rnn_tanh`` or ``rnn_relu``
+    from zero states into one unidirectional recurrence per layer and direction (the module docstring's
+    rule): the reverse one runs on the time-flipped input and its output is flipped back, the directions'
+    outputs are concatenated for the next layer, and the final states are the concatenation of each
+    one's. The recurrences stay the module's (each from its own zero states); flips and concatenations
+    belong to the calling module, so each recurrence is one call of the module."""
+    aten = torch.ops.aten
+    recurrent = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in recurrent or len(node.args) != 9:
+            continue
+        x, hx, weights, biases, layers, dropout, train, bidirectional, batch_first = node.args
+        states = list(hx) if isinstance(hx, list | tuple) else [hx]
+        if (not bidirectional or not batch_first or not biases or len(weights) != 8 * layers
+                or (dropout and train and layers > 1)
+                or not all(isinstance(h, fx.Node) and h.target is aten.zeros.default and len(h.users) == 1
+                           for h in states)
+                or any(u.target is not operator.getitem for u in node.users)):
+            continue
+        stack = dict(node.meta.get("nn_module_stack") or {})
+        outer = {k: v for k, v in list(stack.items())[:-1]}
+        mode = _fake_mode(x)
+        n, hidden = x.meta["val"].shape[0], weights[1].meta["val"].shape[1]
+        ends: list[list[fx.Node]] = [[] for _ in states]  # per state, each layer's and direction's final one
+        add = _Appender(graph, node, mode)
+        layer_in = x
+        for layer in range(layers):
+            outs = []
+            for direction in (0, 1):
+                source = add(aten.flip.default, (layer_in, [1]), outer) if direction else layer_in
+                zeros = [add(aten.zeros.default, ([1, n, hidden],), stack, **h.kwargs) for h in states]
+                first = 8 * layer + 4 * direction
+                run = add(node.target, (source, zeros if isinstance(hx, list | tuple) else zeros[0],
+                                        list(weights[first:first + 4]), True, 1, 0.0, train, False, True), stack)
+                pieces = [add(operator.getitem, (run, i), stack) for i in range(1 + len(states))]
+                for k in range(len(states)):
+                    ends[k].append(pieces[1 + k])
+                outs.append(add(aten.flip.default, (pieces[0], [1]), outer) if direction else pieces[0])
+            layer_in = add(aten.cat.default, (outs, 2), outer)
+        finals = [add(aten.cat.default, (ends[k], 0), outer) for k in range(len(states))]
+        for user in list(node.users):
+            user.replace_all_uses_with(layer_in if user.args[1] == 0 else finals[user.args[1] - 1])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        for h in states:
+            graph.erase_node(h)
+        for final in finals:
+            if not final.users:
+                graph.erase_node(final)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Made:
+    """In a rewrite's list of steps, the node made by step `step`."""
+
+    step: int
+
+
+def _written_out(graph: fx.Graph) -> None:
+    """Rewrite, in place, ``glu``, ``pixel_shuffle`` and ``pixel_unshuffle`` into the ops that compute
+    them (the module docstring's rule): x.glu(d) = a * sigmoid(b) for the halves a, b of x along d; the
+    shuffles a reshape, a permute and a reshape."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.kwargs or node.target not in (
+                aten.glu.default, aten.pixel_shuffle.default, aten.pixel_unshuffle.default):
+            continue
+        x = node.args[0]
+        if not isinstance(x, fx.Node):
+            continue
+        shape = list(x.meta["val"].shape)
+        # each step: its aten op and its arguments, `_Made(i)` standing for the node of step i
+        if node.target is aten.glu.default:
+            dim = int(node.args[1]) % len(shape) if len(node.args) > 1 else len(shape) - 1
+            half = shape[dim] // 2
+            steps = [(aten.slice.Tensor, (x, dim, 0, half)), (aten.slice.Tensor, (x, dim, half, 2 * half)),
+                     (aten.sigmoid.default, (_Made(1),)), (aten.mul.Tensor, (_Made(0), _Made(2)))]
+        else:
+            if len(shape) != 4:
+                continue
+            n, c, h, w = shape
+            r = int(node.args[1])
+            if node.target is aten.pixel_shuffle.default:
+                split, perm, merged = [n, c // (r * r), r, r, h, w], [0, 1, 4, 2, 5, 3], [n, c // (r * r), h * r, w * r]
+            else:
+                split, perm, merged = [n, c, h // r, r, w // r, r], [0, 1, 3, 5, 2, 4], [n, c * r * r, h // r, w // r]
+            steps = [(aten.reshape.default, (x, split)), (aten.permute.default, (_Made(0), perm)),
+                     (aten.reshape.default, (_Made(1), merged))]
+        mode = _fake_mode(x)
+        made: list[fx.Node] = []
+        for target, args in steps:
+            args = tuple(made[a.step] if isinstance(a, _Made) else a for a in args)
+            with graph.inserting_before(node):
+                made.append(graph.call_function(target, args))
+            with mode:
+                made[-1].meta = {**node.meta,
+                                 "val": target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))}
+        node.replace_all_uses_with(made[-1])
+        graph.erase_node(node)
 
 
 def _pools_in_2d(graph: fx.Graph) -> None:
