@@ -587,7 +587,8 @@ def _stack(op, box, inputs, params, ctx):
 
 
 def _expand(op, box, inputs, params, ctx):
-    return (inputs[0].expand(_shape(tuple(box))),)
+    x = inputs[0] if inputs else params["value"]
+    return (x.expand(_shape(tuple(box))),)
 
 
 def _repeat(op, box, inputs, params, ctx):
@@ -678,6 +679,23 @@ def _flip(op, box, inputs, params, ctx):
     return (inputs[0].flip([int(a) for a in op.attrs["axes"]]),)
 
 
+def _pad(op, box, inputs, params, ctx):
+    # the input rows this part holds (taken out of the region read, which may hold an unused row), then
+    # the padding around them
+    entry = op_def(op.kind)
+    (region,) = entry.input_regions(op, box)
+    before = entry.before(op)
+    take, pads = [], []
+    for axis, ((lo, hi), (start, _)) in enumerate(zip(box, region, strict=True)):
+        a, b = entry.source_range(op, axis, lo, hi)
+        take.append(slice(a - start, b - start))
+        left = a + before[axis] - lo if b > a else hi - lo
+        pads.append((left, hi - lo - left - (b - a)))
+    value = op.attrs.get("value")
+    flat = [n for pair in reversed(pads) for n in pair]
+    return (F.pad(inputs[0][tuple(take)], flat, value=0.0 if value is None else float(value)),)
+
+
 def _prelu(op, box, inputs, params, ctx):
     return (F.prelu(inputs[0], params["weight"]),)
 
@@ -744,5 +762,5 @@ KERNELS: dict[str, Kernel] = {
     "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
     "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
     "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss, "flip": _flip,
-    "prelu": _prelu,
+    "pad": _pad, "prelu": _prelu,
 }

@@ -528,14 +528,15 @@ class RMSNorm(_AxisOp):
 
 
 class Embedding(OpDef):
-    """y[N.., D] = weight[V, D][idx[N..]]. attrs: `padding_idx` (None or a row).
+    """y[N.., D] = weight[V, D][idx[N..]]. attrs: `padding_idx` (None or a row). Also a parameter indexed
+    by a tensor of ids along its first axis (``table[index]``: Swin's relative position bias).
 
     dims: `sample`, `d1`.. (the index axes); `embedding_dim` (parameter: shards weight columns);
     `vocab` (reduction: a part holds weight rows [lo, hi) and gives 0 for ids outside them).
     """
 
     kind = "embedding"
-    captured_from = ("embedding",)
+    captured_from = ("embedding", "index")  # (index: a parameter table read by ids)
     kernel = "embedding"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
@@ -1081,7 +1082,8 @@ class Stack(_Join):
 
 class Expand(OpDef):
     """y = x.expand(`shape`): x's axes of size 1 (and new leading axes) repeated to `shape` (a view in torch,
-    as in the ``repeat_kv`` of grouped-query attention: ``k[:, :, None].expand(..)`` then a reshape).
+    as in the ``repeat_kv`` of grouped-query attention: ``k[:, :, None].expand(..)`` then a reshape). x is
+    the op's input, or its parameter `value` (a ViT's class token expanded to the batch), then it has no input.
 
     dims: the output axes `sample`, `d1`.., all splittable; a part reads x's one row along an expanded axis.
     """
@@ -1097,7 +1099,10 @@ class Expand(OpDef):
         return tuple(axis_dims(op.outputs[0].shape))
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
-        return (broadcast_region(input_shape(op, 0), tuple(box)),)
+        return (broadcast_region(input_shape(op, 0), tuple(box)),) if op.inputs else ()
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        return {name: broadcast_region(p.shape, tuple(box)) for name, p in op.params.items()}
 
     def flops(self, op: Operator) -> float:
         return 0.0  # data movement
@@ -1378,6 +1383,45 @@ class Flip(_AxisOp):
         return 0.0  # data movement
 
 
+class Pad(_AxisOp):
+    """y = x padded with `value` (constant padding): `pad` lists (before, after) counts from the last axis
+    backwards, as `F.pad` takes them; negative counts crop.
+
+    dims: the output axes `sample`, `d1`.., all splittable: a part reads the input rows its rows hold
+    (`source_range`; a part wholly in the padding reads one row it does not use, so that no region is
+    empty) and fills the rest with `value`.
+    """
+
+    kind = "pad"
+    captured_from = ("pad", "constant_pad_nd")
+    kernel = "pad"
+
+    def before(self, op: Operator) -> list[int]:
+        """Per axis, the rows added before it (negative: cropped)."""
+        shape, pad = op.outputs[0].shape, [int(p) for p in op.attrs["pad"]]
+        out = [0] * len(shape)
+        for k in range(len(pad) // 2):
+            out[len(shape) - 1 - k] = pad[2 * k]
+        return out
+
+    def source_range(self, op: Operator, axis: int, lo: int, hi: int) -> Range:
+        """The input rows output rows [lo, hi) along `axis` hold (an empty range where they are all padding)."""
+        n, before = input_shape(op, 0)[axis], self.before(op)[axis]
+        first = min(max(lo - before, 0), n)
+        return first, max(min(hi - before, n), first)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        shape = input_shape(op, 0)
+        region = []
+        for axis, (lo, hi) in enumerate(box):
+            a, b = self.source_range(op, axis, lo, hi)
+            region.append((a, b) if b > a else (min(a, shape[axis] - 1), min(a, shape[axis] - 1) + 1))
+        return (tuple(region),)
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
+
 class Softmax(_AxisOp):
     """y = softmax(x, `axis`) (log_softmax when `log`).
 
@@ -1508,5 +1552,6 @@ class Opaque(OpDef):
 for _entry in (Input(), Constant(), Conv2d(), Conv1d(), ConvTranspose2d(), Linear(), Matmul(), BatchNorm(),
                LayerNorm(), GroupNorm(), RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(),
                Upsample(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(),
-               Reshape(), Expand(), Repeat(), Transpose(), Flip(), PReLU(), Softmax(), Dropout(), Loss(), Opaque()):
+               Reshape(), Expand(), Repeat(), Transpose(), Flip(), Pad(), PReLU(), Softmax(), Dropout(), Loss(),
+               Opaque()):
     register(_entry)

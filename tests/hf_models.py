@@ -1,14 +1,15 @@
 """Small Hugging Face models as soapflow model functions (`path/to/file.py:function`, see the README).
 
 GPT-2, Llama (grouped-query attention, RMSNorm, rotary embeddings) and BERT (masked LM), and the wider
-corpus of GPT-NeoX (Pythia), OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART (encoder-decoder), ViT
-(image classification), Mixtral (mixture of experts) and Falcon (multi-query attention), from tiny configs
-with random initialization: nothing is downloaded. Each function takes the global batch and returns
-`(module, (inputs, target), loss_fn)`: the module maps token ids `[N, T]` to logits `[N, T, vocab]`, the
-target is `[N, T]` token ids, the loss cross entropy over all positions (ViT maps images `[N, 3, 32, 32]` to
-class logits `[N, 10]` against labels `[N]`). Attention uses PyTorch's fused kernel
-(`attn_implementation="sdpa"`) and every dropout is 0 (GPT-2 takes a `dropout` for its residual, embedding and
-attention dropouts: attention with dropout captures written out, `soap/capture/attention.py`).
+corpus of GPT-NeoX (Pythia), OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART (encoder-decoder), ViT,
+Swin and MobileNetV2 (image classification), Mixtral (mixture of experts) and Falcon (multi-query
+attention), from tiny configs with random initialization: nothing is downloaded. Each function takes the
+global batch and returns `(module, (inputs, target), loss_fn)`: the module maps token ids `[N, T]` to logits
+`[N, T, vocab]`, the target is `[N, T]` token ids, the loss cross entropy over all positions (the image
+models map images `[N, 3, 32, 32]` to class logits `[N, 10]` against labels `[N]`). Attention uses PyTorch's
+fused kernel (`attn_implementation="sdpa"`) and every dropout is 0 (GPT-2 takes a `dropout` for its residual,
+embedding and attention dropouts: attention with dropout captures written out, `soap/capture/attention.py`;
+MobileNetV2 keeps its classifier's dropout).
 Needs the optional extra `hf` (`pip install 'soapflow[hf]'`).
 """
 
@@ -217,6 +218,30 @@ def vit(batch_size: int = 4, *, image: int = 32) -> tuple:
     return ClassLogitsOf(ViTForImageClassification(config)), (pixels, labels), lm_cross_entropy
 
 
+def swin(batch_size: int = 4, *, image: int = 32) -> tuple:
+    """Swin image classification: 32x32 images in 4x4 patches, 2 stages of 2 windowed attention blocks (windows of 4,
+    padded to them, shifted in the second block of a stage: a relative position bias table read by a
+    constant index), patch merging, 10 classes; no stochastic depth (its random draw cannot be matched)."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(image_size=image, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                        num_labels=10, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    pixels = torch.empty(batch_size, 3, image, image, device="meta")
+    labels = torch.empty(batch_size, dtype=torch.long, device="meta")
+    return ClassLogitsOf(SwinForImageClassification(config)), (pixels, labels), lm_cross_entropy
+
+
+def mobilenet_v2(batch_size: int = 4, *, image: int = 32) -> tuple:
+    """MobileNetV2 image classification (TensorFlow-style padding: explicit pads before the convolutions;
+    an in-place dropout through a flatten before the classifier), a quarter of the channels, 10 classes."""
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    config = MobileNetV2Config(image_size=image, depth_multiplier=0.25, num_labels=10, classifier_dropout_prob=0.1)
+    pixels = torch.empty(batch_size, 3, image, image, device="meta")
+    labels = torch.empty(batch_size, dtype=torch.long, device="meta")
+    return ClassLogitsOf(MobileNetV2ForImageClassification(config)), (pixels, labels), lm_cross_entropy
+
+
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
           "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
-          "vit": vit, "mixtral": mixtral, "falcon": falcon}
+          "vit": vit, "mixtral": mixtral, "falcon": falcon, "swin": swin, "mobilenet_v2": mobilenet_v2}

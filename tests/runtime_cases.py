@@ -444,6 +444,37 @@ def bilinear_unet_build(batch: int) -> Workload:
                     target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
 
 
+class VisionForms(nn.Module):
+    """What vision models port from TensorFlow and ViT: "same" padding by an explicit pad before a strided
+    convolution, a class token parameter expanded to the batch, a position bias table read through a constant
+    index (Swin's relative position bias), and an in-place dropout through a flatten view (MobileNetV2's
+    classifier)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2)
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.table = nn.Parameter(torch.randn(30, 8))
+        self.register_buffer("index", torch.arange(17).flip(0) + 3, persistent=False)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.drop = nn.Dropout(0.1, inplace=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv2(F.pad(F.relu(self.conv1(x)), (0, 1, 0, 1)))
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), h.flatten(2).transpose(1, 2)], 1)
+        tokens = tokens + self.table[self.index]
+        pooled = self.drop(torch.flatten(self.pool(h), 1))
+        return self.fc(torch.cat([tokens.mean(1), pooled], 1))
+
+
+def vision_forms_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=VisionForms(), inputs=(torch.empty(batch, 3, 8, 8, device="meta"),),
+                    target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
+
+
 def unet_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=SmallUNet(), inputs=(torch.empty(batch, 3, 8, 8, device="meta"),),
@@ -528,6 +559,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "tagger": functools.partial(tagger_build, 4),
     "superres": functools.partial(super_resolution_build, 4),
     "bilinear": functools.partial(bilinear_unet_build, 4),
+    "vision": functools.partial(vision_forms_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

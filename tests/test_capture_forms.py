@@ -3,8 +3,9 @@
 sequence-first recurrences (`soap.capture.tracing`); blocks of parameters cut by slicing
 (`soap.capture.builder`); activations kept by name (`soap.registry.POINTWISE_FNS`); group and instance
 norms (the ``groupnorm`` kind), nearest and bilinear upsampling (``upsample``), 1-D convolutions (``conv1d``),
-1-D pools and embedding bags; bidirectional recurrences, PReLU, GLU, pixel shuffles, channel dropout, and cross
-entropy ignoring targets and smoothing labels.
+1-D pools and embedding bags; bidirectional recurrences, PReLU, GLU, pixel shuffles, channel dropout, cross
+entropy ignoring targets and smoothing labels, explicit padding, an expanded parameter, a table read by index and
+an in-place write through a flatten.
 The forwards compute what PyTorch's compute, the graph keeps the batch on every op's first axis, data
 parallelism needs no exchange, nothing is opaque, and runs match one process."""
 
@@ -367,9 +368,25 @@ def test_gated_and_shuffled_convolutions_and_bilinear_upsampling():
     assert [(op.attrs["p"], op.attrs.get("feature")) for op in graph if op.kind == "dropout"] == [(0.2, True)]
 
 
+def test_vision_forms_pad_expand_a_parameter_and_look_up_a_table():
+    """An explicit pad is a ``pad`` op, the class token's expand an ``expand`` op holding the parameter, the
+    table read by a constant index an ``embedding`` op, and the in-place dropout through a flatten a
+    ``dropout`` op reading the flatten: nothing opaque."""
+    graph = rc.graph_of("vision")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    assert [tuple(op.attrs["pad"]) for op in graph if op.kind == "pad"] == [(0, 1, 0, 1)]
+    (expand,) = [op for op in graph if op.kind == "expand"]
+    assert not expand.inputs and expand.params["value"].fqn == "cls"
+    (lookup,) = [op for op in graph if op.kind == "embedding"]
+    assert lookup.params["weight"].fqn == "table" and graph[lookup.inputs[0].op].kind == "constant"
+    (drop,) = [op for op in graph if op.kind == "dropout"]
+    assert graph[drop.inputs[0].op].kind == "reshape" and drop.attrs["p"] == 0.1
+    assert graph.num_params == sum(p.numel() for p in rc.VisionForms().parameters())
+
+
 # the models of the one launch below (tests/runtime_cases.py)
 LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", "tcn", "bags", "tagger", "superres",
-            "bilinear")
+            "bilinear", "vision")
 
 
 @pytest.fixture(scope="module")
@@ -377,8 +394,9 @@ def forms_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
     sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step, the
     temporal convolutions, the embedding bags, the bidirectional tagger (its loss ignoring id 0, which the
-    synthetic targets hold), the super-resolution convolutions and the bilinear U-Net under the baselines,
-    a strategy drawn from the search's space and a random valid one, each verified against one process."""
+    synthetic targets hold), the super-resolution convolutions, the bilinear U-Net and the vision forms
+    under the baselines, a strategy drawn from the search's space and a random valid one, each verified
+    against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]
     for model, seed in itertools.product(LAUNCHED, range(2)):

@@ -95,6 +95,7 @@ _MAPPERS: dict[str, _Mapper] = {}
 def _maps(*names: str) -> Callable[[_Mapper], _Mapper]:
     def register(fn: _Mapper) -> _Mapper:
         for name in names:
+            assert name not in _MAPPERS, f"two mappers for aten {name}"
             _MAPPERS[name] = fn
         return fn
     return register
@@ -272,6 +273,16 @@ def _embedding(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     padding_idx = int(a["padding_idx"])
     return _Draft(kind="embedding", inputs=[idx], params=params,
                   attrs={"padding_idx": None if padding_idx < 0 else padding_idx})
+
+
+def _table_lookup(b: _Context, a: dict[str, Any]) -> _Draft | None:
+    """A parameter table indexed along its first axis by one tensor of ids (Swin's relative position bias
+    table read through a constant index): the lookup of an embedding."""
+    table, indices = a["self"], a["indices"]
+    if (len(_shape(table)) != 2 or len(indices) != 1 or not b.is_act(indices[0])
+            or indices[0].meta["val"].dtype != torch.int64):
+        return None
+    return _Draft(kind="embedding", inputs=[indices[0]], params={"weight": table}, attrs={"padding_idx": None})
 
 
 _RECURRENT_PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")  # each layer's, in torch's order
@@ -491,9 +502,12 @@ def _stack(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
 @_maps("expand")
 def _expand(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["self"]
+    attrs = {"shape": list(call.node.meta["val"].shape)}
+    if b.is_param(x):  # a parameter expanded (a class token to the batch): read by the parts that need it
+        return _Draft(kind="expand", inputs=[], params={"value": x}, attrs=attrs)
     if not b.is_act(x):
         return None
-    return _Draft(kind="expand", inputs=[x], attrs={"shape": list(call.node.meta["val"].shape)})
+    return _Draft(kind="expand", inputs=[x], attrs=attrs)
 
 
 @_maps("repeat_interleave")
@@ -530,8 +544,11 @@ def _select(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
 @_maps("index")
 def _index(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     """``x[..., idx, ...]`` with one index tensor, a constant of consecutive increasing integers (Falcon's
-    ``qkv[..., [-2], :]``): a slice of that axis (squeezed for a 0-dim index), so it splits like any other."""
+    ``qkv[..., [-2], :]``): a slice of that axis (squeezed for a 0-dim index), so it splits like any other.
+    A parameter table indexed by ids is an embedding lookup (`_table_lookup`)."""
     x, indices = a["self"], a["indices"]
+    if b.is_param(x):
+        return _table_lookup(b, a)
     given = [i for i, t in enumerate(indices) if t is not None]
     if not b.is_act(x) or len(given) != 1:
         return None
@@ -731,6 +748,17 @@ def _flip(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
         return None
     ndim = len(_shape(x))
     return _Draft(kind="flip", inputs=[x], attrs={"axes": sorted({_axis(int(d), ndim) for d in a["dims"]})})
+
+
+@_maps("pad", "constant_pad_nd")
+def _pad(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """Constant padding (or cropping) of an activation."""
+    x, pad = a["self"], [int(p) for p in a["pad"]]
+    if (not b.is_act(x) or a.get("mode", "constant") != "constant" or len(pad) % 2
+            or len(pad) > 2 * len(_shape(x))):
+        return None
+    value = None if a["value"] is None else float(a["value"])
+    return _Draft(kind="pad", inputs=[x], attrs={"pad": pad, "value": value})
 
 
 @_maps("prelu", "_prelu_kernel")

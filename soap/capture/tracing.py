@@ -49,8 +49,10 @@ opaque.
 In-place writes. The training IR keeps a model's in-place ops (``shifted[:, 1:] = ids[:, :-1]`` is a
 ``slice`` then ``copy_``; ``masked_fill_``, ``fill_``, ``add_``, ...). `_functionalize` rewrites each into
 its out-of-place form and, where it wrote through a chain of ``slice``, ``select`` or ``diagonal`` views,
-scatters the new values back into the viewed tensor (``slice_scatter``, ...); later readers of the written
-tensor read the new value. So capture sees values, never aliases. A write through any other view, or a
+scatters the new values back into the viewed tensor (``slice_scatter``, ...); through a view holding every
+element of its base once (a reshape, flatten, squeeze or permute: MobileNetV2's in-place dropout of a
+flattened tensor), the new values reshaped or permuted back are the base's (`_WHOLE_VIEWS`); later readers
+of the written tensor read the new value. So capture sees values, never aliases. A write through any other view, or a
 view taken before the write and read after it, is refused with a clear error rather than captured wrong.
 ``detach_`` (an annotation on lifted constants) stays as it is. The model's buffers the forward writes, in
 place or by assignment, are listed in `_Traced.buffer_writes` for the builder to refuse (or keep, for
@@ -290,6 +292,29 @@ _SCATTER_OF_VIEW = {
     torch.ops.aten.diagonal.default: torch.ops.aten.diagonal_scatter.default,
 }
 """View op -> the op writing a view's new values back into its base: ``scatter(base, values, *view_args)``."""
+
+_WHOLE_VIEWS = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.flatten.using_ints,
+    torch.ops.aten.unflatten.int, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.default, torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.alias.default,
+})
+"""Views holding every element of their base once (reshapes and permutes): values written through one
+are the base's new values, reshaped or permuted back (`_whole_view_back`)."""
+
+
+def _whole_view_back(view: fx.Node, values: fx.Node) -> tuple[Any, tuple, dict]:
+    """The op, arguments and keyword arguments laying `values` (the new values of `view`, one of
+    `_WHOLE_VIEWS`) out as the view's base: the inverse permutation, or a reshape to the base's shape."""
+    perm = _permutation(view)
+    if perm is not None:
+        inverse = [0] * len(perm)
+        for out_axis, in_axis in enumerate(perm):
+            inverse[in_axis] = out_axis
+        return torch.ops.aten.permute.default, (values, inverse), {}
+    if view.target is torch.ops.aten.t.default and view.meta["val"].dim() == 2:
+        return torch.ops.aten.t.default, (values,), {}
+    return torch.ops.aten.reshape.default, (values, list(view.args[0].meta["val"].shape)), {}
 
 
 def _writes_first_argument(node: fx.Node) -> bool:
@@ -672,13 +697,18 @@ def _functionalize(graph: fx.Graph) -> dict[fx.Node, str]:
         # write the new values back through the chain of views, innermost first
         written, new, chain = target, value, [target]
         while _is_view(written):
+            base = written.args[0]
             scatter = _SCATTER_OF_VIEW.get(written.target)
-            if scatter is None:
+            if scatter is not None:
+                back, args, kwargs = scatter, (base, new, *written.args[1:]), dict(written.kwargs)
+            elif written.target in _WHOLE_VIEWS:
+                # a view holding every element of its base once: its new values, laid out as the base
+                back, args, kwargs = _whole_view_back(written, new)
+            else:
                 raise ValueError(f"an in-place {node.target} writes through a {written.target} view, which "
                                  f"capture cannot write back; write the value out of place instead")
-            base = written.args[0]
             with graph.inserting_after(anchor):
-                new = anchor = graph.call_function(scatter, (base, new, *written.args[1:]), dict(written.kwargs))
+                new = anchor = graph.call_function(back, args, kwargs)
             new.meta = {**node.meta, "val": base.meta.get("val")}
             written = base
             chain.append(written)
