@@ -565,6 +565,8 @@ def _binary(op, box, inputs, params, ctx):
     if fn == "masked_fill":
         # masked_fill broadcasts the mask to a only; the registry's regions broadcast both ways
         return (torch.where(b, torch.as_tensor(op.attrs["value"], dtype=a.dtype, device=a.device), a),)
+    if fn == "where":
+        return (torch.where(b, a, torch.as_tensor(op.attrs["value"], dtype=a.dtype, device=a.device)),)
     raise ValueError(f"op {op.name!r}: unknown binary fn {fn!r}")
 
 

@@ -962,15 +962,15 @@ class PReLU(_AxisOp):
 
 
 class Binary(OpDef):
-    """y = fn(a, b) with broadcasting. attrs: `fn` in add, sub, mul, div, masked_fill (`value`; b is the
-    bool mask), `param_operand` (0 or 1) when one operand is the parameter `other` (the op then has one
-    tensor input).
+    """y = fn(a, b) with broadcasting. attrs: `fn` in add, sub, mul, div, masked_fill (`value` where the bool
+    mask b is true, a elsewhere), where (a where b is true, `value` elsewhere), `param_operand` (0 or 1)
+    when one operand is the parameter `other` (the op then has one tensor input).
 
     dims: the output axes `sample`, `d1`.., all splittable; an operand's broadcast axes are read whole.
     """
 
     kind = "binary"
-    captured_from = ("add", "sub", "mul", "div", "rsub", "masked_fill")
+    captured_from = ("add", "sub", "mul", "div", "rsub", "masked_fill", "where")
     kernel = "binary"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:

@@ -1,15 +1,15 @@
 """Small Hugging Face models as soapflow model functions (`path/to/file.py:function`, see the README).
 
 GPT-2, Llama (grouped-query attention, RMSNorm, rotary embeddings) and BERT (masked LM), and the wider
-corpus of GPT-NeoX (Pythia), OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART (encoder-decoder), ViT,
-Swin and MobileNetV2 (image classification), Mixtral (mixture of experts) and Falcon (multi-query
-attention), from tiny configs with random initialization: nothing is downloaded. Each function takes the
-global batch and returns `(module, (inputs, target), loss_fn)`: the module maps token ids `[N, T]` to logits
-`[N, T, vocab]`, the target is `[N, T]` token ids, the loss cross entropy over all positions (the image
-models map images `[N, 3, 32, 32]` to class logits `[N, 10]` against labels `[N]`). Attention uses PyTorch's
-fused kernel (`attn_implementation="sdpa"`) and every dropout is 0 (GPT-2 takes a `dropout` for its residual,
-embedding and attention dropouts: attention with dropout captures written out, `soap/capture/attention.py`;
-MobileNetV2 keeps its classifier's dropout).
+corpus of GPT-NeoX (Pythia), OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART and T5
+(encoder-decoders), ViT, Swin and MobileNetV2 (image classification), Mixtral (mixture of experts) and
+Falcon (multi-query attention), from tiny configs with random initialization: nothing is downloaded. Each
+function takes the global batch and returns `(module, (inputs, target), loss_fn)`: the module maps token
+ids `[N, T]` to logits `[N, T, vocab]`, the target is `[N, T]` token ids, the loss cross entropy over all
+positions (the image models map images `[N, 3, 32, 32]` to class logits `[N, 10]` against labels `[N]`).
+Attention uses PyTorch's fused kernel (`attn_implementation="sdpa"`) and every dropout is 0 (GPT-2 takes a
+`dropout` for its residual, embedding and attention dropouts: attention with dropout captures written out,
+`soap/capture/attention.py`; MobileNetV2 keeps its classifier's dropout).
 Needs the optional extra `hf` (`pip install 'soapflow[hf]'`).
 """
 
@@ -195,6 +195,29 @@ def bart(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     return _example(BartForConditionalGeneration(config), batch_size, seq)
 
 
+class ShiftedSeq2Seq(nn.Module):
+    """A Hugging Face encoder-decoder that needs its decoder's ids (T5): the ids shifted right, as T5 makes
+    them from labels."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, decoder_input_ids=self.model._shift_right(ids)).logits
+
+
+def t5(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """T5: encoder-decoder, 2 + 2 layers, width 64, 4 heads, relative position buckets (the bias masked by
+    `torch.where`), T5's RMS-style layer norm, the decoder reading the ids shifted right."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    module, example, loss = _example(T5ForConditionalGeneration(config), batch_size, seq)
+    return ShiftedSeq2Seq(module.model), example, loss
+
+
 class ClassLogitsOf(nn.Module):
     """A Hugging Face image classifier called on pixels alone, returning its class logits."""
 
@@ -244,4 +267,5 @@ def mobilenet_v2(batch_size: int = 4, *, image: int = 32) -> tuple:
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
           "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
-          "vit": vit, "mixtral": mixtral, "falcon": falcon, "swin": swin, "mobilenet_v2": mobilenet_v2}
+          "vit": vit, "mixtral": mixtral, "falcon": falcon, "swin": swin, "mobilenet_v2": mobilenet_v2,
+          "t5": t5}

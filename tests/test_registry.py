@@ -300,6 +300,9 @@ def _cases() -> list[Case]:
         Case(id="binary-masked_fill", kind="binary", inputs=(_rand(2, 3, 5, 5), mask),
              attrs={"fn": "masked_fill", "value": -1e9},
              reference=lambda a, m: a.masked_fill(m, -1e9)),
+        # T5's position bias [1, heads, T, T] kept where the mask [N, 1, T, T] is true: both operands broadcast
+        Case(id="binary-where", kind="binary", inputs=(_rand(1, 3, 5, 5), torch.rand(2, 1, 5, 5) > 0.3),
+             attrs={"fn": "where", "value": -3.0}, reference=lambda a, m: torch.where(m, a, -3.0)),
         Case(id="reduce-sum", kind="reduce", inputs=(_rand(4, 5, 6),), attrs={"fn": "sum", "axes": [1]},
              reference=lambda x: x.sum(1)),
         Case(id="reduce-mean-keepdim", kind="reduce", inputs=(_rand(4, 5, 6),),

@@ -467,6 +467,20 @@ def _masked_fill(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return _Draft(kind="binary", inputs=[x, mask], attrs={"fn": "masked_fill", "value": value})
 
 
+@_maps("where")
+def _where(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """``torch.where(mask, x, value)`` and ``torch.where(mask, value, x)`` of a scalar (T5's position bias
+    masked with the dtype's minimum): x filled with the value where the mask is false, or true."""
+    mask, keep, other = a["condition"], a["self"], a["other"]
+    if not b.is_act(mask):
+        return None
+    if b.is_act(keep) and _is_scalar(other):
+        return _Draft(kind="binary", inputs=[keep, mask], attrs={"fn": "where", "value": other})
+    if _is_scalar(keep) and b.is_act(other):
+        return _Draft(kind="binary", inputs=[other, mask], attrs={"fn": "masked_fill", "value": keep})
+    return None
+
+
 @_maps("mean", "sum")
 def _reduce(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["self"]
