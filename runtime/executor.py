@@ -513,7 +513,8 @@ class Executor:
         if op.kind != "opaque":
             return kernels.compute_chunk(op, box, inputs, params, state=state, training=True,
                                          buffers=self.op_buffers[op.name], step=self.step,
-                                         check=self.num_forwards == 0, counted=self.counted.get(op.name))
+                                         check=self.num_forwards == 0, counted=self.counted.get(op.name),
+                                         dtype=self.compute_dtype)
         target = None
         if op.attrs.get("target", "module") == "module":
             assert self.module is not None, "opaque ops need the model"

@@ -45,6 +45,8 @@ class _Context:
     # a cross-entropy mean's count of the whole target's entries that are not ignored (`counted_targets`);
     # None: this part's own (right for a part holding the whole target)
     counted: int | None = None
+    # the dtype of the values a kernel makes from nothing (``random``); None: the graph's
+    dtype: torch.dtype | None = None
 
 
 Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor], _Context],
@@ -53,7 +55,8 @@ Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor],
 
 def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
                  training: bool = True, buffers: Mapping[str, Tensor] | None = None,
-                 step: int = 0, check: bool = True, counted: int | None = None) -> tuple[Tensor, ...]:
+                 step: int = 0, check: bool = True, counted: int | None = None,
+                 dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
     """The outputs of part `box` of `op`, each shaped as `output_region(op, box, i)`.
 
     `inputs` holds one tensor per entry of `input_regions(op, box)` (None where that is None), `params`
@@ -65,16 +68,18 @@ def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params
     registry (the runtime checks the first step only: the shapes do not change between steps). `counted`:
     for a cross-entropy mean (`soap.registry.counts_targets`), how many entries of the whole target are not
     ignored (`counted_targets`); None counts this part's own, which is right only for a part holding the
-    whole target.
+    whole target. `dtype`: the dtype of values a kernel makes from no input (``random``), where the run's
+    differs from the graph's.
     """
     return compute_chunk(op, box, inputs, params, training=training, buffers=buffers, step=step, check=check,
-                         counted=counted)[0]
+                         counted=counted, dtype=dtype)[0]
 
 
 def compute_chunk(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
                   state: Sequence[Tensor] | None = None, training: bool = True,
                   buffers: Mapping[str, Tensor] | None = None, step: int = 0, check: bool = True,
-                  counted: int | None = None) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+                  counted: int | None = None, dtype: torch.dtype | None = None
+                  ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """`compute_part` of a chunk along the op's carried dim (`soap.opdef.DimSpec.carried`): it starts from
     `state`, the final state of the chunk before it (None: zeros), and returns (its outputs, its final
     state). The kernel of a kind with a carried dim returns its outputs followed by its final state; the
@@ -85,7 +90,7 @@ def compute_chunk(op: Operator, box: Box, inputs: Sequence[Tensor | None], param
     if kernel is None:
         raise ValueError(f"op {op.name!r}: kind {op.kind!r} has no partitioned kernel ({entry.run_specially})")
     ctx = _Context(training=training, buffers=dict(buffers or {}), step=step,
-                   state=None if state is None else tuple(state), counted=counted)
+                   state=None if state is None else tuple(state), counted=counted, dtype=dtype)
     everything = kernel(op, box, inputs, params, ctx)
     outputs, final = everything[:len(op.outputs)], everything[len(op.outputs):]
     if not check:
@@ -638,20 +643,35 @@ def _mix32(x: Tensor) -> Tensor:
     return (x >> 16) ^ x
 
 
-def dropout_keep(region: Region, shape: Sequence[int], *, p: float, seed: int, step: int,
-                 device: torch.device | str = "cpu") -> Tensor:
-    """The keep mask (bool) of `region` of a tensor of `shape`: a hash of each element's global flat
-    index, the seed and the step, so every split of the tensor draws the same mask."""
+def _hashed(region: Region, shape: Sequence[int], salt: int, seed: int, step: int,
+            device: torch.device | str) -> Tensor:
+    """A 32-bit hash (int64 in [0, 2**32)) of each element of `region` of a tensor of `shape`, from its
+    global flat index, `salt` (one per kind of draw), the seed and the step."""
     strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
     flat = torch.zeros((), dtype=torch.int64, device=device)
     for a, ((lo, hi), stride) in enumerate(zip(region, strides, strict=True)):
         view = [1] * len(region)
         view[a] = hi - lo
         flat = flat + (torch.arange(lo, hi, dtype=torch.int64, device=device) * stride).view(view)
-    key = (seed * 0x9E3779B1 + step * 0x85EBCA6B + 0x632BE5AB) & _M32
+    key = (seed * 0x9E3779B1 + step * 0x85EBCA6B + salt) & _M32
     h = _mix32((flat & _M32) ^ key)
-    h = _mix32(h ^ (((flat >> 32) + key) & _M32))
-    return h >= round(p * 2**32)
+    return _mix32(h ^ (((flat >> 32) + key) & _M32))
+
+
+def dropout_keep(region: Region, shape: Sequence[int], *, p: float, seed: int, step: int,
+                 device: torch.device | str = "cpu") -> Tensor:
+    """The keep mask (bool) of `region` of a tensor of `shape`: a hash of each element's global flat
+    index, the seed and the step, so every split of the tensor draws the same mask."""
+    return _hashed(region, shape, 0x632BE5AB, seed, step, device) >= round(p * 2**32)
+
+
+def uniform_draws(region: Region, shape: Sequence[int], *, seed: int, step: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> Tensor:
+    """Uniform values in [0, 1) of `region` of a tensor of `shape` (the ``random`` kind, and the verifying
+    reference's ``torch.rand``): a hash of each element's global index, the seed and the step, so every
+    split draws the same values."""
+    h = _hashed(region, shape, 0x2545F491, seed, step, device)
+    return (h.to(torch.float64) / 2**32).to(dtype)
 
 
 def dropped(x: Tensor, region: Region, shape: Sequence[int], *, p: float, seed: int, step: int,
@@ -675,6 +695,12 @@ def _dropout(op, box, inputs, params, ctx):
         return (x,)
     return (dropped(x, tuple(box), op.outputs[0].shape, p=p, seed=int(op.attrs.get("seed") or 0), step=ctx.step,
                     feature=bool(op.attrs.get("feature"))),)
+
+
+def _random(op, box, inputs, params, ctx):
+    spec = op.outputs[0]
+    return (uniform_draws(tuple(box), spec.shape, seed=int(op.attrs.get("seed") or 0), step=ctx.step,
+                          dtype=ctx.dtype or getattr(torch, spec.dtype)),)
 
 
 def _flip(op, box, inputs, params, ctx):
@@ -764,5 +790,5 @@ KERNELS: dict[str, Kernel] = {
     "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
     "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
     "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss, "flip": _flip,
-    "pad": _pad, "prelu": _prelu,
+    "pad": _pad, "prelu": _prelu, "random": _random,
 }

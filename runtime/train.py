@@ -59,7 +59,7 @@ from runtime.checkpoint import (
     saved_tensors,
 )
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices, pieces_needed
-from runtime.kernels import dropped
+from runtime.kernels import dropped, uniform_draws
 from runtime.launch import rank_device
 from runtime.materialize import MaterializeError, install_buffers, record, replay
 from soap.capture.attention import captured_attention
@@ -645,16 +645,20 @@ class _RuntimeDropout:
     whatever its p and training flag: capture numbers the ops so, the op's ``seed``) keeps
     `runtime.kernels.dropout_keep` of the whole tensor (of its (sample, channel) index, for a feature
     dropout) with seed n and `step`, scaled by 1/(1-p); with p = 0 or outside training it is the identity.
-    A dropout of a parameter is no ``dropout`` op (capture leaves it opaque): it keeps torch's. On leaving,
+    A dropout of a parameter is no ``dropout`` op (capture leaves it opaque): it keeps torch's. Likewise the
+    n-th ``torch.rand`` draws the values of the ``random`` op of seed n (`uniform_draws`: stochastic depth),
+    and a count of draws other than `num_draws` is a `ValueError` on leaving. On leaving,
     the original is back; where some mask mattered (a call of this forward drew one, or `masked`: a graph
     ``dropout`` op has p > 0), a count of calls other than `num_ops` (the graph's ``dropout`` ops) is a
     `ValueError`: the masks could not be matched, and comparing would report a false mismatch."""
 
-    def __init__(self, *, num_ops: int, masked: bool, step: int) -> None:
+    def __init__(self, *, num_ops: int, masked: bool, step: int, num_draws: int = 0) -> None:
         self.num_ops = num_ops
         self.masked = masked
         self.step = step
         self.calls = 0
+        self.num_draws = num_draws
+        self.draws = 0
 
     def __enter__(self) -> None:
         self.original = torch.nn.functional.dropout
@@ -663,10 +667,18 @@ class _RuntimeDropout:
         # resolve on lookup: set here, they are taken away again on leaving)
         torch._VF.feature_dropout = self.feature_dropout
         torch._VF.feature_dropout_ = self.feature_dropout_
+        self.original_rand = torch.rand
+        torch.rand = self.rand
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         torch.nn.functional.dropout = self.original
         del torch._VF.feature_dropout, torch._VF.feature_dropout_
+        torch.rand = self.original_rand
+        if exc_type is None and self.draws != self.num_draws:
+            raise ValueError(
+                f"verification cannot reproduce the random draws: the reference's forward called torch.rand "
+                f"{self.draws} times where the graph has {self.num_draws} random ops (a draw capture left "
+                f"opaque, or one made another way); verify without stochastic depth (drop path rate 0)")
         if exc_type is None and self.masked and self.calls != self.num_ops:
             raise ValueError(
                 f"verification cannot reproduce the dropout masks: the reference's forward called "
@@ -687,6 +699,14 @@ class _RuntimeDropout:
         out = dropped(input, tuple((0, n) for n in input.shape), tuple(input.shape), p=p, seed=seed, step=self.step,
                       feature=feature)
         return input.copy_(out) if inplace else out
+
+    def rand(self, *size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        """``torch.rand``: the n-th call's values are the ``random`` op of seed n's (`uniform_draws`)."""
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], tuple | list | torch.Size) else size
+        seed = self.draws
+        self.draws += 1
+        return uniform_draws(tuple((0, int(n)) for n in shape), [int(n) for n in shape], seed=seed, step=self.step,
+                             dtype=dtype or torch.get_default_dtype(), device=device or "cpu")
 
     def feature_dropout(self, input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return self.dropout(input, p, train, feature=True)
@@ -724,7 +744,9 @@ def _reference_loss(workload: Workload, module: nn.Module, graph: OperatorGraph,
     dropouts = [op for op in graph if op.kind == "dropout"]
     compute = options.setup.compute_dtype
     n_inputs = len(workload.inputs)
-    with (_RuntimeDropout(num_ops=len(dropouts), masked=any(op.attrs.get("p") for op in dropouts), step=step),
+    draws = sum(op.kind == "random" for op in graph)
+    with (_RuntimeDropout(num_ops=len(dropouts), masked=any(op.attrs.get("p") for op in dropouts), step=step,
+                          num_draws=draws),
           captured_attention(),
           torch.autocast(device.type, dtype=TORCH_DTYPES[compute], enabled=autocast and compute != "float32")):
         return workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).to(dtype)

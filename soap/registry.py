@@ -915,6 +915,7 @@ POINTWISE_FNS: dict[str, tuple[str, ...]] = {
     "leaky_relu": ("negative_slope",), "hardtanh": ("min_val", "max_val"), "elu": ("alpha", "scale", "input_scale"),
     "celu": ("alpha",), "softplus": ("beta", "threshold"), "selu": (), "mish": (), "hardswish": (),
     "hardsigmoid": (), "abs": (), "sqrt": (), "log": (), "sin": (), "cos": (), "reciprocal": (), "erf": (),
+    "floor": (), "ceil": (), "trunc": (), "sign": (),
 }
 
 
@@ -1439,6 +1440,28 @@ class Softmax(_AxisOp):
         return 5.0 * output_numel(op)
 
 
+class Random(OpDef):
+    """y = uniform draws in [0, 1) of the output's shape (``torch.rand``: stochastic depth's per-sample
+    draw); attr `seed`. Reads nothing.
+
+    dims: `sample`, `d1`.. all splittable: each value is a hash of its global index, the seed and the
+    training step (`runtime.kernels.uniform_draws`), so any split draws the unsplit values.
+    """
+
+    kind = "random"
+    captured_from = ("rand",)
+    kernel = "random"
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return ()
+
+    def flops(self, op: Operator) -> float:
+        return float(output_numel(op))
+
+
 class Dropout(_AxisOp):
     """y = x * mask / (1 - `p`) in training, x in evaluation; attrs `p`, `seed`, `feature` (true: one draw
     per sample and channel, kept or dropped whole: `nn.Dropout1d`/`2d`/`3d`, aten's ``feature_dropout``).
@@ -1552,6 +1575,6 @@ class Opaque(OpDef):
 for _entry in (Input(), Constant(), Conv2d(), Conv1d(), ConvTranspose2d(), Linear(), Matmul(), BatchNorm(),
                LayerNorm(), GroupNorm(), RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(),
                Upsample(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(),
-               Reshape(), Expand(), Repeat(), Transpose(), Flip(), Pad(), PReLU(), Softmax(), Dropout(), Loss(),
-               Opaque()):
+               Reshape(), Expand(), Repeat(), Transpose(), Flip(), Pad(), PReLU(), Softmax(), Random(), Dropout(),
+               Loss(), Opaque()):
     register(_entry)

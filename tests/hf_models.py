@@ -242,13 +242,14 @@ def vit(batch_size: int = 4, *, image: int = 32) -> tuple:
 
 
 def swin(batch_size: int = 4, *, image: int = 32) -> tuple:
-    """Swin image classification: 32x32 images in 4x4 patches, 2 stages of 2 windowed attention blocks (windows of 4,
-    padded to them, shifted in the second block of a stage: a relative position bias table read by a
-    constant index), patch merging, 10 classes; no stochastic depth (its random draw cannot be matched)."""
+    """Swin image classification: 32x32 images in 4x4 patches, 2 stages of 2 windowed attention blocks
+    (windows of 4, padded to them, shifted in the second block of a stage: a relative position bias table
+    read by a constant index), patch merging, stochastic depth at its default rate (drawn by ``torch.rand``),
+    10 classes."""
     from transformers import SwinConfig, SwinForImageClassification
 
     config = SwinConfig(image_size=image, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
-                        num_labels=10, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                        num_labels=10, drop_path_rate=0.1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     pixels = torch.empty(batch_size, 3, image, image, device="meta")
     labels = torch.empty(batch_size, dtype=torch.long, device="meta")
     return ClassLogitsOf(SwinForImageClassification(config)), (pixels, labels), lm_cross_entropy

@@ -447,8 +447,8 @@ def bilinear_unet_build(batch: int) -> Workload:
 class VisionForms(nn.Module):
     """What vision models port from TensorFlow and ViT: "same" padding by an explicit pad before a strided
     convolution, a class token parameter expanded to the batch, a position bias table read through a constant
-    index (Swin's relative position bias), and an in-place dropout through a flatten view (MobileNetV2's
-    classifier)."""
+    index (Swin's relative position bias), stochastic depth drawn by ``torch.rand``, and an in-place dropout
+    through a flatten view (MobileNetV2's classifier)."""
 
     def __init__(self):
         super().__init__()
@@ -465,6 +465,9 @@ class VisionForms(nn.Module):
         h = self.conv2(F.pad(F.relu(self.conv1(x)), (0, 1, 0, 1)))
         tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), h.flatten(2).transpose(1, 2)], 1)
         tokens = tokens + self.table[self.index]
+        # stochastic depth as Hugging Face writes it: one draw per sample
+        keep = torch.floor(0.8 + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device))
+        tokens = tokens.div(0.8) * keep
         pooled = self.drop(torch.flatten(self.pool(h), 1))
         return self.fc(torch.cat([tokens.mean(1), pooled], 1))
 

@@ -51,9 +51,11 @@ class Case:
     buffers: Tensors = field(default_factory=dict)
     reference: Callable[..., Any] | None = None
     training: bool = True
+    like: torch.Tensor | None = None  # without a reference or inputs (`random`): a tensor of the output's spec
 
     def op(self) -> Operator:
-        outputs = self.reference_outputs() if self.reference is not None else (self.inputs[0],)
+        outputs = (self.reference_outputs() if self.reference is not None else
+                   (self.like,) if self.like is not None else (self.inputs[0],))
         return Operator(
             name=f"op_{self.id}", kind=self.kind,
             inputs=tuple(TensorRef(op=f"x{i}") for i in range(len(self.inputs))),
@@ -353,6 +355,7 @@ def _cases() -> list[Case]:
              reference=lambda x: F.pad(x, [0, 1, 2, 3, 1, 0], value=0.5)),
         Case(id="pad-crop", kind="pad", inputs=(_rand(3, 6, 5),), attrs={"pad": [-1, 4, 2, -2], "value": None},
              reference=lambda x: F.pad(x, [-1, 4, 2, -2])),
+        Case(id="random", kind="random", inputs=(), attrs={"seed": 3}, like=torch.empty(4, 3, 5, dtype=DTYPE)),
         Case(id="flip", kind="flip", inputs=(_rand(4, 6, 5),), attrs={"axes": [1, 2]},
              reference=lambda x: x.flip([1, 2])),
         Case(id="prelu", kind="prelu", inputs=(_rand(4, 6, 3, 2),), params={"weight": _rand(6, seed=2)},
@@ -392,7 +395,8 @@ def _cases() -> list[Case]:
         ("selu", {}, nn.SELU()), ("mish", {}, nn.Mish()), ("hardswish", {}, nn.Hardswish()),
         ("hardsigmoid", {}, nn.Hardsigmoid()), ("abs", {}, torch.abs), ("sqrt", {}, torch.sqrt),
         ("log", {}, torch.log), ("sin", {}, torch.sin), ("cos", {}, torch.cos), ("reciprocal", {}, torch.reciprocal),
-        ("erf", {}, torch.erf),
+        ("erf", {}, torch.erf), ("floor", {}, torch.floor), ("ceil", {}, torch.ceil), ("trunc", {}, torch.trunc),
+        ("sign", {}, torch.sign),
     ]:
         x = _rand(4, 6).abs() + 0.5 if fn in ("rsqrt", "sqrt", "log", "reciprocal") else _rand(4, 6)
         x = x * 3 if fn in POINTWISE_FNS and x.min() < 0 else x  # across the kinks (ReLU6's 6, softplus's 1)
@@ -418,8 +422,8 @@ def test_every_kind_is_covered():
     documented = {"input", "constant", "conv2d", "conv1d", "conv_transpose2d", "linear", "matmul", "batchnorm",
                   "layernorm", "groupnorm", "rmsnorm", "embedding", "lstm", "gru", "rnn", "attention", "pool2d",
                   "upsample", "adaptive_pool2d", "elementwise", "binary", "reduce", "concat", "stack", "split",
-                  "slice", "reshape", "expand", "repeat", "transpose", "flip", "pad", "prelu", "softmax", "dropout",
-                  "loss", "opaque"}
+                  "slice", "reshape", "expand", "repeat", "transpose", "flip", "pad", "prelu", "softmax", "random",
+                  "dropout", "loss", "opaque"}
     assert set(REGISTRY) == documented
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():
@@ -612,6 +616,23 @@ def test_dropout_mask_is_the_same_for_every_split_and_changes_per_step():
     assert torch.equal(compute_part(op, ((0, 64), (0, 50)), [x], {}, training=False)[0], x)
     keep = dropout_keep(((0, 2),), (2,), p=0.0, seed=0, step=0)
     assert keep.all()
+
+
+def test_random_draws_are_uniform_the_same_for_every_split_and_the_references():
+    """A ``random`` op draws values in [0, 1) with mean about 1/2, the same for every split, new each step;
+    the verifying reference's ``torch.rand`` (`runtime.train`) draws the op of its seed's values."""
+    from runtime.train import _RuntimeDropout
+
+    op = Operator(name="draw", kind="random", inputs=(), outputs=(TensorSpec(shape=(64, 1, 50), dtype="float32"),),
+                  attrs={"seed": 1})
+    full = compute_part(op, full_box(dims_of(op)), [], {}, step=2)[0]
+    assert full.dtype == torch.float32 and 0 <= float(full.min()) and float(full.max()) < 1
+    assert abs(float(full.double().mean()) - 0.5) < 0.03
+    assert torch.equal(compute_part(op, ((8, 40), (0, 1), (10, 50)), [], {}, step=2)[0], full[8:40, :, 10:])
+    assert not torch.equal(compute_part(op, full_box(dims_of(op)), [], {}, step=3)[0], full)
+    with _RuntimeDropout(num_ops=0, masked=False, step=2, num_draws=2):
+        first, second = torch.rand(3), torch.rand((64, 1, 50))
+    assert first.shape == (3,) and torch.equal(second, full)
 
 
 def test_feature_dropout_keeps_or_drops_whole_channels():

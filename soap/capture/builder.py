@@ -121,6 +121,7 @@ class _Builder:
         self.frozen = {_model_fqn(name) for name, p in root.named_parameters(remove_duplicate=False)
                        if not p.requires_grad}
         self.num_dropouts = 0
+        self.num_draws = 0
         self.fused: dict[fx.Node, fx.Node] = {}
         self.fused_norms: dict[fx.Node, _Draft] = {}
         self.calls: dict[fx.Node, _Call] = {}

@@ -71,6 +71,7 @@ class _Context(Protocol):
     fused: dict[fx.Node, fx.Node]
     fused_norms: dict[fx.Node, _Draft]
     num_dropouts: int
+    num_draws: int
 
     def is_param(self, value: Any) -> bool: ...
 
@@ -753,6 +754,18 @@ def _dropout(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     if feature:
         attrs["feature"] = True
     return _Draft(kind="dropout", inputs=[x], attrs=attrs)
+
+
+@_maps("rand")
+def _rand(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """``torch.rand`` of a fixed shape (stochastic depth draws one value per sample): drawn as the runtime
+    draws it, so that any split draws the unsplit values and the verifying reference the same."""
+    val = call.node.meta["val"]
+    if not val.is_floating_point() or val.dim() < 1:
+        return None
+    seed = b.num_draws
+    b.num_draws += 1
+    return _Draft(kind="random", inputs=[], attrs={"seed": seed})
 
 
 @_maps("flip")
