@@ -669,11 +669,14 @@ class _RuntimeDropout:
         torch._VF.feature_dropout_ = self.feature_dropout_
         self.original_rand = torch.rand
         torch.rand = self.rand
+        self.original_bernoulli_ = torch.Tensor.bernoulli_
+        torch.Tensor.bernoulli_ = self.bernoulli_function()
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         torch.nn.functional.dropout = self.original
         del torch._VF.feature_dropout, torch._VF.feature_dropout_
         torch.rand = self.original_rand
+        torch.Tensor.bernoulli_ = self.original_bernoulli_
         if exc_type is None and self.draws != self.num_draws:
             raise ValueError(
                 f"verification cannot reproduce the random draws: the reference's forward called torch.rand "
@@ -701,12 +704,26 @@ class _RuntimeDropout:
         return input.copy_(out) if inplace else out
 
     def rand(self, *size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        """``torch.rand``: the n-th call's values are the ``random`` op of seed n's (`uniform_draws`)."""
+        """``torch.rand``: the n-th draw's values are the ``random`` op of seed n's (`uniform_draws`)."""
         shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], tuple | list | torch.Size) else size
         seed = self.draws
         self.draws += 1
         return uniform_draws(tuple((0, int(n)) for n in shape), [int(n) for n in shape], seed=seed, step=self.step,
                              dtype=dtype or torch.get_default_dtype(), device=device or "cpu")
+
+    def bernoulli_function(self) -> Callable[..., torch.Tensor]:
+        """``Tensor.bernoulli_`` with a float p (timm's drop path): floor(u + p) of the next draw u, as capture
+        writes it (`soap.capture.tracing`); a tensor of probabilities keeps torch's."""
+        original = self.original_bernoulli_
+
+        def bernoulli_(tensor: torch.Tensor, p: Any = 0.5, *, generator: Any = None) -> torch.Tensor:
+            if isinstance(p, torch.Tensor):
+                return original(tensor, p, generator=generator)
+            drawn = self.rand(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            with torch.no_grad():
+                return tensor.copy_(torch.floor(drawn + float(p)))
+
+        return bernoulli_
 
     def feature_dropout(self, input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return self.dropout(input, p, train, feature=True)

@@ -447,8 +447,8 @@ def bilinear_unet_build(batch: int) -> Workload:
 class VisionForms(nn.Module):
     """What vision models port from TensorFlow and ViT: "same" padding by an explicit pad before a strided
     convolution, a class token parameter expanded to the batch, a position bias table read through a constant
-    index (Swin's relative position bias), stochastic depth drawn by ``torch.rand``, and an in-place dropout
-    through a flatten view (MobileNetV2's classifier)."""
+    index (Swin's relative position bias), stochastic depth drawn by ``torch.rand`` (Hugging Face) and by
+    ``bernoulli_`` (timm), and an in-place dropout through a flatten view (MobileNetV2's classifier)."""
 
     def __init__(self):
         super().__init__()
@@ -469,6 +469,8 @@ class VisionForms(nn.Module):
         keep = torch.floor(0.8 + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device))
         tokens = tokens.div(0.8) * keep
         pooled = self.drop(torch.flatten(self.pool(h), 1))
+        # and as timm writes it
+        pooled = pooled * pooled.new_empty((x.shape[0], 1)).bernoulli_(0.75).div_(0.75)
         return self.fc(torch.cat([tokens.mean(1), pooled], 1))
 
 

@@ -52,11 +52,14 @@ its out-of-place form and, where it wrote through a chain of ``slice``, ``select
 scatters the new values back into the viewed tensor (``slice_scatter``, ...); through a view holding every
 element of its base once (a reshape, flatten, squeeze or permute: MobileNetV2's in-place dropout of a
 flattened tensor), the new values reshaped or permuted back are the base's (`_WHOLE_VIEWS`); later readers
-of the written tensor read the new value. So capture sees values, never aliases. A write through any other view, or a
-view taken before the write and read after it, is refused with a clear error rather than captured wrong.
-``detach_`` (an annotation on lifted constants) stays as it is. The model's buffers the forward writes, in
-place or by assignment, are listed in `_Traced.buffer_writes` for the builder to refuse (or keep, for
-BatchNorm): the rewrite gives later readers the new value within the step only.
+of the written tensor read the new value. ``bernoulli_(p)`` (timm's drop path, on a ``new_empty`` tensor)
+has no out-of-place overload: it becomes floor(u + p) of a ``rand`` u of the target's shape, 1 with
+probability p, which draws as ``torch.rand`` does (`_written_value`). So capture sees values, never
+aliases. A write through any other view, or a view taken before the write and read after it, is refused
+with a clear error rather than captured wrong. ``detach_`` (an annotation on lifted constants) stays as it
+is. The model's buffers the forward writes, in place or by assignment, are listed in
+`_Traced.buffer_writes` for the builder to refuse (or keep, for BatchNorm): the rewrite gives later
+readers the new value within the step only.
 
 Imports torch only; must not import the later capture stages (`grouping`, `mappers`, `builder`), the
 simulator, the search, the runtime or soapflow.
@@ -341,7 +344,22 @@ def _out_of_place(target: torch._ops.OpOverload) -> torch._ops.OpOverload:
 def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     """The node holding the values in-place `node` writes, and the last node inserted after `node` (or
     `node`): its out-of-place op, or for ``copy_`` (whose out-of-place ``copy`` has no derivative) the
-    source, cast to the target's dtype and expanded to its shape where they differ."""
+    source, cast to the target's dtype and expanded to its shape where they differ; for ``bernoulli_(p)``
+    (timm's drop path) floor(u + p) of a uniform draw u of the target's shape (``rand``), which is 1 with
+    probability p, so that it draws as ``torch.rand`` does (the ``random`` kind)."""
+    if node.target is torch.ops.aten.bernoulli_.float:
+        aten, val = torch.ops.aten, node.meta["val"]
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        steps = [(aten.rand.default, ([int(n) for n in val.shape],),
+                  {"dtype": val.dtype, "device": val.device, "pin_memory": False}),
+                 (aten.add.Tensor, (None, float(p)), {}), (aten.floor.default, (None,), {})]
+        last = node
+        for target, args, kwargs in steps:
+            with graph.inserting_after(last):
+                made = graph.call_function(target, tuple(last if a is None else a for a in args), kwargs)
+            made.meta = dict(node.meta)  # (every step has the target's shape and dtype)
+            last = made
+        return last, last
     if node.target is not torch.ops.aten.copy_.default:
         with graph.inserting_after(node):
             value = graph.call_function(_out_of_place(node.target), node.args, node.kwargs)
