@@ -256,13 +256,27 @@ def test_bidirectional_recurrences_run_one_op_per_layer_and_direction(cell, kind
     assert not [op.name for op in graph if op.kind == "opaque"]
 
 
-@pytest.mark.parametrize(("cell", "kw"), [
-    (nn.GRU, {"bias": False}), (nn.RNN, {"num_layers": 2, "dropout": 0.5}), (nn.LSTM, {"proj_size": 8}),
-    (nn.LSTM, {"bidirectional": True, "num_layers": 2, "dropout": 0.5}),
-], ids=["gru-no-bias", "rnn-dropout", "lstm-proj", "lstm-bidirectional-dropout"])
+@pytest.mark.parametrize(("cell", "kind", "kw", "layers"), [
+    (nn.RNN, "rnn", {"num_layers": 3}, 3), (nn.LSTM, "lstm", {"bidirectional": True, "num_layers": 2}, 4)])
+def test_dropout_between_layers_runs_layer_by_layer(cell, kind, kw, layers):
+    """In training, a stacked recurrence with dropout between its layers is one op per layer (and
+    direction) with a ``dropout`` op after each layer but the last; in evaluation it has no dropout (and is
+    one op where it is not bidirectional)."""
+    x, y = torch.randint(0, 50, (3, 7)), torch.randint(0, 50, (3, 7))
+    model = RecurrentLM(cell, dropout=0.4, **kw)
+    graph = capture(model, meta_like(x), meta_like(y), lm_loss)
+    assert [op.kind for op in graph if op.kind in (kind, "dropout")].count(kind) == layers
+    assert [op.attrs["p"] for op in graph if op.kind == "dropout"] == [0.4] * (kw["num_layers"] - 1)
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    graph = capture(model.eval(), meta_like(x), meta_like(y), lm_loss)
+    assert not [op for op in graph if op.kind == "dropout"] and [op.kind for op in graph].count(kind) == (
+        layers if kw.get("bidirectional") else 1)
+
+
+@pytest.mark.parametrize(("cell", "kw"), [(nn.GRU, {"bias": False}), (nn.LSTM, {"proj_size": 8})],
+                         ids=["gru-no-bias", "lstm-proj"])
 def test_recurrent_modules_outside_the_kinds_stay_opaque(cell, kw):
-    """What the recurrent kinds do not cover (no biases, dropout between layers in training, an LSTM's
-    projection) runs whole as an opaque op."""
+    """What the recurrent kinds do not cover (no biases, an LSTM's projection) runs whole as an opaque op."""
     model = RecurrentLM(cell, **kw)
     if kw.get("proj_size"):
         model.decoder = nn.Linear(kw["proj_size"], 50)

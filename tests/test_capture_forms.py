@@ -337,12 +337,13 @@ def test_embedding_bags_are_embeddings_then_reductions():
 
 
 def test_tagger_recurrences_and_loss():
-    """The bidirectional LSTM and GRU of the tagger are one recurrent op per layer and direction, nothing is
-    opaque, and its label-smoothed cross entropy ignoring id 0 is one ``loss`` op that counts the shifted
-    target's ids but the ignored ones (`runtime.kernels.counted_targets`)."""
+    """The bidirectional LSTM and GRU of the tagger are one recurrent op per layer and direction with a ``dropout``
+    op between the layers, nothing is opaque, and its label-smoothed cross entropy ignoring id 0 is one ``loss``
+    op that counts the shifted target's ids but the ignored ones (`runtime.kernels.counted_targets`)."""
     graph = rc.graph_of("tagger")
     assert not [op.name for op in graph if op.kind == "opaque"]
-    assert [op.kind for op in graph if op.kind in ("lstm", "gru")] == ["lstm"] * 4 + ["gru"] * 2
+    assert [op.kind for op in graph if op.kind in ("lstm", "gru")] == ["lstm"] * 4 + ["gru"] * 4
+    assert [op.attrs["p"] for op in graph if op.kind == "dropout"] == [0.25, 0.2]  # between the layers
     (loss,) = [op for op in graph if op.kind == "loss"]
     assert (loss.attrs["ignore_index"], loss.attrs["label_smoothing"], loss.attrs["reduction"]) == (0, 0.1, "mean")
     target = torch.tensor([[0, 1, 0, 2, 3, 0]] * 4)

@@ -34,6 +34,7 @@ from soap.capture.attention import captured_attention
 from soap.capture.builder import _Builder
 from soap.capture.fused import split_fused_linears
 from soap.capture.nodes import _dtype_name
+from soap.capture.recurrent import layered_recurrences
 from soap.capture.tracing import (
     LEAF_MODULES,
     ModelOutputError,
@@ -85,7 +86,7 @@ def capture(module: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], 
     with fake_mode:
         fake_inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors)
         fake_target = torch.empty(target.shape, dtype=target.dtype, device=device)
-    with _quiet(), torch.enable_grad(), captured_attention():
+    with _quiet(), torch.enable_grad(), captured_attention(), layered_recurrences():
         try:
             traced = _trace_export(wrapper, fake_inputs, fake_target)
         except ModelOutputError as error:

@@ -28,8 +28,13 @@ Recurrences batch first. A sequence-first ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` 
 ``batch_first=False``) runs batch first between two transposes that belong to the calling module, so that
 it maps to the recurrent kinds (batch first) instead of staying opaque (`_batch_first_recurrences`).
 
-Bidirectional recurrences. A bidirectional ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` (without dropout between
-layers in training) runs as one unidirectional recurrence per layer and direction: the reverse direction
+Dropout between layers. A stacked ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` with dropout between its layers
+computes layer by layer in training while capture traces (`soap.capture.recurrent`); what that forward
+makes besides the recurrences (the dropouts, the final states' concatenation) belongs to the calling
+module, so that each layer is a call of its own (`_recurrences_apart`).
+
+Bidirectional recurrences. A bidirectional ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` runs as one
+unidirectional recurrence per layer and direction: the reverse direction
 on the time-flipped input, its output flipped back (``flip`` ops), the two outputs concatenated for the
 next layer, the final states concatenated in torch's order (`_bidirectional_recurrences`). Each
 recurrence maps to a recurrent kind and splits by sample or runs in time chunks like any other.
@@ -61,8 +66,8 @@ is. The model's buffers the forward writes, in place or by assignment, are liste
 `_Traced.buffer_writes` for the builder to refuse (or keep, for BatchNorm): the rewrite gives later
 readers the new value within the step only.
 
-Imports torch only; must not import the later capture stages (`grouping`, `mappers`, `builder`), the
-simulator, the search, the runtime or soapflow.
+Imports torch and `recurrent` (the recurrent modules it rewrites); must not import the later capture stages
+(`grouping`, `mappers`, `builder`), the simulator, the search, the runtime or soapflow.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils import _pytree as pytree
+
+from soap.capture.recurrent import RECURRENT_MODULES
 
 LEAF_MODULES: tuple[type[nn.Module], ...] = (
     nn.Conv2d, nn.Conv1d, nn.ConvTranspose2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.RMSNorm,
@@ -385,6 +392,7 @@ def _rewrite_forms(graph: fx.Graph) -> None:
     """The rewrites that keep values and give the graph the forms capture's kinds split (the module
     docstring's pieces before permutes, recurrences batch first, pools in 2-D and bags as embeddings)."""
     _selects_first(graph)
+    _recurrences_apart(graph)
     _batch_first_recurrences(graph)
     _bidirectional_recurrences(graph)
     _written_out(graph)
@@ -499,6 +507,29 @@ class _Appender:
                     for a in args]
             self.cursor.meta = {"val": target(*vals, **kwargs), "nn_module_stack": module_stack}
         return self.cursor
+
+
+_RECURRENT_CLASSES = frozenset(f"{cls.__module__}.{cls.__qualname__}" for cls in RECURRENT_MODULES)
+
+
+def _recurrences_apart(graph: fx.Graph) -> None:
+    """Give the calling module, in place, every node a recurrent module's call makes besides its
+    recurrences, their outputs and the zero states they start from: the dropouts between the layers and
+    the final states' concatenation of a module run layer by layer (`soap.capture.recurrent`), so that
+    each layer's recurrence is one call of the module of its own."""
+    aten = torch.ops.aten
+    recurrent = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if node.op != "call_function" or not stack:
+            continue
+        cls = list(stack.values())[-1][1]
+        name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        if name not in _RECURRENT_CLASSES or node.target in recurrent or (
+                node.target is operator.getitem and node.args[0].target in recurrent) or (
+                node.target is aten.zeros.default and all(u.target in recurrent for u in node.users)):
+            continue
+        node.meta["nn_module_stack"] = dict(list(stack.items())[:-1])
 
 
 def _bidirectional_recurrences(graph: fx.Graph) -> None:
