@@ -141,7 +141,7 @@ class Executor:
                              "kernel has no float16 form); use bf16")
         self.where = "setup"
         self.step = 0
-        self.counted: dict[str, int] = {}  # per cross-entropy mean, its step's count (`run_step`)
+        self.counted: dict[str, int | float] = {}  # per cross-entropy mean, its step's count (`run_step`)
         self.num_forwards = 0
         self.distributed = plan.num_devices > 1
         self.log = CollectiveLog()

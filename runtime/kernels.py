@@ -44,7 +44,7 @@ class _Context:
     state: tuple[Tensor, ...] | None = None
     # a cross-entropy mean's count of the whole target's entries that are not ignored (`counted_targets`);
     # None: this part's own (right for a part holding the whole target)
-    counted: int | None = None
+    counted: int | float | None = None
     # the dtype of the values a kernel makes from nothing (``random``); None: the graph's
     dtype: torch.dtype | None = None
 
@@ -55,7 +55,7 @@ Kernel = Callable[[Operator, Box, Sequence[Tensor | None], Mapping[str, Tensor],
 
 def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
                  training: bool = True, buffers: Mapping[str, Tensor] | None = None,
-                 step: int = 0, check: bool = True, counted: int | None = None,
+                 step: int = 0, check: bool = True, counted: int | float | None = None,
                  dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
     """The outputs of part `box` of `op`, each shaped as `output_region(op, box, i)`.
 
@@ -78,7 +78,7 @@ def compute_part(op: Operator, box: Box, inputs: Sequence[Tensor | None], params
 def compute_chunk(op: Operator, box: Box, inputs: Sequence[Tensor | None], params: Mapping[str, Tensor], *,
                   state: Sequence[Tensor] | None = None, training: bool = True,
                   buffers: Mapping[str, Tensor] | None = None, step: int = 0, check: bool = True,
-                  counted: int | None = None, dtype: torch.dtype | None = None
+                  counted: int | float | None = None, dtype: torch.dtype | None = None
                   ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """`compute_part` of a chunk along the op's carried dim (`soap.opdef.DimSpec.carried`): it starts from
     `state`, the final state of the chunk before it (None: zeros), and returns (its outputs, its final
@@ -729,17 +729,18 @@ def _prelu(op, box, inputs, params, ctx):
 
 
 def _loss(op, box, inputs, params, ctx):
-    logits, target = inputs
+    logits, target, *weights = inputs
     a = op.attrs
     mean = a.get("reduction", "mean") == "mean"
     if a["fn"] == "cross_entropy":
         ignore = int(a.get("ignore_index", -100))
-        total = F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore,
+        weight = weights[0].detach().to(logits.dtype) if weights else None  # (torch takes no gradient for it)
+        total = F.cross_entropy(logits, target, weight=weight, reduction="sum", ignore_index=ignore,
                                 label_smoothing=float(a.get("label_smoothing") or 0.0))
         if mean:
             # every part divides by the count over the whole target, so the parts' values sum to the mean (a
             # Python number: a tensor divisor would be saved for the backward as well)
-            count = ctx.counted if ctx.counted is not None else int((target != ignore).sum())
+            count = ctx.counted if ctx.counted is not None else target_count(target, ignore, weight)
             total = total / count if count else total * math.nan  # nothing counted: nan, as in PyTorch
         return (total,)
     if a["fn"] != "mse":
@@ -751,12 +752,13 @@ def _loss(op, box, inputs, params, ctx):
     return (total,)
 
 
-def counted_targets(graph: OperatorGraph, op: Operator, whole: Mapping[str, Tensor], *, step: int = 0) -> int:
-    """How many entries of the whole target of the cross-entropy `loss` op `op` are not its `ignore_index`:
-    what its mean divides by (`soap.registry.counts_targets`). `whole`: the whole output of each `input`
-    and `constant` op by name (every rank holds the global batch). The ops between them and the target
-    (reshapes, the slice that shifts a language model's labels, ...) are computed whole here, on integer
-    ids; a target computed by an op with parameters, or an opaque one, is a `ValueError`."""
+def counted_targets(graph: OperatorGraph, op: Operator, whole: Mapping[str, Tensor], *,
+                    step: int = 0) -> int | float:
+    """How many entries of the whole target of the cross-entropy `loss` op `op` are not its `ignore_index` (with class
+    weights, the sum of their weights): what its mean divides by (`soap.registry.counts_targets`). `whole`: the
+    whole output of each `input` and `constant` op by name (every rank holds the global batch). The ops between them
+    and the target (reshapes, the slice that shifts a language model's labels, ...) are computed whole here, on
+    integer ids; a target computed by an op with parameters, or an opaque one, is a `ValueError`."""
     values: dict[str, tuple[Tensor, ...]] = {}
 
     def value(ref: TensorRef) -> Tensor:
@@ -775,7 +777,15 @@ def counted_targets(graph: OperatorGraph, op: Operator, whole: Mapping[str, Tens
             values[ref.op] = compute_part(producer, box, inputs, {}, step=step)
         return values[ref.op][ref.index]
 
-    return int((value(op.inputs[1]) != int(op.attrs.get("ignore_index", -100))).sum())
+    weight = value(op.inputs[2]) if len(op.inputs) > 2 else None
+    return target_count(value(op.inputs[1]), int(op.attrs.get("ignore_index", -100)), weight)
+
+
+def target_count(target: Tensor, ignore: int, weight: Tensor | None = None) -> int | float:
+    """What a cross-entropy mean over `target` divides by: its entries that are not `ignore`, or with class
+    weights the sum of their classes' weights."""
+    counted = target[target != ignore]
+    return int(counted.numel()) if weight is None else float(weight.double()[counted].sum())
 
 
 # The part kernel of each kind, by the name its `OpDef.kernel` gives (tests/test_op_kinds.py checks that the

@@ -1491,15 +1491,15 @@ class Dropout(_AxisOp):
 class Loss(OpDef):
     """The scalar mean (or sum, `reduction`) loss of logits against target. attrs: `fn`, `reduction`;
     for cross entropy `ignore_index` (-100 where absent: PyTorch's default) and `label_smoothing` (0 where
-    absent).
+    absent), and a third input, the class weights (C), where it has them (read whole by every part).
 
-    `cross_entropy`: logits (N, C, d2..), target (N, d2..) int64; `mse`: logits and target of one shape.
-    dims (none has an output axis: parts hold partial sums of the loss, each dividing by the full count):
-    `sample` (sample kind); `d1`.. (for mse) or `d2`.. (for cross entropy) attribute; `classes` (axis 1
-    of cross entropy) not splittable. The mean of cross entropy divides by the number of targets that are
-    not `ignore_index` (`counts_targets`), which only the whole target tells: that count is the data's,
-    handed to every part with the step's batch (as a data loader counts the tokens of a padded batch), not
-    a value the plan moves.
+    `cross_entropy`: logits (N, C, d2..), target (N, d2..) int64; `mse`: logits and target of one shape. dims (none
+    has an output axis: parts hold partial sums of the loss, each dividing by the full count): `sample` (sample
+    kind); `d1`.. (for mse) or `d2`.. (for cross entropy) attribute; `classes` (axis 1 of cross entropy) not
+    splittable. The mean of cross entropy divides by the number of targets that are not `ignore_index` (with class
+    weights, by the sum of their classes' weights: `counts_targets`), which only the whole target tells: that count
+    is the data's, handed to every part with the step's batch (as a data loader counts the tokens of a padded
+    batch), not a value the plan moves.
     """
 
     kind = "loss"
@@ -1529,6 +1529,8 @@ class Loss(OpDef):
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         target = tuple(box[:1]) + tuple(box[2:]) if op.attrs["fn"] == "cross_entropy" else tuple(box)
+        if len(op.inputs) > 2:  # the class weights, whole
+            return (tuple(box), target, ((0, input_shape(op, 2)[0]),))
         return (tuple(box), target)
 
     def flops(self, op: Operator) -> float:

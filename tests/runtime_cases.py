@@ -381,8 +381,10 @@ class Tagger(nn.Module):
 
 def tagger_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Each position predicts the next tag: the logits but the last against the tags but the first, id 0
-    ignored (padding), smoothed labels."""
-    return F.cross_entropy(logits[:, :-1].transpose(1, 2), target[:, 1:], ignore_index=0, label_smoothing=0.1)
+    ignored (padding), smoothed labels, weighted classes."""
+    weight = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.5], dtype=logits.dtype, device=logits.device)
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), target[:, 1:], weight=weight, ignore_index=0,
+                           label_smoothing=0.1)
 
 
 def tagger_build(batch: int) -> Workload:

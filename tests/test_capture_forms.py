@@ -349,7 +349,10 @@ def test_tagger_recurrences_and_loss():
     target = torch.tensor([[0, 1, 0, 2, 3, 0]] * 4)
     whole = {op.name: target if op.attrs["role"] == "target" else torch.zeros(4, 6, dtype=torch.long)
              for op in graph if op.kind == "input"}
-    assert counted_targets(graph, loss, whole) == 4 * 3  # ids 1..5 of each row: 1, 0, 2, 3, 0
+    assert graph[loss.inputs[2].op].kind == "constant"  # the class weights
+    whole[loss.inputs[2].op] = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.5])
+    # ids 1..5 of each row, 1, 0, 2, 3, 0, count their weights: 2.0 + 0.5 + 1.0
+    assert counted_targets(graph, loss, whole) == 4 * 3.5
 
 
 def test_gated_and_shuffled_convolutions_and_bilinear_upsampling():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.kernels import compute_chunk, compute_part, dropout_keep, run_opaque
+from runtime.kernels import compute_chunk, compute_part, dropout_keep, run_opaque, target_count
 from soap.config import ConfigError, ParallelConfig, parts, validate
 from soap.graph import DTYPE_BYTES, Operator, OperatorGraph, ParamSpec, TensorRef, TensorSpec
 from soap.opdef import Box, Region, carry_sources, full_box
@@ -373,6 +373,11 @@ def _cases() -> list[Case]:
         Case(id="loss-cross_entropy-ignored-smoothed", kind="loss", inputs=(_rand(4, 5, 6), _ignoring(5, 4, 6)),
              attrs={"fn": "cross_entropy", "reduction": "mean", "ignore_index": -100, "label_smoothing": 0.1},
              reference=lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1)),
+        # class weights: the mean divides by the sum of the counted targets' weights
+        Case(id="loss-cross_entropy-weighted", kind="loss",
+             inputs=(_rand(4, 5, 6), _ignoring(5, 4, 6), _rand(5, seed=4).abs() + 0.5),
+             attrs={"fn": "cross_entropy", "reduction": "mean", "label_smoothing": 0.1},
+             reference=lambda x, t, w: F.cross_entropy(x, t, weight=w.detach(), label_smoothing=0.1)),
         Case(id="loss-cross_entropy-ignore-3-sum", kind="loss", inputs=(_rand(8, 5), _ints(5, 8)),
              attrs={"fn": "cross_entropy", "reduction": "sum", "ignore_index": 3, "label_smoothing": 0.0},
              reference=lambda x, t: F.cross_entropy(x, t, ignore_index=3, reduction="sum")),
@@ -505,7 +510,8 @@ def _stitch(case: Case, op: Operator, boxes: list[Box], inputs, params, buffers)
     entry = op_def(op.kind)
     outs = [torch.zeros(spec.shape, dtype=DTYPE) for spec in op.outputs]
     # a cross-entropy mean's parts divide by the count over the whole target, which the runtime hands them
-    counted = int((inputs[1] != op.attrs.get("ignore_index", -100)).sum()) if counts_targets(op) else None
+    counted = target_count(inputs[1].detach(), int(op.attrs.get("ignore_index", -100)),
+                           inputs[2].detach() if len(inputs) > 2 else None) if counts_targets(op) else None
     for box in boxes:
         regions = entry.input_regions(op, box)
         assert len(regions) == len(inputs)

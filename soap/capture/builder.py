@@ -386,7 +386,7 @@ class _Builder:
             if (la is not None and _aten_name(logp) in ("log_softmax", "_log_softmax")
                     and len(logp.users) == 1 and _shape(logp) is not None and len(_shape(logp)) == 2
                     and la["dim"] in (1, -1) and la.get("dtype") is None
-                    and a["weight"] is None and a["reduction"] in (1, 2)):
+                    and a["reduction"] in (1, 2)):
                 self.fused[node] = logp.args[0]
                 skipped.add(logp)
         return skipped

@@ -12,7 +12,7 @@ Parameters an op reads become its `params` under their local names (``weight``, 
 it is in (training by default): a batch norm in eval mode is opaque, a dropout in eval mode has ``p`` 0.
 
 Loss. The loss function runs inside the traced wrapper, so its ops are in the graph after the model's.
-``aten.cross_entropy_loss`` (any ``ignore_index`` and ``label_smoothing``; no class weights) and
+``aten.cross_entropy_loss`` (any ``ignore_index``, ``label_smoothing`` and class weights) and
 ``aten.mse_loss`` with mean or sum reduction (and ``log_softmax`` followed by ``nll_loss``, which the
 builder fuses) become one op of kind ``loss`` named ``loss``; any other op of the
 loss function is named ``loss.<aten op name>`` (the reshapes of ``lm_cross_entropy`` are ``loss.reshape``
@@ -833,16 +833,20 @@ def _attention(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
 _REDUCTIONS = {1: "mean", 2: "sum"}
 
 
-def _loss(b: _Context, fn: str, logits: Any, target: Any, reduction: int, **attrs: Any) -> _Draft | None:
+def _loss(b: _Context, fn: str, logits: Any, target: Any, reduction: int, weight: Any = None,
+          **attrs: Any) -> _Draft | None:
     if not (b.is_act(logits) and b.is_act(target)) or reduction not in _REDUCTIONS:
         return None
     sl, st = _shape(logits), _shape(target)
     lt, tt = logits.meta["val"], target.meta["val"]
     if fn == "cross_entropy":
         ok = len(sl) >= 2 and st == sl[:1] + sl[2:] and lt.is_floating_point() and tt.dtype == torch.int64
+        # class weights: a tensor the graph computes or holds (a buffer), one per class
+        ok = ok and (weight is None or (b.is_act(weight) and _shape(weight) == sl[1:2]))
     else:
         ok = sl == st and len(sl) >= 1 and lt.is_floating_point() and tt.is_floating_point()
-    return _Draft(kind="loss", inputs=[logits, target],
+    inputs = [logits, target] + ([] if weight is None else [weight])
+    return _Draft(kind="loss", inputs=inputs,
                   attrs={"fn": fn, "reduction": _REDUCTIONS[reduction], **attrs}) if ok else None
 
 
@@ -858,9 +862,7 @@ def _cross_entropy_attrs(ignore_index: int, label_smoothing: float) -> dict[str,
 
 @_maps("cross_entropy_loss")
 def _cross_entropy(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
-    if a["weight"] is not None:
-        return None  # class weights: the loss runs as PyTorch writes it
-    return _loss(b, "cross_entropy", a["self"], a["target"], a["reduction"],
+    return _loss(b, "cross_entropy", a["self"], a["target"], a["reduction"], a["weight"],
                  **_cross_entropy_attrs(a["ignore_index"], a["label_smoothing"]))
 
 
@@ -869,7 +871,7 @@ def _nll_loss(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     logits = b.fused.get(call.node)
     if logits is None:
         return None
-    return _loss(b, "cross_entropy", logits, a["target"], a["reduction"],
+    return _loss(b, "cross_entropy", logits, a["target"], a["reduction"], a["weight"],
                  **_cross_entropy_attrs(a["ignore_index"], 0.0))
 
 
