@@ -671,7 +671,9 @@ def uniform_draws(region: Region, shape: Sequence[int], *, seed: int, step: int,
     reference's ``torch.rand``): a hash of each element's global index, the seed and the step, so every
     split draws the same values."""
     h = _hashed(region, shape, 0x2545F491, seed, step, device)
-    return (h.to(torch.float64) / 2**32).to(dtype)
+    # as many bits as the dtype holds exactly (its significand's), so that no value rounds up to 1
+    bits = min(32, 1 - round(math.log2(torch.finfo(dtype).eps)))
+    return ((h >> (32 - bits)).to(torch.float64) / 2**bits).to(dtype)
 
 
 def dropped(x: Tensor, region: Region, shape: Sequence[int], *, p: float, seed: int, step: int,

@@ -88,6 +88,11 @@ from torch.utils import _pytree as pytree
 
 from soap.capture.recurrent import RECURRENT_MODULES
 
+# the aten recurrences of the recurrent modules, and those modules' qualified names (as module stacks hold them)
+_RECURRENT_OPS = (torch.ops.aten.lstm.input, torch.ops.aten.gru.input, torch.ops.aten.rnn_tanh.input,
+                  torch.ops.aten.rnn_relu.input)
+_RECURRENT_CLASSES = frozenset(f"{cls.__module__}.{cls.__qualname__}" for cls in RECURRENT_MODULES)
+
 LEAF_MODULES: tuple[type[nn.Module], ...] = (
     nn.Conv2d, nn.Conv1d, nn.ConvTranspose2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.RMSNorm,
     nn.Embedding, nn.LSTM, nn.GRU, nn.RNN, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
@@ -390,7 +395,8 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
 
 def _rewrite_forms(graph: fx.Graph) -> None:
     """The rewrites that keep values and give the graph the forms capture's kinds split (the module
-    docstring's pieces before permutes, recurrences batch first, pools in 2-D and bags as embeddings)."""
+    docstring's pieces before permutes, recurrences apart, batch first and one direction at a time, what is
+    written out, pools in 2-D and bags as embeddings)."""
     _selects_first(graph)
     _recurrences_apart(graph)
     _batch_first_recurrences(graph)
@@ -452,8 +458,7 @@ def _batch_first_recurrences(graph: fx.Graph) -> None:
     """Rewrite, in place, each sequence-first ``lstm``, ``gru``, ``rnn_tanh`` or ``rnn_relu`` (PyTorch's
     default layout, (time, batch, features)) into a batch-first one between two transposes (the module
     docstring's rule); the transposes belong to the module that called the recurrent module."""
-    aten = torch.ops.aten
-    recurrent = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+    aten, recurrent = torch.ops.aten, _RECURRENT_OPS
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in recurrent or len(node.args) != 9 or node.args[8]:
             continue
@@ -509,7 +514,6 @@ class _Appender:
         return self.cursor
 
 
-_RECURRENT_CLASSES = frozenset(f"{cls.__module__}.{cls.__qualname__}" for cls in RECURRENT_MODULES)
 
 
 def _recurrences_apart(graph: fx.Graph) -> None:
@@ -517,8 +521,7 @@ def _recurrences_apart(graph: fx.Graph) -> None:
     recurrences, their outputs and the zero states they start from: the dropouts between the layers and
     the final states' concatenation of a module run layer by layer (`soap.capture.recurrent`), so that
     each layer's recurrence is one call of the module of its own."""
-    aten = torch.ops.aten
-    recurrent = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+    aten, recurrent = torch.ops.aten, _RECURRENT_OPS
     for node in graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if node.op != "call_function" or not stack:
@@ -539,8 +542,7 @@ def _bidirectional_recurrences(graph: fx.Graph) -> None:
     outputs are concatenated for the next layer, and the final states are the concatenation of each
     one's. The recurrences stay the module's (each from its own zero states); flips and concatenations
     belong to the calling module, so each recurrence is one call of the module."""
-    aten = torch.ops.aten
-    recurrent = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+    aten, recurrent = torch.ops.aten, _RECURRENT_OPS
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in recurrent or len(node.args) != 9:
             continue
