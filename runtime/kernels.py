@@ -676,6 +676,16 @@ def uniform_draws(region: Region, shape: Sequence[int], *, seed: int, step: int,
     return ((h >> (32 - bits)).to(torch.float64) / 2**bits).to(dtype)
 
 
+def normal_draws(region: Region, shape: Sequence[int], *, seed: int, step: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> Tensor:
+    """Standard normal values of `region` of a tensor of `shape` (the ``random`` kind with `normal`, and the
+    verifying reference's ``torch.randn``): the Box-Muller transform of two hashes of each element's global
+    index, the seed and the step, so every split draws the same values."""
+    u1 = 1.0 - _hashed(region, shape, 0x7F4A7C15, seed, step, device).to(torch.float64) / 2**32  # in (0, 1]
+    u2 = _hashed(region, shape, 0x1B873593, seed, step, device).to(torch.float64) / 2**32
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).to(dtype)
+
+
 def dropped(x: Tensor, region: Region, shape: Sequence[int], *, p: float, seed: int, step: int,
             feature: bool = False) -> Tensor:
     """`x`, the `region` of a tensor of `shape`, with dropout `p` > 0 applied as `dropout_keep` draws it
@@ -701,8 +711,9 @@ def _dropout(op, box, inputs, params, ctx):
 
 def _random(op, box, inputs, params, ctx):
     spec = op.outputs[0]
-    return (uniform_draws(tuple(box), spec.shape, seed=int(op.attrs.get("seed") or 0), step=ctx.step,
-                          dtype=ctx.dtype or getattr(torch, spec.dtype)),)
+    draw = normal_draws if op.attrs.get("normal") else uniform_draws
+    return (draw(tuple(box), spec.shape, seed=int(op.attrs.get("seed") or 0), step=ctx.step,
+                 dtype=ctx.dtype or getattr(torch, spec.dtype)),)
 
 
 def _flip(op, box, inputs, params, ctx):

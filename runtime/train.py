@@ -59,7 +59,7 @@ from runtime.checkpoint import (
     saved_tensors,
 )
 from runtime.executor import TORCH_DTYPES, ExecutionError, Executor, as_slices, pieces_needed
-from runtime.kernels import dropped, uniform_draws
+from runtime.kernels import dropped, normal_draws, uniform_draws
 from runtime.launch import rank_device
 from runtime.materialize import MaterializeError, install_buffers, record, replay
 from soap.capture.attention import captured_attention
@@ -647,8 +647,9 @@ class _RuntimeDropout:
     `runtime.kernels.dropout_keep` of the whole tensor (of its (sample, channel) index, for a feature
     dropout) with seed n and `step`, scaled by 1/(1-p); with p = 0 or outside training it is the identity.
     A dropout of a parameter is no ``dropout`` op (capture leaves it opaque): it keeps torch's. Likewise the
-    n-th ``torch.rand`` draws the values of the ``random`` op of seed n (`uniform_draws`: stochastic depth),
-    and a count of draws other than `num_draws` is a `ValueError` on leaving. On leaving,
+    n-th draw (``torch.rand``, ``torch.randn``, their ``_like`` forms, ``Tensor.bernoulli_`` with a float p)
+    draws the values of the ``random`` op of seed n (`uniform_draws`, `normal_draws`: stochastic depth, a
+    VAE's noise), and a count of draws other than `num_draws` is a `ValueError` on leaving. On leaving,
     the original is back; where some mask mattered (a call of this forward drew one, or `masked`: a graph
     ``dropout`` op has p > 0), a count of calls other than `num_ops` (the graph's ``dropout`` ops) is a
     `ValueError`: the masks could not be matched, and comparing would report a false mismatch."""
@@ -668,21 +669,23 @@ class _RuntimeDropout:
         # resolve on lookup: set here, they are taken away again on leaving)
         torch._VF.feature_dropout = self.feature_dropout
         torch._VF.feature_dropout_ = self.feature_dropout_
-        self.original_rand = torch.rand
-        torch.rand = self.rand
+        self.original_draws = (torch.rand, torch.randn, torch.rand_like, torch.randn_like)
+        torch.rand, torch.randn = self.rand, self.randn
+        torch.rand_like, torch.randn_like = self.rand_like, self.randn_like
         self.original_bernoulli_ = torch.Tensor.bernoulli_
         torch.Tensor.bernoulli_ = self.bernoulli_function()
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         torch.nn.functional.dropout = self.original
         del torch._VF.feature_dropout, torch._VF.feature_dropout_
-        torch.rand = self.original_rand
+        torch.rand, torch.randn, torch.rand_like, torch.randn_like = self.original_draws
         torch.Tensor.bernoulli_ = self.original_bernoulli_
         if exc_type is None and self.draws != self.num_draws:
             raise ValueError(
-                f"verification cannot reproduce the random draws: the reference's forward called torch.rand "
-                f"{self.draws} times where the graph has {self.num_draws} random ops (a draw capture left "
-                f"opaque, or one made another way); verify without stochastic depth (drop path rate 0)")
+                f"verification cannot reproduce the random draws: the reference's forward drew {self.draws} times "
+                f"(torch.rand, torch.randn and their _like forms, Tensor.bernoulli_) where the graph has "
+                f"{self.num_draws} random ops (a draw capture left opaque, or one made another way); verify "
+                f"without the draws (a drop path rate of 0, say)")
         if exc_type is None and self.masked and self.calls != self.num_ops:
             raise ValueError(
                 f"verification cannot reproduce the dropout masks: the reference's forward called "
@@ -704,13 +707,25 @@ class _RuntimeDropout:
                       feature=feature)
         return input.copy_(out) if inplace else out
 
-    def rand(self, *size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        """``torch.rand``: the n-th draw's values are the ``random`` op of seed n's (`uniform_draws`)."""
+    def rand(self, *size: Any, dtype: torch.dtype | None = None, device: Any = None, normal: bool = False,
+             **kwargs: Any) -> torch.Tensor:
+        """``torch.rand`` (``torch.randn`` with `normal`): the n-th draw's values are the ``random`` op of
+        seed n's (`uniform_draws`, `normal_draws`)."""
         shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], tuple | list | torch.Size) else size
         seed = self.draws
         self.draws += 1
-        return uniform_draws(tuple((0, int(n)) for n in shape), [int(n) for n in shape], seed=seed, step=self.step,
-                             dtype=dtype or torch.get_default_dtype(), device=device or "cpu")
+        draw = normal_draws if normal else uniform_draws
+        return draw(tuple((0, int(n)) for n in shape), [int(n) for n in shape], seed=seed, step=self.step,
+                    dtype=dtype or torch.get_default_dtype(), device=device or "cpu")
+
+    def randn(self, *size: Any, **kwargs: Any) -> torch.Tensor:
+        return self.rand(*size, normal=True, **kwargs)
+
+    def rand_like(self, like: torch.Tensor, *, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+        return self.rand(tuple(like.shape), dtype=dtype or like.dtype, device=like.device)
+
+    def randn_like(self, like: torch.Tensor, *, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+        return self.rand(tuple(like.shape), dtype=dtype or like.dtype, device=like.device, normal=True)
 
     def bernoulli_function(self) -> Callable[..., torch.Tensor]:
         """``Tensor.bernoulli_`` with a float p (timm's drop path): floor(u + p) of the next draw u, as capture

@@ -1442,14 +1442,15 @@ class Softmax(_AxisOp):
 
 class Random(OpDef):
     """y = uniform draws in [0, 1) of the output's shape (``torch.rand``: stochastic depth's per-sample
-    draw); attr `seed`. Reads nothing.
+    draw), or standard normal ones with `normal` (``torch.randn``: a VAE's reparameterization); attr
+    `seed`. Reads nothing.
 
     dims: `sample`, `d1`.. all splittable: each value is a hash of its global index, the seed and the
     training step (`runtime.kernels.uniform_draws`), so any split draws the unsplit values.
     """
 
     kind = "random"
-    captured_from = ("rand",)
+    captured_from = ("rand", "randn", "rand_like", "randn_like")
     kernel = "random"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:

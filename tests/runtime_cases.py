@@ -450,7 +450,8 @@ class VisionForms(nn.Module):
     """What vision models port from TensorFlow and ViT: "same" padding by an explicit pad before a strided
     convolution, a class token parameter expanded to the batch, a position bias table read through a constant
     index (Swin's relative position bias), stochastic depth drawn by ``torch.rand`` (Hugging Face) and by
-    ``bernoulli_`` (timm), and an in-place dropout through a flatten view (MobileNetV2's classifier)."""
+    ``bernoulli_`` (timm), normal noise by ``torch.randn_like``, and an in-place dropout through a flatten view
+    (MobileNetV2's classifier)."""
 
     def __init__(self):
         super().__init__()
@@ -470,6 +471,8 @@ class VisionForms(nn.Module):
         # stochastic depth as Hugging Face writes it: one draw per sample
         keep = torch.floor(0.8 + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device))
         tokens = tokens.div(0.8) * keep
+        # noise as a VAE's reparameterization draws it
+        tokens = tokens + 0.1 * torch.randn_like(tokens)
         pooled = self.drop(torch.flatten(self.pool(h), 1))
         # and as timm writes it
         pooled = pooled * pooled.new_empty((x.shape[0], 1)).bernoulli_(0.75).div_(0.75)

@@ -375,8 +375,8 @@ def test_gated_and_shuffled_convolutions_and_bilinear_upsampling():
 def test_vision_forms_pad_expand_a_parameter_and_look_up_a_table():
     """An explicit pad is a ``pad`` op, the class token's expand an ``expand`` op holding the parameter, the
     table read by a constant index an ``embedding`` op, the stochastic depths' ``torch.rand`` and
-    ``bernoulli_`` each a ``random`` op (then a floor), and the in-place dropout through a flatten a
-    ``dropout`` op reading the flatten: nothing opaque."""
+    ``bernoulli_`` each a ``random`` op (then a floor), the noise's ``randn_like`` a normal ``random`` op,
+    and the in-place dropout through a flatten a ``dropout`` op reading the flatten: nothing opaque."""
     graph = rc.graph_of("vision")
     assert not [op.name for op in graph if op.kind == "opaque"]
     assert [tuple(op.attrs["pad"]) for op in graph if op.kind == "pad"] == [(0, 1, 0, 1)]
@@ -386,8 +386,8 @@ def test_vision_forms_pad_expand_a_parameter_and_look_up_a_table():
     assert lookup.params["weight"].fqn == "table" and graph[lookup.inputs[0].op].kind == "constant"
     (drop,) = [op for op in graph if op.kind == "dropout"]
     assert graph[drop.inputs[0].op].kind == "reshape" and drop.attrs["p"] == 0.1
-    assert [(op.outputs[0].shape, op.attrs["seed"]) for op in graph if op.kind == "random"] == [
-        ((4, 1, 1), 0), ((4, 1), 1)]
+    assert [(op.outputs[0].shape, op.attrs["seed"], op.attrs.get("normal")) for op in graph if op.kind == "random"] == [
+        ((4, 1, 1), 0, None), ((4, 17, 8), 1, True), ((4, 1), 2, None)]
     assert [op.attrs["fn"] for op in graph if op.kind == "elementwise" and op.attrs["fn"] == "floor"] == ["floor"] * 2
     assert graph.num_params == sum(p.numel() for p in rc.VisionForms().parameters())
 

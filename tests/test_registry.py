@@ -356,6 +356,8 @@ def _cases() -> list[Case]:
         Case(id="pad-crop", kind="pad", inputs=(_rand(3, 6, 5),), attrs={"pad": [-1, 4, 2, -2], "value": None},
              reference=lambda x: F.pad(x, [-1, 4, 2, -2])),
         Case(id="random", kind="random", inputs=(), attrs={"seed": 3}, like=torch.empty(4, 3, 5, dtype=DTYPE)),
+        Case(id="random-normal", kind="random", inputs=(), attrs={"seed": 3, "normal": True},
+             like=torch.empty(4, 3, 5, dtype=DTYPE)),
         Case(id="flip", kind="flip", inputs=(_rand(4, 6, 5),), attrs={"axes": [1, 2]},
              reference=lambda x: x.flip([1, 2])),
         Case(id="prelu", kind="prelu", inputs=(_rand(4, 6, 3, 2),), params={"weight": _rand(6, seed=2)},
@@ -625,8 +627,9 @@ def test_dropout_mask_is_the_same_for_every_split_and_changes_per_step():
 
 
 def test_random_draws_are_uniform_the_same_for_every_split_and_the_references():
-    """A ``random`` op draws values in [0, 1) with mean about 1/2, the same for every split, new each step;
-    the verifying reference's ``torch.rand`` (`runtime.train`) draws the op of its seed's values."""
+    """A ``random`` op draws values in [0, 1) with mean about 1/2 (standard normal ones with ``normal``),
+    the same for every split, new each step; the verifying reference's ``torch.rand`` and ``torch.randn_like``
+    (`runtime.train`) draw the values of the op of their seed."""
     from runtime.train import _RuntimeDropout
 
     op = Operator(name="draw", kind="random", inputs=(), outputs=(TensorSpec(shape=(64, 1, 50), dtype="float32"),),
@@ -636,9 +639,13 @@ def test_random_draws_are_uniform_the_same_for_every_split_and_the_references():
     assert abs(float(full.double().mean()) - 0.5) < 0.03
     assert torch.equal(compute_part(op, ((8, 40), (0, 1), (10, 50)), [], {}, step=2)[0], full[8:40, :, 10:])
     assert not torch.equal(compute_part(op, full_box(dims_of(op)), [], {}, step=3)[0], full)
-    with _RuntimeDropout(num_ops=0, masked=False, step=2, num_draws=2):
-        first, second = torch.rand(3), torch.rand((64, 1, 50))
-    assert first.shape == (3,) and torch.equal(second, full)
+    normal = Operator(name="noise", kind="random", inputs=(),
+                      outputs=(TensorSpec(shape=(64, 1, 50), dtype="float32"),), attrs={"seed": 2, "normal": True})
+    noise = compute_part(normal, full_box(dims_of(normal)), [], {}, step=2)[0]
+    assert abs(float(noise.double().mean())) < 0.05 and abs(float(noise.double().std()) - 1) < 0.05
+    with _RuntimeDropout(num_ops=0, masked=False, step=2, num_draws=3):
+        first, second, third = torch.rand(3), torch.rand((64, 1, 50)), torch.randn_like(full)
+    assert first.shape == (3,) and torch.equal(second, full) and torch.equal(third, noise)
 
 
 def test_feature_dropout_keeps_or_drops_whole_channels():

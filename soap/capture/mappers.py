@@ -756,16 +756,21 @@ def _dropout(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return _Draft(kind="dropout", inputs=[x], attrs=attrs)
 
 
-@_maps("rand")
+@_maps("rand", "randn", "rand_like", "randn_like")
 def _rand(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
-    """``torch.rand`` of a fixed shape (stochastic depth draws one value per sample): drawn as the runtime
-    draws it, so that any split draws the unsplit values and the verifying reference the same."""
+    """``torch.rand`` and ``torch.randn`` of a fixed shape, or like a tensor (stochastic depth draws one
+    value per sample; a VAE's reparameterization ``randn_like(std)``): drawn as the runtime draws it, so
+    that any split draws the unsplit values and the verifying reference the same. A ``_like`` draw reads
+    only its tensor's shape: the op has no input."""
     val = call.node.meta["val"]
     if not val.is_floating_point() or val.dim() < 1:
         return None
     seed = b.num_draws
     b.num_draws += 1
-    return _Draft(kind="random", inputs=[], attrs={"seed": seed})
+    attrs: dict[str, Any] = {"seed": seed}
+    if _aten_name(call.node).startswith("randn"):
+        attrs["normal"] = True
+    return _Draft(kind="random", inputs=[], attrs=attrs)
 
 
 @_maps("flip")
