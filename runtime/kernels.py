@@ -570,6 +570,8 @@ def _binary(op, box, inputs, params, ctx):
     if fn == "masked_fill":
         # masked_fill broadcasts the mask to a only; the registry's regions broadcast both ways
         return (torch.where(b, torch.as_tensor(op.attrs["value"], dtype=a.dtype, device=a.device), a),)
+    if fn in ("maximum", "minimum"):
+        return ((torch.maximum if fn == "maximum" else torch.minimum)(a, b),)
     if fn == "where":
         return (torch.where(b, a, torch.as_tensor(op.attrs["value"], dtype=a.dtype, device=a.device)),)
     raise ValueError(f"op {op.name!r}: unknown binary fn {fn!r}")
@@ -578,11 +580,26 @@ def _binary(op, box, inputs, params, ctx):
 def _reduce(op, box, inputs, params, ctx):
     entry = op_def(op.kind)
     axes = entry.reduce_axes(op)
-    y = torch.sum(inputs[0], dim=axes, keepdim=bool(op.attrs.get("keepdim", False)))
-    if op.attrs.get("fn", "sum") == "mean":
-        shape = input_shape(op, 0)
-        y = y / math.prod(shape[a] for a in axes)
-    return (y,)
+    x, keepdim, fn = inputs[0], bool(op.attrs.get("keepdim", False)), op.attrs.get("fn", "sum")
+    if fn in ("sum", "mean"):
+        y = torch.sum(x, dim=axes, keepdim=keepdim)
+        if fn == "mean":
+            shape = input_shape(op, 0)
+            y = y / math.prod(shape[a] for a in axes)
+        return (y,)
+    if fn in ("max", "min"):  # the values along one axis (their gradient goes to the index torch picks)
+        (axis,) = axes
+        return ((torch.max if fn == "max" else torch.min)(x, dim=axis, keepdim=keepdim).values,)
+    if fn in ("amax", "amin"):
+        return ((torch.amax if fn == "amax" else torch.amin)(x, dim=axes, keepdim=keepdim),)
+    if fn == "norm":
+        return (torch.linalg.vector_norm(x, ord=float(op.attrs.get("ord", 2.0)), dim=axes, keepdim=keepdim),)
+    if fn in ("var", "std"):
+        return ((torch.var if fn == "var" else torch.std)(x, dim=axes, correction=op.attrs.get("correction", 1.0),
+                                                           keepdim=keepdim),)
+    if fn == "logsumexp":
+        return (torch.logsumexp(x, dim=axes, keepdim=keepdim),)
+    raise ValueError(f"op {op.name!r}: unknown reduce fn {fn!r}")
 
 
 def _concat(op, box, inputs, params, ctx):

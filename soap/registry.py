@@ -915,7 +915,8 @@ POINTWISE_FNS: dict[str, tuple[str, ...]] = {
     "leaky_relu": ("negative_slope",), "hardtanh": ("min_val", "max_val"), "elu": ("alpha", "scale", "input_scale"),
     "celu": ("alpha",), "softplus": ("beta", "threshold"), "selu": (), "mish": (), "hardswish": (),
     "hardsigmoid": (), "abs": (), "sqrt": (), "log": (), "sin": (), "cos": (), "reciprocal": (), "erf": (),
-    "floor": (), "ceil": (), "trunc": (), "sign": (),
+    "floor": (), "ceil": (), "trunc": (), "sign": (), "square": (), "clamp": ("min", "max"), "clamp_min": ("min",),
+    "clamp_max": ("max",),
 }
 
 
@@ -963,15 +964,15 @@ class PReLU(_AxisOp):
 
 
 class Binary(OpDef):
-    """y = fn(a, b) with broadcasting. attrs: `fn` in add, sub, mul, div, masked_fill (`value` where the bool
-    mask b is true, a elsewhere), where (a where b is true, `value` elsewhere), `param_operand` (0 or 1)
-    when one operand is the parameter `other` (the op then has one tensor input).
+    """y = fn(a, b) with broadcasting. attrs: `fn` in add, sub, mul, div, maximum, minimum, masked_fill
+    (`value` where the bool mask b is true, a elsewhere), where (a where b is true, `value` elsewhere);
+    `param_operand` (0 or 1) when one operand is the parameter `other` (the op then has one tensor input).
 
     dims: the output axes `sample`, `d1`.., all splittable; an operand's broadcast axes are read whole.
     """
 
     kind = "binary"
-    captured_from = ("add", "sub", "mul", "div", "rsub", "masked_fill", "where")
+    captured_from = ("add", "sub", "mul", "div", "rsub", "maximum", "minimum", "masked_fill", "where")
     kernel = "binary"
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
@@ -988,15 +989,18 @@ class Binary(OpDef):
 
 
 class Reduce(OpDef):
-    """y = sum or mean of x over `axes` (empty = all axes), keeping them as size 1 when `keepdim`.
+    """y = `fn` of x over `axes` (empty = all axes), keeping them as size 1 when `keepdim`: `fn` in sum,
+    mean, amax, amin, max and min (the values along one axis), norm (the vector norm of order `ord`), var
+    and std (with `correction`), logsumexp.
 
     dims, named by input axis: axis 0 is `sample` (kind sample), the other kept axes `d{axis}`
-    (attribute), the other reduced axes `r{axis}` (reduction). A reduced dim has no output axis: a part
-    covering part of it holds partial sums, and for a mean every part divides by the full count.
+    (attribute), the other reduced axes `r{axis}` (reduction). A reduced dim has no output axis: for sum
+    and mean a part covering part of it holds partial sums (for a mean every part divides by the full
+    count); for the other fns it is not splittable (their parts do not add up).
     """
 
     kind = "reduce"
-    captured_from = ("mean", "sum")
+    captured_from = ("mean", "sum", "amax", "amin", "max", "min", "linalg_vector_norm", "var", "std", "logsumexp")
     kernel = "reduce"
 
     def reduce_axes(self, op: Operator) -> tuple[int, ...]:
@@ -1009,6 +1013,7 @@ class Reduce(OpDef):
         shape = input_shape(op, 0)
         axes = self.reduce_axes(op)
         keepdim = bool(op.attrs.get("keepdim", False))
+        summed = op.attrs.get("fn", "sum") in ("sum", "mean")
         out, next_out = [], 0
         for a, size in enumerate(shape):
             reduced = a in axes
@@ -1016,7 +1021,8 @@ class Reduce(OpDef):
             next_out += not reduced
             name = "sample" if a == 0 else (f"r{a}" if reduced else f"d{a}")
             kind = DimKind.SAMPLE if a == 0 else (DimKind.REDUCTION if reduced else DimKind.ATTRIBUTE)
-            out.append(DimSpec(name=name, kind=kind, size=size, out_axis=out_axis))
+            out.append(DimSpec(name=name, kind=kind, size=size, out_axis=out_axis,
+                               splittable=not reduced or summed))
         return tuple(out)
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
@@ -1090,7 +1096,7 @@ class Expand(OpDef):
     """
 
     kind = "expand"
-    captured_from = ("expand",)
+    captured_from = ("expand", "expand_as")
     kernel = "expand"
 
     def output_is_view(self, op: Operator) -> bool:

@@ -485,6 +485,30 @@ def vision_forms_build(batch: int) -> Workload:
                     target=torch.empty(batch, 4, device="meta"), loss_fn=default_loss)
 
 
+class Statistics(nn.Module):
+    """What contrastive heads and hand-written norms compute: an L2-normalized embedding, a clamp, a
+    standardization by var and std, a softmax shifted by the max values, logsumexp, a square, an elementwise
+    maximum and an expand_as."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.normalize(self.fc1(x), dim=-1).clamp(-0.4, 0.4) * 3
+        h = (h - h.mean(-1, keepdim=True)) / (h.var(-1, keepdim=True, correction=0) + 1e-5).sqrt()
+        h = h + h.std(-1, keepdim=True)
+        h = h - h.max(-1, keepdim=True).values.expand_as(h) + h.logsumexp(-1, keepdim=True)
+        return self.fc2(torch.maximum(h.square().clamp_max(2.0), h) - h.amax(-1, keepdim=True))
+
+
+def statistics_build(batch: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(module=Statistics(), inputs=(torch.empty(batch, 5, 8, device="meta"),),
+                    target=torch.empty(batch, 5, 4, device="meta"), loss_fn=default_loss)
+
+
 def unet_build(batch: int) -> Workload:
     torch.manual_seed(0)
     return Workload(module=SmallUNet(), inputs=(torch.empty(batch, 3, 8, 8, device="meta"),),
@@ -570,6 +594,7 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "superres": functools.partial(super_resolution_build, 4),
     "bilinear": functools.partial(bilinear_unet_build, 4),
     "vision": functools.partial(vision_forms_build, 4),
+    "statistics": functools.partial(statistics_build, 4),
     # frozen parameters: a frozen first layer (no backward before the second), and a transformer with frozen
     # position embeddings, a frozen attention (its fused qkv split into blocks) and a frozen MLP between
     # trainable ops (their backward computes only their inputs' gradients)

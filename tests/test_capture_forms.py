@@ -27,6 +27,7 @@ from search.baselines import parse_baseline
 from simulator.engine import Simulator
 from soap.capture import capture, default_loss
 from soap.capture.attention import captured_attention
+from soap.registry import dims_of
 from soap.topology import load_topology
 
 BATCH, LENGTH, SOURCE, WIDTH, HEADS = 3, 5, 4, 8, 2
@@ -392,9 +393,22 @@ def test_vision_forms_pad_expand_a_parameter_and_look_up_a_table():
     assert graph.num_params == sum(p.numel() for p in rc.VisionForms().parameters())
 
 
+def test_statistics_are_reductions_and_pointwise_ops():
+    """F.normalize, clamps, var, std, the max values, logsumexp, amax, a square and an elementwise maximum map
+    to the reduce, elementwise and binary kinds (the reductions that do not add up keep their axes whole):
+    nothing opaque."""
+    graph = rc.graph_of("statistics")
+    assert not [op.name for op in graph if op.kind == "opaque"]
+    reduces = {op.attrs["fn"]: op for op in graph if op.kind == "reduce"}
+    assert {"norm", "var", "std", "max", "logsumexp", "amax", "mean"} <= set(reduces)
+    assert not dims_of(reduces["norm"])[-1].splittable and dims_of(reduces["mean"])[-1].splittable
+    fns = {op.attrs["fn"] for op in graph if op.kind in ("elementwise", "binary")}
+    assert {"clamp", "clamp_min", "clamp_max", "square", "maximum"} <= fns
+
+
 # the models of the one launch below (tests/runtime_cases.py)
 LAUNCHED = ("attention", "sliced", "packed", "seqfirst", "activations", "unet", "tcn", "bags", "tagger", "superres",
-            "bilinear", "vision")
+            "bilinear", "vision", "statistics")
 
 
 @pytest.fixture(scope="module")
@@ -402,8 +416,8 @@ def forms_runs() -> list[dict]:
     """One 2-process launch: the attention model (dropout, masks, a cross-attention returning weights), the
     sliced model, the packed-heads model, the sequence-first LM, the activations MLP, the U-Net step, the
     temporal convolutions, the embedding bags, the bidirectional tagger (its loss ignoring id 0, which the
-    synthetic targets hold), the super-resolution convolutions, the bilinear U-Net and the vision forms
-    under the baselines, a strategy drawn from the search's space and a random valid one, each verified
+    synthetic targets hold), the super-resolution convolutions, the bilinear U-Net, the vision forms and the
+    statistics under the baselines, a strategy drawn from the search's space and a random valid one, each verified
     against one process."""
     cases = [c for m in LAUNCHED for b in ("dp", "tp", "fsdp", "hybrid:tp=2")
              if (c := rc.baseline_case(m, b, 2)) is not None]

@@ -330,7 +330,8 @@ def _gru_rnn(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
 
 
 def _only_first_output(call: _Call) -> bool:
-    return all(not _is_getitem(u) or u.args[1] == 0 for u in call.node.users)
+    """Whether nothing reads the call's outputs but the first (a pool's or ``max``'s indices)."""
+    return all(not _is_getitem(u) or u.args[1] == 0 or not u.users for u in call.node.users)
 
 
 @_maps("max_pool2d", "max_pool2d_with_indices")
@@ -377,9 +378,12 @@ def _adaptive_pool2d(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | No
 def _pointwise(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["self"]
     name = _aten_name(call.node)
-    if not b.is_act(x) or not x.meta["val"].is_floating_point():
-        return None
-    return _Draft(kind="elementwise", inputs=[x], attrs={"fn": name, **{k: float(a[k]) for k in POINTWISE_FNS[name]}})
+    values = {k: a[k] for k in POINTWISE_FNS[name]}
+    if (not b.is_act(x) or not x.meta["val"].is_floating_point()
+            or not all(v is None or _is_scalar(v) for v in values.values())):
+        return None  # (clamp's bounds given as tensors)
+    return _Draft(kind="elementwise", inputs=[x],
+                  attrs={"fn": name, **{k: None if v is None else float(v) for k, v in values.items()}})
 
 
 @_maps(*_UNARY)
@@ -445,6 +449,14 @@ def _binary(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return _arith(b, _aten_name(call.node), a["self"], a["other"])
 
 
+@_maps("maximum", "minimum")
+def _extremum(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x, y = a["self"], a["other"]
+    if not (b.is_act(x) and b.is_act(y)):
+        return None
+    return _Draft(kind="binary", inputs=[x, y], attrs={"fn": _aten_name(call.node)})
+
+
 @_maps("rsub")
 def _rsub(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     if a.get("alpha", 1) != 1:
@@ -482,16 +494,37 @@ def _where(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return None
 
 
-@_maps("mean", "sum")
+@_maps("mean", "sum", "amax", "amin", "max", "min", "linalg_vector_norm", "var", "std", "logsumexp")
 def _reduce(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """A reduction of an activation over some axes: sum and mean; amax, amin and the values of ``max`` or
+    ``min`` along one axis (their indices unread); the vector norm (``F.normalize``, ``x.norm(dim=..)``);
+    var and std; logsumexp."""
     x = a["self"]
-    if not b.is_act(x) or a.get("dtype") is not None:
+    name = _aten_name(call.node)
+    if not b.is_act(x) or a.get("dtype") is not None or not x.meta["val"].is_floating_point():
         return None
+    if name in ("max", "min") and ("dim" not in a or not _only_first_output(call)):
+        return None  # (the whole tensor's max, or the indices read too)
     ndim = len(_shape(x))
     dims = a.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims
     axes = list(range(ndim)) if not dims else sorted({_axis(int(d), ndim) for d in dims})
-    return _Draft(kind="reduce", inputs=[x],
-                  attrs={"fn": _aten_name(call.node), "axes": axes, "keepdim": bool(a.get("keepdim", False))})
+    attrs: dict[str, Any] = {"fn": _REDUCE_FNS.get(name, name), "axes": axes, "keepdim": bool(a.get("keepdim", False))}
+    if name == "linalg_vector_norm":
+        if not _is_scalar(a["ord"]):
+            return None
+        attrs["ord"] = float(a["ord"])
+    elif name in ("var", "std"):
+        correction = a["correction"] if "correction" in a else (1 if a.get("unbiased", True) else 0)
+        attrs["correction"] = 1.0 if correction is None else float(correction)
+    val = call.node.meta["val"]
+    return _Draft(kind="reduce", inputs=[x], attrs=attrs,
+                  outputs=[val[0]] if isinstance(val, tuple | list) else None, out_index={0: 0} if isinstance(
+                      val, tuple | list) else None)
+
+
+# aten reductions -> the reduce kind's `fn`, where the names differ
+_REDUCE_FNS = {"linalg_vector_norm": "norm"}
 
 
 @_maps("cat")
@@ -512,6 +545,15 @@ def _stack(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
         return None
     return _Draft(kind="stack", inputs=tensors,
                   attrs={"axis": _axis(int(a["dim"]), len(call.node.meta["val"].shape))})
+
+
+@_maps("expand_as")
+def _expand_as(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """``x.expand_as(y)``: the expand of x to y's shape (y is read for its shape only)."""
+    x = a["self"]
+    if not b.is_act(x):
+        return None
+    return _Draft(kind="expand", inputs=[x], attrs={"shape": list(call.node.meta["val"].shape)})
 
 
 @_maps("expand")
