@@ -394,14 +394,15 @@ def test_vision_forms_pad_expand_a_parameter_and_look_up_a_table():
 
 
 def test_statistics_are_reductions_and_pointwise_ops():
-    """F.normalize, clamps, var, std, the max values, logsumexp, amax, a square and an elementwise maximum map
-    to the reduce, elementwise and binary kinds (the reductions that do not add up keep their axes whole):
-    nothing opaque."""
+    """F.normalize, clamps, var, std, the max values, logsumexp, amax, a cosine similarity (written out), a
+    square and an elementwise maximum map to the reduce, elementwise and binary kinds (the reductions that do
+    not add up keep their axes whole): nothing opaque."""
     graph = rc.graph_of("statistics")
     assert not [op.name for op in graph if op.kind == "opaque"]
     reduces = {op.attrs["fn"]: op for op in graph if op.kind == "reduce"}
     assert {"norm", "var", "std", "max", "logsumexp", "amax", "mean"} <= set(reduces)
     assert not dims_of(reduces["norm"])[-1].splittable and dims_of(reduces["mean"])[-1].splittable
+    assert [op.attrs["fn"] for op in graph if op.kind == "reduce" and op.module == ""].count("norm") == 2 + 1
     fns = {op.attrs["fn"] for op in graph if op.kind in ("elementwise", "binary")}
     assert {"clamp", "clamp_min", "clamp_max", "square", "maximum"} <= fns
 

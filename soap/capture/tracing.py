@@ -40,8 +40,9 @@ next layer, the final states concatenated in torch's order (`_bidirectional_recu
 recurrence maps to a recurrent kind and splits by sample or runs in time chunks like any other.
 
 Written out. ``nn.GLU`` is the product of its first half and the sigmoid of its second (two slices, a
-sigmoid, a product); ``nn.PixelShuffle`` and ``nn.PixelUnshuffle`` are a reshape, a permute and a reshape
-(`_written_out`), so each splits by sample and channel instead of staying opaque.
+sigmoid, a product); ``nn.PixelShuffle`` and ``nn.PixelUnshuffle`` are a reshape, a permute and a reshape;
+``F.cosine_similarity`` of two tensors of one shape is norms, clamps, quotients, a product and a sum
+(`_written_out`), so each splits instead of staying opaque.
 
 Pools in 2-D. A 1-D max, average or adaptive average pooling of x[N, C, L] becomes the 2-D one of
 ``x.unsqueeze(2)`` then a squeeze, so that it maps to the pool kinds (`_pools_in_2d`).
@@ -594,20 +595,34 @@ class _Made:
 
 
 def _written_out(graph: fx.Graph) -> None:
-    """Rewrite, in place, ``glu``, ``pixel_shuffle`` and ``pixel_unshuffle`` into the ops that compute
-    them (the module docstring's rule): x.glu(d) = a * sigmoid(b) for the halves a, b of x along d; the
-    shuffles a reshape, a permute and a reshape."""
+    """Rewrite, in place, ``glu``, ``pixel_shuffle``, ``pixel_unshuffle`` and ``cosine_similarity`` into
+    the ops that compute them (the module docstring's rule): x.glu(d) = a * sigmoid(b) for the halves a, b
+    of x along d; the shuffles a reshape, a permute and a reshape; the cosine similarity of x and y (of one
+    shape) the sum of x / max(|x|, eps) * y / max(|y|, eps) along its axis."""
     aten = torch.ops.aten
     for node in list(graph.nodes):
         if node.op != "call_function" or node.kwargs or node.target not in (
-                aten.glu.default, aten.pixel_shuffle.default, aten.pixel_unshuffle.default):
+                aten.glu.default, aten.pixel_shuffle.default, aten.pixel_unshuffle.default,
+                aten.cosine_similarity.default):
             continue
         x = node.args[0]
         if not isinstance(x, fx.Node):
             continue
         shape = list(x.meta["val"].shape)
         # each step: its aten op and its arguments, `_Made(i)` standing for the node of step i
-        if node.target is aten.glu.default:
+        if node.target is aten.cosine_similarity.default:
+            y = node.args[1]
+            if not isinstance(y, fx.Node) or list(y.meta["val"].shape) != shape or not shape:
+                continue  # (operands that broadcast: left as they are)
+            dim = int(node.args[2]) % len(shape) if len(node.args) > 2 else 1 % len(shape)
+            eps = float(node.args[3]) if len(node.args) > 3 else 1e-8
+            # each operand over its norm (clamped below by eps), then the sum of their product: PyTorch's
+            steps = [(aten.linalg_vector_norm.default, (x, 2, [dim])), (aten.clamp_min.default, (_Made(0), eps)),
+                     (aten.unsqueeze.default, (_Made(1), dim)), (aten.div.Tensor, (x, _Made(2))),
+                     (aten.linalg_vector_norm.default, (y, 2, [dim])), (aten.clamp_min.default, (_Made(4), eps)),
+                     (aten.unsqueeze.default, (_Made(5), dim)), (aten.div.Tensor, (y, _Made(6))),
+                     (aten.mul.Tensor, (_Made(3), _Made(7))), (aten.sum.dim_IntList, (_Made(8), [dim]))]
+        elif node.target is aten.glu.default:
             dim = int(node.args[1]) % len(shape) if len(node.args) > 1 else len(shape) - 1
             half = shape[dim] // 2
             steps = [(aten.slice.Tensor, (x, dim, 0, half)), (aten.slice.Tensor, (x, dim, half, 2 * half)),
