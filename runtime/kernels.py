@@ -737,6 +737,20 @@ def _flip(op, box, inputs, params, ctx):
     return (inputs[0].flip([int(a) for a in op.attrs["axes"]]),)
 
 
+def _roll(op, box, inputs, params, ctx):
+    # along an axis the part reads whole (its rows wrap around), roll it and keep the box's rows; elsewhere
+    # the rows read are the box's, in order
+    entry = op_def(op.kind)
+    (region,) = entry.input_regions(op, box)
+    x = inputs[0]
+    shape = op.outputs[0].shape
+    for a, shift in entry.shifts(op).items():
+        lo, hi = box[a]
+        if region[a] == (0, shape[a]) and (lo - shift) % shape[a] + hi - lo > shape[a]:
+            x = x.roll(shift, a).narrow(a, lo, hi - lo)
+    return (x,)
+
+
 def _pad(op, box, inputs, params, ctx):
     # the input rows this part holds (taken out of the region read, which may hold an unused row), then
     # the padding around them
@@ -830,5 +844,5 @@ KERNELS: dict[str, Kernel] = {
     "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
     "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
     "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss, "flip": _flip,
-    "pad": _pad, "prelu": _prelu, "random": _random,
+    "pad": _pad, "prelu": _prelu, "random": _random, "roll": _roll,
 }

@@ -1390,6 +1390,39 @@ class Flip(_AxisOp):
         return 0.0  # data movement
 
 
+class Roll(_AxisOp):
+    """y = x.roll(`shifts`, `axes`): along each rolled axis, output row r is input row (r - shift) mod n
+    (Swin's shifted windows).
+
+    dims: the output axes `sample`, `d1`.., all splittable: along a rolled axis a part reads the rows its
+    rows come from, or the whole axis where they wrap around its end.
+    """
+
+    kind = "roll"
+    captured_from = ("roll",)
+    kernel = "roll"
+
+    def shifts(self, op: Operator) -> dict[int, int]:
+        """Per rolled axis, its shift (in [0, n))."""
+        shape = op.outputs[0].shape
+        out: dict[int, int] = {}
+        for axis, shift in zip(op.attrs["axes"], op.attrs["shifts"], strict=True):
+            a = _norm_axis(int(axis), len(shape))
+            out[a] = (out.get(a, 0) + int(shift)) % shape[a]
+        return out
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        shape, shifts = op.outputs[0].shape, self.shifts(op)
+        region = []
+        for a, (lo, hi) in enumerate(box):
+            start = (lo - shifts.get(a, 0)) % shape[a]
+            region.append((start, start + hi - lo) if start + hi - lo <= shape[a] else (0, shape[a]))
+        return (tuple(region),)
+
+    def flops(self, op: Operator) -> float:
+        return 0.0  # data movement
+
+
 class Pad(_AxisOp):
     """y = x padded with `value` (constant padding): `pad` lists (before, after) counts from the last axis
     backwards, as `F.pad` takes them; negative counts crop.
@@ -1584,6 +1617,6 @@ class Opaque(OpDef):
 for _entry in (Input(), Constant(), Conv2d(), Conv1d(), ConvTranspose2d(), Linear(), Matmul(), BatchNorm(),
                LayerNorm(), GroupNorm(), RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(),
                Upsample(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(),
-               Reshape(), Expand(), Repeat(), Transpose(), Flip(), Pad(), PReLU(), Softmax(), Random(), Dropout(),
-               Loss(), Opaque()):
+               Reshape(), Expand(), Repeat(), Transpose(), Flip(), Roll(), Pad(), PReLU(), Softmax(), Random(),
+               Dropout(), Loss(), Opaque()):
     register(_entry)

@@ -488,7 +488,7 @@ def vision_forms_build(batch: int) -> Workload:
 class Statistics(nn.Module):
     """What contrastive heads and hand-written norms compute: an L2-normalized embedding, a clamp, a
     standardization by var and std, a softmax shifted by the max values, logsumexp, a cosine similarity, a
-    square, an elementwise maximum and an expand_as."""
+    roll, a square, an elementwise maximum and an expand_as."""
 
     def __init__(self):
         super().__init__()
@@ -500,7 +500,7 @@ class Statistics(nn.Module):
         h = (h - h.mean(-1, keepdim=True)) / (h.var(-1, keepdim=True, correction=0) + 1e-5).sqrt()
         h = h + h.std(-1, keepdim=True)
         h = h - h.max(-1, keepdim=True).values.expand_as(h) + h.logsumexp(-1, keepdim=True)
-        h = h + F.cosine_similarity(h, h.flip(1), dim=-1).unsqueeze(-1)
+        h = h + F.cosine_similarity(h, h.flip(1), dim=-1).unsqueeze(-1) + h.roll(2, 1)
         return self.fc2(torch.maximum(h.square().clamp_max(2.0), h) - h.amax(-1, keepdim=True))
 
 

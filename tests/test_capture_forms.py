@@ -405,6 +405,7 @@ def test_statistics_are_reductions_and_pointwise_ops():
     assert [op.attrs["fn"] for op in graph if op.kind == "reduce" and op.module == ""].count("norm") == 2 + 1
     fns = {op.attrs["fn"] for op in graph if op.kind in ("elementwise", "binary")}
     assert {"clamp", "clamp_min", "clamp_max", "square", "maximum"} <= fns
+    assert [(tuple(op.attrs["shifts"]), tuple(op.attrs["axes"])) for op in graph if op.kind == "roll"] == [((2,), (1,))]
 
 
 # the models of the one launch below (tests/runtime_cases.py)

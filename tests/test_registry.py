@@ -369,6 +369,8 @@ def _cases() -> list[Case]:
         Case(id="dropout", kind="dropout", inputs=(_rand(4, 6, 5),), attrs={"p": 0.3, "seed": 7}),
         Case(id="dropout-feature", kind="dropout", inputs=(_rand(4, 6, 5, 3),),
              attrs={"p": 0.3, "seed": 7, "feature": True}),
+        Case(id="roll", kind="roll", inputs=(_rand(3, 7, 6, 2),), attrs={"shifts": [-3, 2], "axes": [1, 2]},
+             reference=lambda x: x.roll((-3, 2), (1, 2))),
         Case(id="pad", kind="pad", inputs=(_rand(3, 4, 5, 2),), attrs={"pad": [0, 1, 2, 3, 1, 0], "value": 0.5},
              reference=lambda x: F.pad(x, [0, 1, 2, 3, 1, 0], value=0.5)),
         Case(id="pad-crop", kind="pad", inputs=(_rand(3, 6, 5),), attrs={"pad": [-1, 4, 2, -2], "value": None},
@@ -450,8 +452,8 @@ def test_every_kind_is_covered():
     documented = {"input", "constant", "conv2d", "conv1d", "conv_transpose2d", "linear", "matmul", "batchnorm",
                   "layernorm", "groupnorm", "rmsnorm", "embedding", "lstm", "gru", "rnn", "attention", "pool2d",
                   "upsample", "adaptive_pool2d", "elementwise", "binary", "reduce", "concat", "stack", "split",
-                  "slice", "reshape", "expand", "repeat", "transpose", "flip", "pad", "prelu", "softmax", "random",
-                  "dropout", "loss", "opaque"}
+                  "slice", "reshape", "expand", "repeat", "transpose", "flip", "roll", "pad", "prelu", "softmax",
+                  "random", "dropout", "loss", "opaque"}
     assert set(REGISTRY) == documented
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():

@@ -824,6 +824,18 @@ def _flip(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     return _Draft(kind="flip", inputs=[x], attrs={"axes": sorted({_axis(int(d), ndim) for d in a["dims"]})})
 
 
+@_maps("roll")
+def _roll(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """``x.roll(shifts, dims)`` along given axes (Swin's shifted windows); a roll of the flattened tensor
+    (no dims) stays as it is."""
+    x, shifts, dims = a["self"], list(a["shifts"]), list(a["dims"])
+    if not b.is_act(x) or not dims or len(dims) != len(shifts):
+        return None
+    ndim = len(_shape(x))
+    return _Draft(kind="roll", inputs=[x], attrs={"shifts": [int(v) for v in shifts],
+                                                  "axes": [_axis(int(d), ndim) for d in dims]})
+
+
 @_maps("pad", "constant_pad_nd")
 def _pad(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     """Constant padding (or cropping) of an activation."""
