@@ -738,15 +738,12 @@ def _flip(op, box, inputs, params, ctx):
 
 
 def _roll(op, box, inputs, params, ctx):
-    # along an axis the part reads whole (its rows wrap around), roll it and keep the box's rows; elsewhere
-    # the rows read are the box's, in order
-    entry = op_def(op.kind)
-    (region,) = entry.input_regions(op, box)
-    x = inputs[0]
-    shape = op.outputs[0].shape
-    for a, shift in entry.shifts(op).items():
+    # along an axis whose rows wrap around its end the part reads the axis whole (`Roll.input_regions`): roll
+    # it and keep the box's rows; elsewhere the rows read are the box's, in order
+    x, shape = inputs[0], op.outputs[0].shape
+    for a, shift in op_def(op.kind).shifts(op).items():
         lo, hi = box[a]
-        if region[a] == (0, shape[a]) and (lo - shift) % shape[a] + hi - lo > shape[a]:
+        if (lo - shift) % shape[a] + hi - lo > shape[a]:
             x = x.roll(shift, a).narrow(a, lo, hi - lo)
     return (x,)
 

@@ -1479,7 +1479,7 @@ class Softmax(_AxisOp):
         return 5.0 * output_numel(op)
 
 
-class Random(OpDef):
+class Random(_AxisOp):
     """y = uniform draws in [0, 1) of the output's shape (``torch.rand``: stochastic depth's per-sample
     draw), or standard normal ones with `normal` (``torch.randn``: a VAE's reparameterization); attr
     `seed`. Reads nothing.
@@ -1491,9 +1491,6 @@ class Random(OpDef):
     kind = "random"
     captured_from = ("rand", "randn", "rand_like", "randn_like")
     kernel = "random"
-
-    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
-        return tuple(axis_dims(op.outputs[0].shape))
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return ()

@@ -517,10 +517,9 @@ def _reduce(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     elif name in ("var", "std"):
         correction = a["correction"] if "correction" in a else (1 if a.get("unbiased", True) else 0)
         attrs["correction"] = 1.0 if correction is None else float(correction)
-    val = call.node.meta["val"]
+    val = call.node.meta["val"]  # (max and min along an axis: values and indices, of which the values)
     return _Draft(kind="reduce", inputs=[x], attrs=attrs,
-                  outputs=[val[0]] if isinstance(val, tuple | list) else None, out_index={0: 0} if isinstance(
-                      val, tuple | list) else None)
+                  outputs=[val if isinstance(val, torch.Tensor) else val[0]], out_index={0: 0})
 
 
 # aten reductions -> the reduce kind's `fn`, where the names differ

@@ -363,16 +363,11 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
     if node.target is torch.ops.aten.bernoulli_.float:
         aten, val = torch.ops.aten, node.meta["val"]
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        steps = [(aten.rand.default, ([int(n) for n in val.shape],),
-                  {"dtype": val.dtype, "device": val.device, "pin_memory": False}),
-                 (aten.add.Tensor, (None, float(p)), {}), (aten.floor.default, (None,), {})]
-        last = node
-        for target, args, kwargs in steps:
-            with graph.inserting_after(last):
-                made = graph.call_function(target, tuple(last if a is None else a for a in args), kwargs)
-            made.meta = dict(node.meta)  # (every step has the target's shape and dtype)
-            last = made
-        return last, last
+        add, stack = _Appender(graph, node, _fake_mode(node)), node.meta.get("nn_module_stack")
+        drawn = add(aten.rand.default, ([int(n) for n in val.shape],), stack, dtype=val.dtype, device=val.device,
+                    pin_memory=False)
+        value = add(aten.floor.default, (add(aten.add.Tensor, (drawn, float(p)), stack),), stack)
+        return value, value
     if node.target is not torch.ops.aten.copy_.default:
         with graph.inserting_after(node):
             value = graph.call_function(_out_of_place(node.target), node.args, node.kwargs)
@@ -587,13 +582,6 @@ def _bidirectional_recurrences(graph: fx.Graph) -> None:
                 graph.erase_node(final)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Made:
-    """In a rewrite's list of steps, the node made by step `step`."""
-
-    step: int
-
-
 def _written_out(graph: fx.Graph) -> None:
     """Rewrite, in place, ``glu``, ``pixel_shuffle``, ``pixel_unshuffle`` and ``cosine_similarity`` into
     the ops that compute them (the module docstring's rule): x.glu(d) = a * sigmoid(b) for the halves a, b
@@ -609,24 +597,26 @@ def _written_out(graph: fx.Graph) -> None:
         if not isinstance(x, fx.Node):
             continue
         shape = list(x.meta["val"].shape)
-        # each step: its aten op and its arguments, `_Made(i)` standing for the node of step i
+        # the nodes that compute it go just before it, in its module
+        add, stack = _Appender(graph, node.prev, _fake_mode(x)), node.meta.get("nn_module_stack")
         if node.target is aten.cosine_similarity.default:
             y = node.args[1]
             if not isinstance(y, fx.Node) or list(y.meta["val"].shape) != shape or not shape:
                 continue  # (operands that broadcast: left as they are)
             dim = int(node.args[2]) % len(shape) if len(node.args) > 2 else 1 % len(shape)
             eps = float(node.args[3]) if len(node.args) > 3 else 1e-8
-            # each operand over its norm (clamped below by eps), then the sum of their product: PyTorch's
-            steps = [(aten.linalg_vector_norm.default, (x, 2, [dim])), (aten.clamp_min.default, (_Made(0), eps)),
-                     (aten.unsqueeze.default, (_Made(1), dim)), (aten.div.Tensor, (x, _Made(2))),
-                     (aten.linalg_vector_norm.default, (y, 2, [dim])), (aten.clamp_min.default, (_Made(4), eps)),
-                     (aten.unsqueeze.default, (_Made(5), dim)), (aten.div.Tensor, (y, _Made(6))),
-                     (aten.mul.Tensor, (_Made(3), _Made(7))), (aten.sum.dim_IntList, (_Made(8), [dim]))]
+            units = []  # each operand over its norm along `dim`, clamped below by eps (PyTorch's)
+            for t in (x, y):
+                norm = add(aten.linalg_vector_norm.default, (t, 2, [dim]), stack)
+                clamped = add(aten.clamp_min.default, (norm, eps), stack)
+                units.append(add(aten.div.Tensor, (t, add(aten.unsqueeze.default, (clamped, dim), stack)), stack))
+            value = add(aten.sum.dim_IntList, (add(aten.mul.Tensor, tuple(units), stack), [dim]), stack)
         elif node.target is aten.glu.default:
             dim = int(node.args[1]) % len(shape) if len(node.args) > 1 else len(shape) - 1
             half = shape[dim] // 2
-            steps = [(aten.slice.Tensor, (x, dim, 0, half)), (aten.slice.Tensor, (x, dim, half, 2 * half)),
-                     (aten.sigmoid.default, (_Made(1),)), (aten.mul.Tensor, (_Made(0), _Made(2)))]
+            first = add(aten.slice.Tensor, (x, dim, 0, half), stack)
+            gate = add(aten.sigmoid.default, (add(aten.slice.Tensor, (x, dim, half, 2 * half), stack),), stack)
+            value = add(aten.mul.Tensor, (first, gate), stack)
         else:
             if len(shape) != 4:
                 continue
@@ -636,18 +626,9 @@ def _written_out(graph: fx.Graph) -> None:
                 split, perm, merged = [n, c // (r * r), r, r, h, w], [0, 1, 4, 2, 5, 3], [n, c // (r * r), h * r, w * r]
             else:
                 split, perm, merged = [n, c, h // r, r, w // r, r], [0, 1, 3, 5, 2, 4], [n, c * r * r, h // r, w // r]
-            steps = [(aten.reshape.default, (x, split)), (aten.permute.default, (_Made(0), perm)),
-                     (aten.reshape.default, (_Made(1), merged))]
-        mode = _fake_mode(x)
-        made: list[fx.Node] = []
-        for target, args in steps:
-            args = tuple(made[a.step] if isinstance(a, _Made) else a for a in args)
-            with graph.inserting_before(node):
-                made.append(graph.call_function(target, args))
-            with mode:
-                made[-1].meta = {**node.meta,
-                                 "val": target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))}
-        node.replace_all_uses_with(made[-1])
+            permuted = add(aten.permute.default, (add(aten.reshape.default, (x, split), stack), perm), stack)
+            value = add(aten.reshape.default, (permuted, merged), stack)
+        node.replace_all_uses_with(value)
         graph.erase_node(node)
 
 
