@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from soap.capture.experts import mixture
 from soap.graph import Operator, OperatorGraph, TensorRef
 from soap.opdef import Box, Range, Region, full_box, input_shape, pair
 from soap.registry import POINTWISE_FNS, dims_of, op_def
@@ -650,6 +651,19 @@ def _softmax(op, box, inputs, params, ctx):
     return (fn(_wide(x, cpu_only=True), dim=int(op.attrs["axis"])).to(x.dtype),)
 
 
+def _topk(op, box, inputs, params, ctx):
+    return tuple(torch.topk(inputs[0], int(op.attrs["k"]), dim=int(op.attrs["axis"]),
+                            largest=bool(op.attrs.get("largest", True)), sorted=bool(op.attrs.get("sorted", True))))
+
+
+def _experts(op, box, inputs, params, ctx):
+    # the held experts [lo, hi) of the routed ones; tokens routed elsewhere add 0 (partial sums)
+    x, index, weights = inputs
+    return (mixture(x, index, weights, params["w_in"], params["w_out"], params.get("b_in"), params.get("b_out"),
+                    act=str(op.attrs["act"]), gated=bool(op.attrs["gated"]),
+                    transposed=bool(op.attrs["transposed"]), first=box[1][0]),)
+
+
 _M32 = 0xFFFFFFFF
 
 
@@ -841,5 +855,5 @@ KERNELS: dict[str, Kernel] = {
     "elementwise": _elementwise, "binary": _binary, "reduce": _reduce, "concat": _concat, "stack": _stack,
     "split": _split, "slice": _slice, "reshape": _reshape, "expand": _expand, "repeat": _repeat,
     "transpose": _transpose, "softmax": _softmax, "dropout": _dropout, "loss": _loss, "flip": _flip,
-    "pad": _pad, "prelu": _prelu, "random": _random, "roll": _roll,
+    "pad": _pad, "prelu": _prelu, "random": _random, "roll": _roll, "topk": _topk, "experts": _experts,
 }

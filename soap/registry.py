@@ -33,6 +33,7 @@ from soap.opdef import (
     Range,
     Region,
     clip_range,
+    full_box,
     full_region,
     input_shape,
     pair,
@@ -556,6 +557,58 @@ class Embedding(OpDef):
 
     def flops(self, op: Operator) -> float:
         return 0.0  # a gather: data movement
+
+
+class Experts(OpDef):
+    """A mixture of experts' feed-forward: y[T, H] = sum over slots j of weights[t, j] times expert
+    index[t, j] of x[t], from tokens x[T, H], the experts each token is routed to, index[T, k] (int64), and
+    their weights[T, k]. Expert e: h = x @ w_in[e]^T (+ b_in[e]); act(h[:Din/2]) * h[Din/2:] with `gated`,
+    else act(h); y_e = h @ w_out[e]^T (+ b_out[e]). params `w_in` [E, Din, H], `w_out` [E, H, I] (stored
+    [E, H, Din] and [E, I, H] with `transposed`), optionally `b_in` [E, Din], `b_out` [E, H]; attrs `act`,
+    `gated`, `transposed`. Capture makes it from Hugging Face's experts modules (soap/capture/experts.py).
+
+    dims: `sample` (the tokens, axis 0), `experts` (reduction: a part holds experts [lo, hi), runs the
+    tokens routed to them and adds 0 for the others; the parts hold partial sums). Which tokens an expert
+    gets is known only at run time: FLOPs and saved activations assume the routing spreads the T k
+    (token, slot) pairs evenly over the experts.
+    """
+
+    kind = "experts"
+    captured_from = ("experts",)  # soapflow::experts, the call of soap/capture/experts.py
+    kernel = "experts"
+
+    def widths(self, op: Operator) -> tuple[int, int, int, int]:
+        """(E, Din, I, H): experts, width of the input projection, of the activation, of the tokens."""
+        transposed = bool(op.attrs.get("transposed", False))
+        e, a, b = op.params["w_in"].shape
+        din, h = (b, a) if transposed else (a, b)
+        return e, din, din // 2 if op.attrs.get("gated", True) else din, h
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=op.outputs[0].shape[0], out_axis=0),
+                DimSpec(name="experts", kind=DimKind.REDUCTION, size=self.widths(op)[0], out_axis=None))
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        return tuple((box[0], (0, input_shape(op, i)[1])) for i in range(3))
+
+    def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
+        return {name: (box[1],) + full_region(p.shape)[1:] for name, p in op.params.items()}
+
+    def routed_pairs(self, op: Operator, box: Box) -> float:
+        """The (token, slot) pairs part `box` runs on average: its tokens' pairs, its share of the experts."""
+        (t0, t1), (e0, e1) = box
+        return (t1 - t0) * input_shape(op, 1)[1] * (e1 - e0) / self.widths(op)[0]
+
+    def flops(self, op: Operator) -> float:
+        e, din, inner, h = self.widths(op)
+        pairs = self.routed_pairs(op, full_box(self.dims(op)))
+        # two products, the activation (and the gate's product), the weighting, the sum over slots
+        return pairs * (2.0 * din * h + 2.0 * inner * h + din + 2.0 * h)
+
+    def saved_bytes(self, op: Operator, box: Box) -> int:
+        # per routed pair: the gathered token, both projections' outputs, the activation, the weighted row
+        e, din, inner, h = self.widths(op)
+        return int(self.routed_pairs(op, box) * (2 * h + din + inner + h)) * DTYPE_BYTES[op.outputs[0].dtype]
 
 
 class _Recurrent(OpDef):
@@ -1479,6 +1532,37 @@ class Softmax(_AxisOp):
         return 5.0 * output_numel(op)
 
 
+class TopK(OpDef):
+    """values, indices = torch.topk(x, `k`, `axis`, `largest`, `sorted`): outputs 0 (x's dtype) and 1
+    (int64) of equal shape, x's with `k` along `axis`. attrs `largest` and `sorted` default true.
+
+    dims: the output axes `sample`, `d1`..; `axis` is not splittable (a part reads it whole).
+    """
+
+    kind = "topk"
+    captured_from = ("topk",)
+    kernel = "topk"
+
+    def axis(self, op: Operator) -> int:
+        return _norm_axis(int(op.attrs["axis"]), len(op.outputs[0].shape))
+
+    def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        return tuple(axis_dims(op.outputs[0].shape, fixed=[self.axis(op)]))
+
+    def output_region(self, op: Operator, box: Box, index: int = 0) -> Region:
+        if index not in (0, 1):
+            raise NotImplementedError(f"topk has no output {index}")
+        return tuple(box)
+
+    def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
+        region = list(box)
+        region[self.axis(op)] = (0, input_shape(op, 0)[self.axis(op)])
+        return (tuple(region),)
+
+    def flops(self, op: Operator) -> float:
+        return float(first_input_numel(op)) * max(1.0, math.log2(max(int(op.attrs["k"]), 1)))
+
+
 class Random(_AxisOp):
     """y = uniform draws in [0, 1) of the output's shape (``torch.rand``: stochastic depth's per-sample
     draw), or standard normal ones with `normal` (``torch.randn``: a VAE's reparameterization); attr
@@ -1614,6 +1698,6 @@ class Opaque(OpDef):
 for _entry in (Input(), Constant(), Conv2d(), Conv1d(), ConvTranspose2d(), Linear(), Matmul(), BatchNorm(),
                LayerNorm(), GroupNorm(), RMSNorm(), Embedding(), LSTM(), GRU(), RNN(), Attention(), Pool2d(),
                Upsample(), AdaptivePool2d(), Elementwise(), Binary(), Reduce(), Concat(), Stack(), Split(), Slice(),
-               Reshape(), Expand(), Repeat(), Transpose(), Flip(), Roll(), Pad(), PReLU(), Softmax(), Random(),
-               Dropout(), Loss(), Opaque()):
+               Reshape(), Expand(), Repeat(), Transpose(), Flip(), Roll(), Pad(), PReLU(), Softmax(), TopK(),
+               Random(), Dropout(), Loss(), Experts(), Opaque()):
     register(_entry)

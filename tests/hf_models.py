@@ -171,6 +171,18 @@ def mixtral(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     return _example(_causal_lm(config), batch_size, seq)
 
 
+def qwen2_moe(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Qwen2-MoE: 2 layers, width 64, 4 query heads over 2 kv heads, 4 experts routed top-2 beside a shared
+    expert scaled by a sigmoid gate."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                            **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
 def roberta(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     """RoBERTa masked LM: 2 layers, width 64, 4 heads, positions counted from the padding index."""
     from transformers import RobertaConfig, RobertaForMaskedLM
@@ -268,5 +280,5 @@ def mobilenet_v2(batch_size: int = 4, *, image: int = 32) -> tuple:
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
           "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
-          "vit": vit, "mixtral": mixtral, "falcon": falcon, "swin": swin, "mobilenet_v2": mobilenet_v2,
+          "vit": vit, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "falcon": falcon, "swin": swin, "mobilenet_v2": mobilenet_v2,
           "t5": t5}

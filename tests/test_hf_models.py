@@ -1,7 +1,8 @@
 """Hugging Face models (GPT-2, Llama, BERT from tiny random configs, tests/hf_models.py) capture into real,
 splittable op kinds and train under soapflow's strategies exactly as in one process; the wider corpus (GPT-NeoX,
-OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART, ViT, Mixtral) captures with no opaque op carrying
-FLOPs or parameters beyond the documented `OPAQUE_ALLOWANCE`, and optimizes and verifies on cpu-2.
+OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART, T5, ViT, Swin, MobileNetV2, Mixtral, Qwen2-MoE, Falcon)
+captures with no opaque op carrying FLOPs or parameters beyond the documented `OPAQUE_ALLOWANCE`, and optimizes
+and verifies on cpu-2.
 
 Needs the optional extra `hf` (`pip install 'soapflow[hf]'`); the tests skip without it. The multi-process
 ones are marked slow.
@@ -45,14 +46,7 @@ NAMES = ("gpt2", "llama", "bert")
 CORPUS = tuple(hf_models.MODELS)
 """Every model of tests/hf_models.py: the corpus the capture and optimize-verify tests cover."""
 
-OPAQUE_ALLOWANCE: dict[str, dict[str, str]] = {
-    "mixtral": {
-        "*.mlp.experts.transpose*": "MoE experts: HF's grouped-mm path transposes the stacked expert weights "
-                                    "[E, 2I, H] / [E, H, I]; the routed expert matmuls "
-                                    "(`transformers::grouped_mm_fallback`) are opaque, run whole on one device "
-                                    "and count no FLOPs, so the experts stay replicated",
-    },
-}
+OPAQUE_ALLOWANCE: dict[str, dict[str, str]] = {}
 """Per model, the opaque ops (fnmatch patterns on op names) that may carry FLOPs or parameters, each with the
 reason. The capture test prints it and fails on an entry that no longer matches (a fixed gap)."""
 
@@ -197,6 +191,43 @@ def _megatron_gpt2(graph: OperatorGraph) -> Strategy:
         elif op.name.endswith(("mlp.c_proj.addmm", "attn.c_proj.addmm")):
             configs[op.name] = ParallelConfig(degrees={"in_features": 2}, devices=(0, 1))
     return Strategy(configs)
+
+
+def test_mixtral_captures_its_router_and_experts_as_splittable_ops():
+    """Mixtral's sparse MoE block: the router's top-2 is a `topk` op and the routed experts one `experts` op
+    per layer holding the stacked weights, priced at the routed pairs' FLOPs (none opaque)."""
+    graph = hf_graph("mixtral")
+    experts = [op for op in graph if op.kind == "experts"]
+    assert len(experts) == 2 and not [op for op in graph if op.kind == "opaque"]
+    for op in experts:
+        assert set(op.params) == {"w_in", "w_out"} and op.params["w_in"].fqn.endswith("experts.gate_up_proj")
+        assert op.attrs["act"] == "silu" and op.attrs["gated"] and not op.attrs["transposed"]
+        assert graph[op.inputs[1].op].kind == "topk" and op.inputs[1].index == 1 and op.inputs[2].index == 0
+        tokens, hidden = op.outputs[0].shape
+        e, din, _ = op.params["w_in"].shape
+        pairs = tokens * 2  # top-2 routing
+        assert op.fwd_flops >= pairs * (2 * din * hidden + 2 * (din // 2) * hidden)
+        assert {d.name: d.splittable for d in dims_of(op)} == {"sample": True, "experts": True}
+
+
+def test_mixtral_trains_split_by_expert_and_by_token_as_one_process():
+    """On 2 processes: data parallel, every experts op split over its experts (each process holds half of
+    the experts and runs the tokens routed to them), the experts split beside a token split drawn by the
+    search's space, and a random valid strategy, each verified against one process."""
+    graph = hf_graph("mixtral")
+    build = functools.partial(hf_build, "mixtral")
+    dp = {op.name: _data_parallel(op) for op in graph}
+    by_expert = dp | {op.name: ParallelConfig(degrees={"experts": 2}, devices=(1, 0))
+                      for op in graph if op.kind == "experts"}
+    strategies = {"dp": Strategy(dp), "experts": Strategy(by_expert),
+                  "space": rc.space_strategy(graph, 2, random.Random(0)),
+                  "random": rc.random_strategy(graph, 2, random.Random(1))}
+    cases = [{"label": f"mixtral/{label}", "kind": "train", "build": build, "graph": graph.to_dict(),
+              "strategy": rc.configs(s), "options": rc.DEFAULT_OPTIONS} for label, s in strategies.items()]
+    results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=120, wall_timeout_s=600, num_threads=1)
+    bad = rc.failures(results[0], cases=cases, num_devices=2)
+    assert not bad, "\n".join(bad)
+    assert [r["label"] for r in results[0]] == [c["label"] for c in cases]
 
 
 @pytest.mark.slow

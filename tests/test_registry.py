@@ -88,6 +88,29 @@ def _ignoring(high: int, *shape: int) -> torch.Tensor:
     return ids
 
 
+def _routed(tokens: int, experts: int, k: int) -> torch.Tensor:
+    """Per token `k` distinct experts of `experts`, as a router's top-k picks them."""
+    g = torch.Generator().manual_seed(5)
+    return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+
+
+def _dense_experts(x, index, weights, w_in, w_out, b_in=None, b_out=None, *, act, gated, transposed):
+    """A mixture of experts the plain way: every expert on every token, then each token's routed ones
+    picked and weighted (the reference for the `experts` kind, which runs only the routed pairs)."""
+    outs = []
+    for e in range(w_in.shape[0]):
+        h = x @ (w_in[e] if transposed else w_in[e].T) + (0 if b_in is None else b_in[e])
+        if gated:
+            half = h.shape[-1] // 2
+            h = act(h[:, :half]) * h[:, half:]
+        else:
+            h = act(h)
+        outs.append(h @ (w_out[e] if transposed else w_out[e].T) + (0 if b_out is None else b_out[e]))
+    every = torch.stack(outs)  # [E, T, H]
+    rows = torch.arange(x.shape[0])
+    return sum(weights[:, j, None] * every[index[:, j], rows] for j in range(index.shape[1]))
+
+
 def _conv(case_id: str, x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups=1, bias=True) -> Case:
     params = {"weight": _rand(*w_shape, seed=2)}
     if bias:
@@ -384,6 +407,27 @@ def _cases() -> list[Case]:
              reference=lambda x, weight: F.prelu(x, weight)),
         Case(id="prelu-one", kind="prelu", inputs=(_rand(4, 6),), params={"weight": _rand(1, seed=2)},
              reference=lambda x, weight: F.prelu(x, weight)),
+        Case(id="topk", kind="topk", inputs=(_rand(6, 3, 8),), attrs={"k": 3, "axis": 2},
+             reference=lambda x: torch.topk(x, 3, dim=2)),
+        Case(id="topk-smallest-axis1", kind="topk", inputs=(_rand(6, 8, 4),),
+             attrs={"k": 2, "axis": 1, "largest": False},
+             reference=lambda x: torch.topk(x, 2, dim=1, largest=False)),
+        # Mixtral's experts: 4 experts, each token routed to 2, gate and up projections stacked
+        Case(id="experts-gated", kind="experts",
+             inputs=(_rand(8, 6), _routed(8, 4, 2), _rand(8, 2, seed=3).softmax(-1)),
+             params={"w_in": _rand(4, 10, 6, seed=4), "w_out": _rand(4, 6, 5, seed=5)},
+             attrs={"act": "silu", "gated": True, "transposed": False},
+             reference=lambda x, i, w, w_in, w_out: _dense_experts(x, i, w, w_in, w_out, act=F.silu, gated=True,
+                                                                   transposed=False)),
+        # weights stored [E, in, out], with biases, no gate (GPT-style experts), top-1 of 2
+        Case(id="experts-transposed-biased", kind="experts",
+             inputs=(_rand(6, 4), _routed(6, 2, 1), _rand(6, 1, seed=3)),
+             params={"w_in": _rand(2, 4, 5, seed=4), "w_out": _rand(2, 5, 4, seed=5), "b_in": _rand(2, 5, seed=6),
+                     "b_out": _rand(2, 4, seed=7)},
+             attrs={"act": "gelu_tanh", "gated": False, "transposed": True},
+             reference=lambda x, i, w, w_in, w_out, b_in, b_out: _dense_experts(
+                 x, i, w, w_in, w_out, b_in, b_out, act=lambda v: F.gelu(v, approximate="tanh"), gated=False,
+                 transposed=True)),
         Case(id="loss-cross_entropy", kind="loss", inputs=(_rand(8, 5), _ints(5, 8)),
              attrs={"fn": "cross_entropy", "reduction": "mean"}, reference=F.cross_entropy),
         Case(id="loss-cross_entropy-nd", kind="loss", inputs=(_rand(4, 5, 6), _ints(5, 4, 6)),
@@ -453,7 +497,7 @@ def test_every_kind_is_covered():
                   "layernorm", "groupnorm", "rmsnorm", "embedding", "lstm", "gru", "rnn", "attention", "pool2d",
                   "upsample", "adaptive_pool2d", "elementwise", "binary", "reduce", "concat", "stack", "split",
                   "slice", "reshape", "expand", "repeat", "transpose", "flip", "roll", "pad", "prelu", "softmax",
-                  "random", "dropout", "loss", "opaque"}
+                  "topk", "random", "dropout", "loss", "experts", "opaque"}
     assert set(REGISTRY) == documented
     assert {op.kind for op in ALL_OPS} == documented
     for kind, entry in REGISTRY.items():
@@ -533,7 +577,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 def _stitch(case: Case, op: Operator, boxes: list[Box], inputs, params, buffers) -> list[torch.Tensor]:
     entry = op_def(op.kind)
-    outs = [torch.zeros(spec.shape, dtype=DTYPE) for spec in op.outputs]
+    outs = [torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in op.outputs]
     # a cross-entropy mean's parts divide by the count over the whole target, which the runtime hands them
     counted = target_count(inputs[1].detach(), int(op.attrs.get("ignore_index", -100)),
                            inputs[2].detach() if len(inputs) > 2 else None) if counts_targets(op) else None

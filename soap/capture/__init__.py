@@ -9,7 +9,8 @@ each:
 
 1. `tracing`: the model and its loss, wrapped in one module, traced on fake tensors into training-IR aten
    ops (torch.export, or torch.fx with the standard leaf modules where export fails), with
-   ``nn.MultiheadAttention`` computing in its inputs' layout (`attention`);
+   ``nn.MultiheadAttention`` computing in its inputs' layout (`attention`), stacked recurrences with dropout
+   layer by layer (`recurrent`) and Hugging Face mixtures of experts as one call (`experts`);
 2. `grouping`: the aten nodes grouped into operator calls by ``nn_module_stack``;
 3. `mappers`: each call mapped to an op kind, or left opaque;
 4. `builder`: the operators emitted with names, parameters, shapes, FLOPs and bytes; values neither the
@@ -32,6 +33,7 @@ from torch import nn
 
 from soap.capture.attention import captured_attention
 from soap.capture.builder import _Builder
+from soap.capture.experts import experts_as_one_call
 from soap.capture.fused import split_fused_linears
 from soap.capture.nodes import _dtype_name
 from soap.capture.recurrent import layered_recurrences
@@ -86,7 +88,7 @@ def capture(module: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...], 
     with fake_mode:
         fake_inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors)
         fake_target = torch.empty(target.shape, dtype=target.dtype, device=device)
-    with _quiet(), torch.enable_grad(), captured_attention(), layered_recurrences():
+    with _quiet(), torch.enable_grad(), captured_attention(), layered_recurrences(), experts_as_one_call(module):
         try:
             traced = _trace_export(wrapper, fake_inputs, fake_target)
         except ModelOutputError as error:

@@ -783,6 +783,29 @@ def _softmax(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
                   attrs={"axis": _axis(int(a["dim"]), len(_shape(x))), "log": "log" in _aten_name(call.node)})
 
 
+@_maps("topk")
+def _topk(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    x = a["self"]
+    if not b.is_act(x) or not _shape(x):
+        return None
+    attrs: dict[str, Any] = {"k": int(a["k"]), "axis": _axis(int(a["dim"]), len(_shape(x)))}
+    attrs |= {name: False for name in ("largest", "sorted") if not a[name]}  # (true: torch's default)
+    return _Draft(kind="topk", inputs=[x], attrs=attrs, out_index={0: 0, 1: 1})
+
+
+@_maps("experts")
+def _experts(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
+    """soapflow::experts, the one call of a Hugging Face mixture of experts (soap/capture/experts.py)."""
+    x, index, weights = a["x"], a["index"], a["weights"]
+    if not all(b.is_act(v) for v in (x, index, weights)) or len(_shape(x)) != 2:
+        return None
+    params = _weights(b, w_in=a["w_in"], w_out=a["w_out"], b_in=a["b_in"], b_out=a["b_out"])
+    if params is None:
+        return None
+    return _Draft(kind="experts", inputs=[x, index, weights], params=params,
+                  attrs={"act": a["act"], "gated": bool(a["gated"]), "transposed": bool(a["transposed"])})
+
+
 @_maps("dropout", "feature_dropout")
 def _dropout(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x = a["input"]
