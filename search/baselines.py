@@ -1,5 +1,5 @@
 """The baseline strategies: dp, mp, tp, expert and fsdp, each a plain function returning a `Strategy`, and
-the parametric Megatron-LM layout `hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]`
+the parametric Megatron-LM layout `hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,ep=E][,recompute=none|full]`
 (`parse_baseline` reads any baseline name). `mp` and `expert` run recurrent ops (LSTM, GRU, RNN) in time chunks,
 8 by default (`mp:chunks=K`, `expert:chunks=K`, fewer where K does not divide the time steps; K = 1
 keeps them whole): layers on different devices
@@ -443,7 +443,7 @@ def pipeline_stages(graph: OperatorGraph, stages: int) -> list[int]:
 
 
 def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shard: int = 1,
-           recompute: str = "none", pp: int = 1, microbatches: int = 1) -> Strategy:
+           recompute: str = "none", pp: int = 1, microbatches: int = 1, ep: int = 1) -> Strategy:
     """The Megatron-LM layout: data parallel over replicas of `pp` x `tp_size` consecutive devices, each
     replica's batch in `microbatches` micro-batches (its devices repeated); inside a replica, `pp`
     pipeline stages of consecutive ops (`pipeline_stages`), stage s on the replica's s-th group of
@@ -451,7 +451,10 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
     ``recompute="full"`` the recomputation of `recompute_full`. Replicas outermost (Megatron-LM puts the
     pipeline outermost instead) keep every replica a block of devices, which a 512-device simulation
     times by one replica (`soap.lowering.find_replicas`); a stage's tensor-parallel group stays inside
-    a node where tp divides its size either way."""
+    a node where tp divides its size either way. With `ep` > 1 (Megatron-LM's expert-model-parallel size),
+    every mixture of experts (`experts` op) is split over its experts `ep` ways and over its tokens n / ep
+    ways instead (`_expert_parallel`): each group of `ep` consecutive devices shares a slice of the tokens
+    and holds all the experts between them."""
     n = topology.num_devices
     if pp < 1 or n % pp:
         raise BaselineNotApplicable(f"hybrid: pp={pp} does not divide the {n} devices")
@@ -467,6 +470,8 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
     if microbatches > 1 and shard > 1:
         raise BaselineNotApplicable("hybrid: micro-batches with shard > 1 are not built yet "
                                     "(a device runs one part of a sharded op)")
+    if ep > 1 and (pp > 1 or microbatches > 1):
+        raise BaselineNotApplicable("hybrid: ep with pipeline stages or micro-batches is not built yet")
     for op in graph:
         if op.kind == "input":
             sample = _sample(op)
@@ -495,9 +500,29 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
                                     for alt in _regrouped(op, local)) if c is not None), None)
         if cfg is None:
             cfg = local  # no sample dim: it runs in the first replica only
+        if ep > 1 and op.kind == "experts":
+            cfg = _expert_parallel(op, ep, n)
         configs[op.name] = _sharded(op, cfg, shard, shared)
+    if ep > 1 and not any(op.kind == "experts" for op in graph):
+        raise BaselineNotApplicable("hybrid: ep needs a mixture of experts (an experts op); the model has none")
     strategy = Strategy(configs)
     return recompute_full(graph, strategy) if recompute == "full" else strategy
+
+
+def _expert_parallel(op: Operator, ep: int, n: int) -> ParallelConfig:
+    """Experts op `op` split over its experts `ep` ways and its tokens n / ep ways over devices 0..n-1, the
+    `ep` expert parts of a token slice on consecutive devices."""
+    experts = next(d for d in dims_of(op) if d.name == "experts")
+    sample = _sample(op)
+    if n % ep:
+        raise BaselineNotApplicable(f"hybrid: ep={ep} does not divide the {n} devices")
+    if experts.size % ep:
+        raise BaselineNotApplicable(f"hybrid: ep={ep} does not divide the {experts.size} experts of {op.name}")
+    if sample is None or sample.size % (n // ep):
+        raise BaselineNotApplicable(f"hybrid: the tokens of {op.name} do not divide over {n // ep} groups of {ep} "
+                                    f"devices")
+    degrees = {name: g for name, g in ((sample.name, n // ep), ("experts", ep)) if g > 1}
+    return ParallelConfig(degrees=degrees, devices=tuple(range(n)))
 
 
 BASELINES: dict[str, Callable[[OperatorGraph, DeviceTopology], Strategy]] = {
@@ -512,7 +537,7 @@ class BaselineSpecError(ValueError):
 def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strategy] | None:
     """The baseline function `ref` names (a key of `BASELINES`, ``mp:chunks=K,microbatches=M`` (either
     optional), ``expert:chunks=K``, or
-    ``hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]``), None when `ref` names no
+    ``hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,ep=E][,recompute=none|full]``), None when `ref` names no
     baseline; `BaselineSpecError` for a malformed spec."""
     if ref in BASELINES:
         return BASELINES[ref]
@@ -530,7 +555,7 @@ def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strate
         return lambda graph, topology: make(graph, topology, **options)
     if not ref.startswith("hybrid:"):
         return None
-    usage = "hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]"
+    usage = "hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,ep=E][,recompute=none|full]"
     fields: dict[str, str] = {}
     for item in ref[len("hybrid:"):].split(","):
         key, eq, value = item.partition("=")
@@ -540,7 +565,7 @@ def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strate
         if key in fields:
             raise BaselineSpecError(f"malformed baseline {ref!r}: {key} given twice")
         fields[key] = value
-    numeric = ("tp", "pp", "microbatches", "shard")
+    numeric = ("tp", "pp", "microbatches", "shard", "ep")
     unknown = sorted(set(fields) - {*numeric, "recompute"})
     if unknown:
         raise BaselineSpecError(f"malformed baseline {ref!r}: unknown key(s) {', '.join(unknown)}; expected {usage}")
@@ -559,6 +584,6 @@ def parse_baseline(ref: str) -> Callable[[OperatorGraph, DeviceTopology], Strate
 
     def make(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
         return hybrid(graph, topology, tp_size=numbers["tp"], shard=numbers.get("shard", 1), recompute=recompute,
-                      pp=numbers.get("pp", 1), microbatches=numbers.get("microbatches", 1))
+                      pp=numbers.get("pp", 1), microbatches=numbers.get("microbatches", 1), ep=numbers.get("ep", 1))
 
     return make

@@ -1,9 +1,9 @@
 """The strategy search: Metropolis-Hastings MCMC over strategies, as in FlexFlow (SysML 2019, section 5).
 
 Owns `search` (the stage `search` of capture -> validate -> simulate -> search -> export -> execute), its
-result `SearchResult`, `NoFeasibleStrategy`, the recomputing chain starts (`recompute_starts`), one Markov
-chain (`_Chain`) and the loop that steps a worker's chains (`_run_chains`). The worker processes
-themselves are `search.workers`.
+result `SearchResult`, `NoFeasibleStrategy`, the recomputing and expert-parallel chain starts
+(`recompute_starts`, `expert_starts`), one Markov chain (`_Chain`) and the loop that steps a worker's
+chains (`_run_chains`). The worker processes themselves are `search.workers`.
 
 The method:
 
@@ -43,8 +43,13 @@ The method:
   They are simulated in full after the baselines (those the time budget leaves time for), but are not
   baselines: they are not in `SearchResult.baselines`. Where a baseline fits, recomputation only costs
   time and the chains are as they were; a single chain from the candidates (not one each) keeps the
-  other chains' shares of the proposal budget from thinning. Last come `random_chains` random
-  strategies. A start equal to an earlier one is dropped.
+  other chains' shares of the proposal budget from thinning. A model with mixtures of experts
+  (`experts` ops) also gets one chain from the closest of its expert-parallel layouts (`expert_starts`:
+  ``hybrid:tp=1,ep=E`` with E the largest count above 1 dividing the devices of the smallest node and
+  every experts op's experts, and ``hybrid:tp=1,ep=E,shard=S`` with S = devices / E; each also with full
+  recomputation where no baseline fits), simulated likewise: splitting every layer's experts at once is
+  a basin that single-op and tied moves from data parallelism rarely reach. Last come `random_chains`
+  random strategies. A start equal to an earlier one is dropped.
 - budgets: a time budget (`budget_s`, wall clock for the whole search, baselines included) and/or a
   proposal budget (`max_proposals`, split evenly over the chains). The search also stops early when it
   has made no progress for half the budget. Progress has one definition (`_closeness`): a strategy
@@ -121,6 +126,7 @@ from search.tidy import tidy
 from search.workers import ChainSpec, Progress, WorkerJob, from_plain, run_workers, to_plain
 from soap.graph import OperatorGraph
 from soap.lowering import NotReplicable, Replicas
+from soap.registry import dims_of
 from soap.strategy import Strategy
 from soap.topology import DeviceTopology
 
@@ -450,22 +456,27 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
             starts.append(closest)
     elif best_baseline is not None and best_baseline not in starts:
         starts.append(best_baseline)
-    # When no baseline fits, the recomputing starts, simulated in full like the baselines while the time
-    # budget lasts: one chain starts from the closest of them.
-    recomputing: dict[str, Strategy] = {}
-    recomputing_costs: dict[str, Cost] = {}
-    for name, strategy in ([] if feasible else recompute_starts(graph, topology)):
-        if budget_s is not None and time.monotonic() - t0 >= budget_s:
-            break
-        recomputing[name] = strategy
-        probe, recomputing_costs[name] = _probe(evaluators, graph, topology, strategy, space, simulated)
-        if probe is not None:
-            probes[name] = (probe, recomputing_costs[name])
-    closest_recomputing = min(recomputing, key=lambda n: _closeness(recomputing_costs[n]), default=None)
+    # The layout starts, simulated in full like the baselines while the time budget lasts: where no baseline
+    # fits, one chain from the closest recomputing one if it is closer than every baseline; for mixtures of
+    # experts, one from the closest expert-parallel one.
+    layouts: dict[str, Strategy] = {}
+    layout_costs: dict[str, Cost] = {}
     closest_baseline = min((_closeness(c) for c in costs.values() if c is not None), default=(1, math.inf))
-    if closest_recomputing is not None and _closeness(recomputing_costs[closest_recomputing]) < closest_baseline:
-        starts.append(closest_recomputing)
-    strategies_and_starts = strategies | recomputing
+    for always, family in ((False, [] if feasible else recompute_starts(graph, topology)),
+                           (True, expert_starts(graph, topology, recompute=not feasible))):
+        for name, strategy in family:
+            if budget_s is not None and time.monotonic() - t0 >= budget_s:
+                break
+            layouts[name] = strategy
+            probe, layout_costs[name] = _probe(evaluators, graph, topology, strategy, space, simulated)
+            if probe is not None:
+                probes[name] = (probe, layout_costs[name])
+        closest = min((n for n, _ in family if n in layout_costs), key=lambda n: _closeness(layout_costs[n]),
+                      default=None)
+        if closest is not None and closest not in starts and (always or _closeness(layout_costs[closest])
+                                                              < closest_baseline):
+            starts.append(closest)
+    strategies_and_starts = strategies | layouts
     # No baseline fits: a search of one replica per device first, whose best one more chain starts from.
     phase, phase_start = None, time.monotonic() - t0
     if replica_phase and rep is None and not feasible and getattr(evaluators, "simulates_replicas", False):
@@ -474,7 +485,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
                                budget_s=None if budget_s is None else budget_s - phase_start,
                                max_proposals=max_proposals,
                                simulated=tuple((strategies[n], c) for n, c in costs.items() if c is not None)
-                               + tuple((recomputing[n], c) for n, c in recomputing_costs.items()))
+                               + tuple((layouts[n], c) for n, c in layout_costs.items()))
     if phase is not None:
         name = f"best of {phase.replicas} replicas"
         starts.append(name)
@@ -494,7 +505,7 @@ def search(graph: OperatorGraph, topology: DeviceTopology, *, evaluators: Evalua
     specs = [ChainSpec(name=n, start=to_plain(s), seed=f"soapflow.search/{seed}/{n}", max_proposals=k)
              for (n, s), k in zip(named, per_chain, strict=True) if k is None or k > 0]
 
-    references = [to_plain(s) for s in (strategies | recomputing).values()]
+    references = [to_plain(s) for s in (strategies | layouts).values()]
     offset = time.monotonic() - t0
     if progress is not None:
         if phase is not None:  # the chains' proposals go on from the phase's, their best from its best
@@ -669,12 +680,33 @@ def recompute_starts(graph: OperatorGraph, topology: DeviceTopology) -> list[tup
             specs.append(f"hybrid:tp={tp_size},shard={n // tp_size},recompute=full")
     makers = [(spec, parse_baseline(spec)) for spec in specs]
     makers.append(("fsdp+recompute=full", lambda g, t: recompute_full(g, fsdp(g, t))))
+    return _layouts(graph, topology, makers)
+
+
+def expert_starts(graph: OperatorGraph, topology: DeviceTopology, *, recompute: bool) -> list[tuple[str, Strategy]]:
+    """The expert-parallel chain starts (module docstring) as (name, strategy), each strategy once; none
+    for a graph without `experts` ops, or where no expert count above 1 divides both every experts op's
+    experts and the devices of the smallest node. `recompute`: also each with full recomputation."""
+    counts = {d.size for op in graph if op.kind == "experts" for d in dims_of(op) if d.name == "experts"}
+    per_node = min(Counter(d.node for d in topology.devices).values())
+    n = topology.num_devices
+    ep = max((e for e in range(2, per_node + 1) if per_node % e == 0 and n % e == 0
+              and all(c % e == 0 for c in counts)), default=1)
+    if not counts or ep == 1:
+        return []
+    specs = [f"hybrid:tp=1,ep={ep}"] + ([f"hybrid:tp=1,ep={ep},shard={n // ep}"] if n > ep else [])
+    specs += [f"{spec},recompute=full" for spec in specs] if recompute else []
+    return _layouts(graph, topology, [(spec, parse_baseline(spec)) for spec in specs])
+
+
+def _layouts(graph: OperatorGraph, topology: DeviceTopology, makers: list) -> list[tuple[str, Strategy]]:
+    """(name, strategy) for each (name, maker) of `makers` whose layout applies, each strategy once."""
     starts: list[tuple[str, Strategy]] = []
     for name, make in makers:
         try:
             strategy = make(graph, topology)
         except BaselineNotApplicable:
-            continue  # tp, shard or the batch does not divide
+            continue  # tp, ep, shard or the batch does not divide
         if all(strategy != s for _, s in starts):
             starts.append((name, strategy))
     return starts

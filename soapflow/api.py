@@ -93,7 +93,7 @@ def resolve_strategy(ref: str, *, graph: OperatorGraph, topology: DeviceTopology
         return strategy
     if not Path(ref).exists():
         raise StrategyError(f"strategy {ref!r} is neither a baseline ({', '.join(BASELINES)}, hybrid:tp=T[,pp=P]"
-                            "[,microbatches=M][,shard=S][,recompute=none|full]) nor an existing file")
+                            "[,microbatches=M][,shard=S][,ep=E][,recompute=none|full]) nor an existing file")
     doc = read_strategy_doc(ref)
     _batch_of(doc, ref)  # (a bad batch_size is an error)
     try:

@@ -549,7 +549,7 @@ def _shipped_costs_arg(p: argparse.ArgumentParser) -> None:
 
 # What -s takes: `soapflow.api.resolve_strategy`'s references (README.md's STRATEGY says what each is).
 _STRATEGY_HELP = ("strategy file or baseline: dp, mp, tp, expert, fsdp, mp:chunks=K,microbatches=M, expert:chunks=K "
-                  "or hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,recompute=none|full]")
+                  "or hybrid:tp=T[,pp=P][,microbatches=M][,shard=S][,ep=E][,recompute=none|full]")
 
 
 def _model_args(p: argparse.ArgumentParser, *, strategy_file: bool = False) -> None:

@@ -280,5 +280,5 @@ def mobilenet_v2(batch_size: int = 4, *, image: int = 32) -> tuple:
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
           "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
-          "vit": vit, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "falcon": falcon, "swin": swin, "mobilenet_v2": mobilenet_v2,
-          "t5": t5}
+          "vit": vit, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "falcon": falcon, "swin": swin,
+          "mobilenet_v2": mobilenet_v2, "t5": t5}

@@ -32,6 +32,9 @@ from runtime.kernels import KERNELS  # noqa: E402
 from runtime.launch import launch  # noqa: E402
 from runtime.materialize import record, replay  # noqa: E402
 from runtime.train import TrainOptions, Workload, train_rank  # noqa: E402
+from search.baselines import BaselineNotApplicable, parse_baseline  # noqa: E402
+from search.evaluate import SimulatorEvaluators  # noqa: E402
+from search.mcmc import expert_starts, search  # noqa: E402
 from search.space import ConfigSpace  # noqa: E402
 from soap.capture import capture  # noqa: E402
 from soap.config import ParallelConfig  # noqa: E402
@@ -212,14 +215,15 @@ def test_mixtral_captures_its_router_and_experts_as_splittable_ops():
 
 def test_mixtral_trains_split_by_expert_and_by_token_as_one_process():
     """On 2 processes: data parallel, every experts op split over its experts (each process holds half of
-    the experts and runs the tokens routed to them), the experts split beside a token split drawn by the
-    search's space, and a random valid strategy, each verified against one process."""
+    the experts and runs the tokens routed to them), the expert-parallel baseline, a strategy drawn from
+    the search's space and a random valid one, each verified against one process."""
     graph = hf_graph("mixtral")
     build = functools.partial(hf_build, "mixtral")
     dp = {op.name: _data_parallel(op) for op in graph}
     by_expert = dp | {op.name: ParallelConfig(degrees={"experts": 2}, devices=(1, 0))
                       for op in graph if op.kind == "experts"}
     strategies = {"dp": Strategy(dp), "experts": Strategy(by_expert),
+                  "hybrid:tp=1,ep=2": parse_baseline("hybrid:tp=1,ep=2")(graph, load_topology("cpu-2")),
                   "space": rc.space_strategy(graph, 2, random.Random(0)),
                   "random": rc.random_strategy(graph, 2, random.Random(1))}
     cases = [{"label": f"mixtral/{label}", "kind": "train", "build": build, "graph": graph.to_dict(),
@@ -228,6 +232,38 @@ def test_mixtral_trains_split_by_expert_and_by_token_as_one_process():
     bad = rc.failures(results[0], cases=cases, num_devices=2)
     assert not bad, "\n".join(bad)
     assert [r["label"] for r in results[0]] == [c["label"] for c in cases]
+
+
+def test_expert_parallel_baseline_splits_every_experts_op_over_experts_and_tokens():
+    graph = hf_graph("mixtral")
+    topology = load_topology("cpu-8")
+    plain, with_ep = (parse_baseline(f"hybrid:tp=2{ep}")(graph, topology) for ep in ("", ",ep=4"))
+    for op in graph:
+        if op.kind == "experts":
+            assert dict(with_ep[op.name].degrees) == {"sample": 2, "experts": 4}
+            assert with_ep[op.name].devices == tuple(range(8)) and "experts" not in plain[op.name].degrees
+        else:
+            assert with_ep[op.name] == plain[op.name]
+    for spec, refusal in (("hybrid:tp=2,ep=3", "ep=3 does not divide the 8 devices"),
+                          ("hybrid:tp=2,ep=8", "ep=8 does not divide the 4 experts"),
+                          ("hybrid:tp=2,ep=2,pp=2", "ep with pipeline stages")):
+        with pytest.raises(BaselineNotApplicable, match=refusal):
+            parse_baseline(spec)(graph, topology)
+    with pytest.raises(BaselineNotApplicable, match="needs a mixture of experts"):
+        parse_baseline("hybrid:tp=2,ep=2")(hf_graph("llama"), topology)
+
+
+def test_search_of_a_mixture_of_experts_starts_a_chain_from_expert_parallelism():
+    graph = hf_graph("mixtral")
+    topology = load_topology("cpu-4")
+    starts = dict(expert_starts(graph, topology, recompute=False))
+    assert list(starts) == ["hybrid:tp=1,ep=4"]
+    assert {dict(starts["hybrid:tp=1,ep=4"][op.name].degrees)["experts"] for op in graph if op.kind == "experts"} == {4}
+    assert [n for n, _ in expert_starts(graph, topology, recompute=True)] == ["hybrid:tp=1,ep=4",
+                                                                             "hybrid:tp=1,ep=4,recompute=full"]
+    assert expert_starts(hf_graph("llama"), topology, recompute=True) == []
+    result = search(graph, topology, evaluators=SimulatorEvaluators(), max_proposals=40, seed=0)
+    assert "hybrid:tp=1,ep=4" in [c.name for c in result.chains]
 
 
 @pytest.mark.slow
