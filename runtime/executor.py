@@ -68,6 +68,7 @@ from soap.lowering import (
     StepPlan,
     SyncEntry,
     chunk_numel,
+    full_precision,
 )
 from soap.opdef import Region
 from soap.registry import counts_targets, op_def
@@ -127,6 +128,7 @@ class Executor:
                  timeout_s: float = 60.0, device: torch.device | str = "cpu"):
         assert plan.flow.source is graph, "the plan is not the graph's"
         self.graph = graph = plan.flow.graph  # the graph as run: activations in the compute dtype
+        self.full_precision = full_precision(graph)  # (ops that compute in float32 under mixed precision)
         self.plan = plan
         self.flow = plan.flow
         self.rank = rank
@@ -504,7 +506,7 @@ class Executor:
         """The part's outputs and its final state along a carried dim (empty for kinds without one),
         starting from `state` (`runtime.kernels.compute_chunk`)."""
         if self.compute_dtype != self.float_dtype:
-            if op.name == self.plan.loss_op:  # the loss computes in the master dtype
+            if op.name in self.full_precision:  # the loss and a router compute in the master dtype
                 inputs = [x.to(self.float_dtype) if x is not None and x.is_floating_point() else x for x in inputs]
             elif not self.op_buffers[op.name]:
                 # an op with running statistics (batch norm) keeps its float32 weights, as torch.autocast

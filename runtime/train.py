@@ -63,6 +63,7 @@ from runtime.kernels import dropped, normal_draws, uniform_draws
 from runtime.launch import rank_device
 from runtime.materialize import MaterializeError, install_buffers, record, replay
 from soap.capture.attention import captured_attention
+from soap.capture.experts import experts_as_one_call
 from soap.capture.recurrent import layered_recurrences
 from soap.config import ParallelConfig
 from soap.graph import OperatorGraph
@@ -780,7 +781,7 @@ def _reference_loss(workload: Workload, module: nn.Module, graph: OperatorGraph,
     draws = sum(op.kind == "random" for op in graph)
     with (_RuntimeDropout(num_ops=len(dropouts), masked=any(op.attrs.get("p") for op in dropouts), step=step,
                           num_draws=draws),
-          captured_attention(), layered_recurrences(),
+          captured_attention(), layered_recurrences(), experts_as_one_call(module, traced=False),
           torch.autocast(device.type, dtype=TORCH_DTYPES[compute], enabled=autocast and compute != "float32")):
         return workload.loss_fn(module(*batch[:n_inputs]), batch[n_inputs]).to(dtype)
 

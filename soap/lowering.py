@@ -46,11 +46,14 @@ The rules, each stated once:
   counts without the frozen parameters' gradients. Frozen parameters are not sharded
   (`soap.config.validate`).
 - **Precision.** A step runs `run_graph(graph, setup)`: the graph with every float32 activation (op
-  outputs, the float batch and constants included) in the setup's compute dtype, except the loss; the
-  parameters stay float32 masters. Everything above reads that graph, so exchanges move and activations
-  take compute-dtype bytes and the cost model times ops at the compute dtype's peak, while gradients,
-  buckets, all-reduces and updates stay float32. Under mixed precision a device also keeps a
-  compute-dtype copy of each shard it holds (what its ops compute with, saved for their backward).
+  outputs, the float batch and constants included) in the setup's compute dtype, except the loss's and a
+  router's (`topk` ops and the ops read only by them: a mixture of experts' scores, whose picks would flip
+  where the compute dtype rounds two scores alike; the models compute them in float32 themselves), which
+  compute from float32 inputs; the parameters stay float32 masters. Everything above reads that graph,
+  so exchanges move and activations take compute-dtype bytes and the cost model times ops at the compute
+  dtype's peak, while gradients, buckets, all-reduces and updates stay float32. Under mixed precision a
+  device also keeps a compute-dtype copy of each shard it holds (what its ops compute with, saved for
+  their backward).
 
 - **Recomputation.** An op whose config recomputes keeps none of its outputs for backward: each device
   drops its part's outputs once its consumers' forwards have read them, and runs the part's forward again
@@ -456,15 +459,26 @@ def _overlap_matrix(regions: np.ndarray) -> np.ndarray:
 
 def run_graph(graph: OperatorGraph, setup: TrainSetup) -> OperatorGraph:
     """`graph` as a step under `setup` runs it (the module docstring's precision rule): `graph` itself
-    under fp32, else a copy whose float32 op outputs but the loss's are in the compute dtype."""
+    under fp32, else a copy whose float32 op outputs are in the compute dtype but those of `full_precision`."""
     dtype = setup.compute_dtype
     if dtype == "float32":
         return graph
-    last = len(graph.ops) - 1
-    ops = [op if i == last or not any(t.dtype == "float32" for t in op.outputs) else dataclasses.replace(
+    kept = full_precision(graph)
+    ops = [op if op.name in kept or not any(t.dtype == "float32" for t in op.outputs) else dataclasses.replace(
         op, outputs=tuple(dataclasses.replace(t, dtype=dtype) if t.dtype == "float32" else t for t in op.outputs))
-        for i, op in enumerate(graph.ops)]
+        for op in graph.ops]
     return OperatorGraph(ops, name=graph.name, batch_size=graph.batch_size)
+
+
+def full_precision(graph: OperatorGraph) -> set[str]:
+    """The ops that compute in float32 under mixed precision (the module docstring's precision rule): the
+    loss (the last op), every `topk` and every op whose outputs only `topk` ops read."""
+    kept = {graph.ops[-1].name} if graph.ops else set()
+    for op in graph.ops:
+        readers = graph.consumers(op.name)
+        if op.kind == "topk" or (readers and all(graph[name].kind == "topk" for name, _, _ in readers)):
+            kept.add(op.name)
+    return kept
 
 
 def recompute_points(flow: GradFlow, recompute: Sequence[bool]) -> list[int | None]:

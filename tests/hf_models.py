@@ -183,6 +183,18 @@ def qwen2_moe(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     return _example(_causal_lm(config), batch_size, seq)
 
 
+def deepseek_v3(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """DeepSeek-V3: 2 layers, width 64, multi-head latent attention (kv rank 16), 4 routed experts (top-2 by
+    sigmoid scores with a bias) beside a shared expert; its router's group masks stay opaque (no FLOPs)."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                              n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=32, **_LM)
+    return _example(_causal_lm(config), batch_size, seq)
+
+
 def roberta(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     """RoBERTa masked LM: 2 layers, width 64, 4 heads, positions counted from the padding index."""
     from transformers import RobertaConfig, RobertaForMaskedLM
@@ -280,5 +292,5 @@ def mobilenet_v2(batch_size: int = 4, *, image: int = 32) -> tuple:
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
           "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
-          "vit": vit, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "falcon": falcon, "swin": swin,
-          "mobilenet_v2": mobilenet_v2, "t5": t5}
+          "vit": vit, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3, "falcon": falcon,
+          "swin": swin, "mobilenet_v2": mobilenet_v2, "t5": t5}

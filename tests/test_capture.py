@@ -858,3 +858,26 @@ def test_a_constant_index_of_consecutive_elements_is_a_slice():
     assert [(op.attrs["start"], op.attrs["stop"], op.attrs["squeeze"]) for op in slices] == [(2, 3, False),
                                                                                           (1, 2, True)]
     assert len([op for op in graph if op.kind == "opaque"]) == 1  # [0, 2] picks two apart: left opaque
+
+
+class _CastWeights(nn.Module):
+    """A router as DeepSeek writes it: its float32 weight cast to float32 before the product, and a
+    bfloat16 copy of another weight (a real cast, kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8))
+        self.v = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        same = F.linear(x.float(), self.w.type(torch.float32))
+        other = F.linear(x.bfloat16(), self.v.to(torch.bfloat16)).float()
+        return same + other
+
+
+def test_a_cast_of_a_parameter_to_its_own_dtype_is_the_parameter():
+    graph = capture(_CastWeights(), torch.empty(6, 8, device="meta"), torch.empty(6, 4, device="meta"))
+    linears = [op for op in graph if op.kind == "linear"]
+    assert [op.params["weight"].fqn for op in linears] == ["w"]
+    held = [op.params["v"].fqn for op in graph if op.kind == "opaque" and "v" in op.params]
+    assert held == ["v"]  # (the bfloat16 copy: one opaque cast holding it)

@@ -1,8 +1,8 @@
 """Hugging Face models (GPT-2, Llama, BERT from tiny random configs, tests/hf_models.py) capture into real,
 splittable op kinds and train under soapflow's strategies exactly as in one process; the wider corpus (GPT-NeoX,
-OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART, T5, ViT, Swin, MobileNetV2, Mixtral, Qwen2-MoE, Falcon)
-captures with no opaque op carrying FLOPs or parameters beyond the documented `OPAQUE_ALLOWANCE`, and optimizes
-and verifies on cpu-2.
+OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART, T5, ViT, Swin, MobileNetV2, Mixtral, Qwen2-MoE,
+DeepSeek-V3, Falcon) captures with no opaque op carrying FLOPs or parameters beyond the documented
+`OPAQUE_ALLOWANCE`, and optimizes and verifies on cpu-2.
 
 Needs the optional extra `hf` (`pip install 'soapflow[hf]'`); the tests skip without it. The multi-process
 ones are marked slow.
@@ -39,7 +39,9 @@ from search.space import ConfigSpace  # noqa: E402
 from soap.capture import capture  # noqa: E402
 from soap.config import ParallelConfig  # noqa: E402
 from soap.graph import Operator, OperatorGraph  # noqa: E402
+from soap.lowering import run_graph  # noqa: E402
 from soap.registry import dims_of  # noqa: E402
+from soap.setup import TrainSetup  # noqa: E402
 from soap.strategy import Strategy  # noqa: E402
 from soap.topology import load_topology  # noqa: E402
 
@@ -264,6 +266,19 @@ def test_search_of_a_mixture_of_experts_starts_a_chain_from_expert_parallelism()
     assert expert_starts(hf_graph("llama"), topology, recompute=True) == []
     result = search(graph, topology, evaluators=SimulatorEvaluators(), max_proposals=40, seed=0)
     assert "hybrid:tp=1,ep=4" in [c.name for c in result.chains]
+
+
+def test_a_router_computes_in_float32_under_mixed_precision():
+    """Under bf16 every float32 activation runs in bf16 but the loss's and the routers': each `topk` and
+    the softmax it reads, whose picks would flip where bf16 rounds two scores alike."""
+    graph = hf_graph("mixtral")
+    run = run_graph(graph, TrainSetup(precision="bf16", optimizer="adamw"))
+    topks = {op.name for op in graph if op.kind == "topk"}
+    scores = {graph[name].inputs[0].op for name in topks}
+    assert len(topks) == 2 and {graph[name].kind for name in scores} == {"softmax"}
+    float32 = {op.name for op in run if any(t.dtype == "float32" for t in op.outputs)}
+    assert float32 == topks | scores | {graph.ops[-1].name}
+    assert {t.dtype for op in run if op.kind == "experts" for t in op.outputs} == {"bfloat16"}
 
 
 @pytest.mark.slow

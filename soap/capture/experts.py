@@ -128,28 +128,33 @@ def _fits(module: nn.Module) -> dict[str, Any] | None:
             "bias": bool(module.has_bias)}
 
 
-def _one_call(module: nn.Module, how: dict[str, Any]) -> Callable[..., Tensor]:
+def _one_call(module: nn.Module, how: dict[str, Any], traced: bool) -> Callable[..., Tensor]:
     w_in = how["w_in"]
 
     def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         b_in = getattr(module, f"{w_in}_bias") if how["bias"] else None
         b_out = module.down_proj_bias if how["bias"] else None
-        return _experts_op(hidden_states, top_k_index, top_k_weights, getattr(module, w_in), module.down_proj,
-                           b_in, b_out, how["act"], how["gated"], how["transposed"])
+        if traced:
+            return _experts_op(hidden_states, top_k_index, top_k_weights, getattr(module, w_in), module.down_proj,
+                               b_in, b_out, how["act"], how["gated"], how["transposed"])
+        return mixture(hidden_states, top_k_index, top_k_weights, getattr(module, w_in), module.down_proj, b_in,
+                       b_out, act=how["act"], gated=how["gated"], transposed=how["transposed"])
 
     return forward
 
 
 @contextmanager
-def experts_as_one_call(model: nn.Module) -> Iterator[None]:
+def experts_as_one_call(model: nn.Module, *, traced: bool = True) -> Iterator[None]:
     """Within the block, every Hugging Face experts module of `model` that fits computes through the one
-    ``soapflow::experts`` call (module docstring)."""
+    ``soapflow::experts`` call (module docstring); with `traced` False through `mixture` itself, as the
+    runtime's kernel does (the verifying reference: under autocast its products then run in the compute
+    dtype as the run's do, where Hugging Face's grouped products are not autocast and run in float32)."""
     patched = []
     for module in model.modules():
         how = _fits(module)
         if how is not None:
             patched.append((module, module.__dict__.get("forward")))
-            module.forward = _one_call(module, how)
+            module.forward = _one_call(module, how, traced)
     try:
         yield
     finally:

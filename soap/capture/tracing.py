@@ -52,6 +52,10 @@ becomes the embedding of the ids then the sum or mean over the bag axis, so that
 ``embedding`` and ``reduce`` kinds (`_bags_as_embeddings`); a max bag, or bags given by offsets, stay
 opaque.
 
+Casts of parameters. A cast of a parameter (or a buffer) to the dtype and device it already has is the
+parameter itself (`_placeholder_casts_dropped`), so that the op reading it holds the parameter instead of
+staying opaque: DeepSeek's router computes ``F.linear(x.float(), self.weight.float())``.
+
 In-place writes. The training IR keeps a model's in-place ops (``shifted[:, 1:] = ids[:, :-1]`` is a
 ``slice`` then ``copy_``; ``masked_fill_``, ``fill_``, ``add_``, ...). `_functionalize` rewrites each into
 its out-of-place form and, where it wrote through a chain of ``slice``, ``select`` or ``diagonal`` views,
@@ -392,7 +396,7 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
 def _rewrite_forms(graph: fx.Graph) -> None:
     """The rewrites that keep values and give the graph the forms capture's kinds split (the module
     docstring's pieces before permutes, recurrences apart, batch first and one direction at a time, what is
-    written out, pools in 2-D and bags as embeddings)."""
+    written out, pools in 2-D, bags as embeddings and casts of parameters)."""
     _selects_first(graph)
     _recurrences_apart(graph)
     _batch_first_recurrences(graph)
@@ -400,6 +404,25 @@ def _rewrite_forms(graph: fx.Graph) -> None:
     _written_out(graph)
     _pools_in_2d(graph)
     _bags_as_embeddings(graph)
+    _placeholder_casts_dropped(graph)
+
+
+def _placeholder_casts_dropped(graph: fx.Graph) -> None:
+    """Replace, in place, a cast of a placeholder (a parameter, a buffer) to the dtype and device it has
+    by the placeholder itself (DeepSeek's router reads ``self.weight.type(torch.float32)`` of a float32
+    weight): the value is the same, and the op reading it then holds the parameter (the module docstring's
+    casts of parameters)."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if (node.op != "call_function" or node.target not in (aten.to.dtype, aten._to_copy.default)
+                or not isinstance(node.args[0], fx.Node) or node.args[0].op != "placeholder"):
+            continue
+        before, after = node.args[0].meta.get("val"), node.meta.get("val")
+        if (not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or before.dtype != after.dtype
+                or before.device != after.device or set(node.kwargs) - {"dtype", "layout", "device"}):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
 
 
 def _fake_mode(node: fx.Node) -> Any:
