@@ -657,10 +657,11 @@ def _topk(op, box, inputs, params, ctx):
 
 
 def _experts(op, box, inputs, params, ctx):
-    # the held experts [lo, hi) of the routed ones; tokens routed elsewhere add 0 (partial sums)
+    # the held experts [lo, hi) of the routed ones (tokens routed elsewhere add 0) and the held inner range:
+    # partial sums either way
     x, index, weights = inputs
-    return (mixture(x, index, weights, params["w_in"], params["w_out"], params.get("b_in"), params.get("b_out"),
-                    act=str(op.attrs["act"]), gated=bool(op.attrs["gated"]),
+    return (mixture(x, index, weights, params.get("w_gate"), params["w_up"], params["w_out"], params.get("b_gate"),
+                    params.get("b_up"), params.get("b_out"), act=str(op.attrs["act"]),
                     transposed=bool(op.attrs["transposed"]), first=box[1][0]),)
 
 

@@ -201,7 +201,8 @@ def tp(graph: OperatorGraph, topology: DeviceTopology) -> Strategy:
     """Tensor parallelism (Megatron-style): ops with weights split on a parameter dim over all devices.
 
     A linear whose input arrives split on the features (from a column-split linear, through ops that keep
-    the layout) takes the reduction split instead (row parallel), so the pair needs one all-reduce. Ops
+    the layout) takes the reduction split instead (row parallel), so the pair needs one all-reduce; a
+    mixture of experts splits every expert's inner units (Megatron-LM's expert tensor parallelism). Ops
     without weights keep their producer's layout where they can (through reshapes and transposes, so that
     the output projection after attention is row parallel), except attention, which splits on its heads;
     every other op runs data parallel. `BaselineNotApplicable` where no op then splits (no weight dim, no
@@ -220,6 +221,8 @@ def _tensor_parallel(graph: OperatorGraph, devices: tuple[int, ...]) -> Strategy
         if op.params:
             if op.kind == "linear":
                 cfg = _follow(op, graph, configs, _dims_of_kind(op, DimKind.REDUCTION))
+            elif op.kind == "experts":  # every expert split as an MLP is (its inner units)
+                cfg = split(op, next(d for d in dims_of(op) if d.name == "inner"), devices)
             if cfg is None:
                 cfg = next((c for c in (split(op, d, devices) for d in _dims_of_kind(op, DimKind.PARAMETER))
                             if c is not None), None)

@@ -562,53 +562,68 @@ class Embedding(OpDef):
 class Experts(OpDef):
     """A mixture of experts' feed-forward: y[T, H] = sum over slots j of weights[t, j] times expert
     index[t, j] of x[t], from tokens x[T, H], the experts each token is routed to, index[T, k] (int64), and
-    their weights[T, k]. Expert e: h = x @ w_in[e]^T (+ b_in[e]); act(h[:Din/2]) * h[Din/2:] with `gated`,
-    else act(h); y_e = h @ w_out[e]^T (+ b_out[e]). params `w_in` [E, Din, H], `w_out` [E, H, I] (stored
-    [E, H, Din] and [E, I, H] with `transposed`), optionally `b_in` [E, Din], `b_out` [E, H]; attrs `act`,
-    `gated`, `transposed`. Capture makes it from Hugging Face's experts modules (soap/capture/experts.py).
+    their weights[T, k]. Expert e: act(x @ w_gate[e]^T + b_gate[e]) * (x @ w_up[e]^T + b_up[e]) with a
+    gate, else act(x @ w_up[e]^T + b_up[e]); then @ w_out[e]^T + b_out[e]. params `w_gate` (optional),
+    `w_up` [E, I, H], `w_out` [E, H, I] (stored [E, H, I] and [E, I, H] with `transposed`), optionally
+    `b_gate`, `b_up` [E, I], `b_out` [E, H]; attrs `act`, `transposed`. Capture makes it from Hugging
+    Face's experts modules (soap/capture/experts.py), the gate and up weights two blocks of their stacked
+    ``gate_up_proj``.
 
-    dims: `sample` (the tokens, axis 0), `experts` (reduction: a part holds experts [lo, hi), runs the
-    tokens routed to them and adds 0 for the others; the parts hold partial sums). Which tokens an expert
-    gets is known only at run time: FLOPs and saved activations assume the routing spreads the T k
-    (token, slot) pairs evenly over the experts.
+    dims: `sample` (the tokens, axis 0); `experts` (reduction: a part holds experts [lo, hi), runs the
+    tokens routed to them and adds 0 for the others: expert parallelism); `inner` (reduction: a part holds
+    inner units [lo, hi) of every held expert, the rows of `w_gate` and `w_up` and the columns of `w_out`,
+    as Megatron-LM splits an MLP: expert tensor parallelism; only the first adds `b_out`). Parts of either
+    hold partial sums. Which tokens an expert gets is known only at run time: FLOPs and saved activations
+    assume the routing spreads the T k (token, slot) pairs evenly over the experts.
     """
 
     kind = "experts"
     captured_from = ("experts",)  # soapflow::experts, the call of soap/capture/experts.py
     kernel = "experts"
 
-    def widths(self, op: Operator) -> tuple[int, int, int, int]:
-        """(E, Din, I, H): experts, width of the input projection, of the activation, of the tokens."""
-        transposed = bool(op.attrs.get("transposed", False))
-        e, a, b = op.params["w_in"].shape
-        din, h = (b, a) if transposed else (a, b)
-        return e, din, din // 2 if op.attrs.get("gated", True) else din, h
+    def widths(self, op: Operator) -> tuple[int, int, int]:
+        """(E, I, H): experts, their inner width, the tokens' width."""
+        e, a, b = op.params["w_up"].shape
+        return (e, b, a) if op.attrs.get("transposed", False) else (e, a, b)
 
     def dims(self, op: Operator) -> tuple[DimSpec, ...]:
+        e, inner, _ = self.widths(op)
         return (DimSpec(name="sample", kind=DimKind.SAMPLE, size=op.outputs[0].shape[0], out_axis=0),
-                DimSpec(name="experts", kind=DimKind.REDUCTION, size=self.widths(op)[0], out_axis=None))
+                DimSpec(name="experts", kind=DimKind.REDUCTION, size=e, out_axis=None),
+                DimSpec(name="inner", kind=DimKind.REDUCTION, size=inner, out_axis=None))
 
     def input_regions(self, op: Operator, box: Box) -> tuple[Region | None, ...]:
         return tuple((box[0], (0, input_shape(op, i)[1])) for i in range(3))
 
     def param_regions(self, op: Operator, box: Box) -> dict[str, Region]:
-        return {name: (box[1],) + full_region(p.shape)[1:] for name, p in op.params.items()}
+        _, experts, inner = box
+        h = self.widths(op)[2]
+        rows, cols = ((0, h), inner) if op.attrs.get("transposed", False) else (inner, (0, h))
+        regions = {name: (experts, rows, cols) for name in ("w_gate", "w_up") if name in op.params}
+        regions["w_out"] = (experts, cols, rows)
+        regions |= {name: (experts, inner) for name in ("b_gate", "b_up") if name in op.params}
+        if "b_out" in op.params and inner[0] == 0:
+            regions["b_out"] = (experts, (0, h))
+        return regions
 
     def routed_pairs(self, op: Operator, box: Box) -> float:
         """The (token, slot) pairs part `box` runs on average: its tokens' pairs, its share of the experts."""
-        (t0, t1), (e0, e1) = box
+        (t0, t1), (e0, e1), _ = box
         return (t1 - t0) * input_shape(op, 1)[1] * (e1 - e0) / self.widths(op)[0]
 
     def flops(self, op: Operator) -> float:
-        e, din, inner, h = self.widths(op)
+        _, inner, h = self.widths(op)
+        projections = 3 if "w_gate" in op.params else 2
         pairs = self.routed_pairs(op, full_box(self.dims(op)))
-        # two products, the activation (and the gate's product), the weighting, the sum over slots
-        return pairs * (2.0 * din * h + 2.0 * inner * h + din + 2.0 * h)
+        # the products, the activation (and the gate's product), the weighting, the sum over slots
+        return pairs * (2.0 * projections * inner * h + (projections - 1) * inner + 2.0 * h)
 
     def saved_bytes(self, op: Operator, box: Box) -> int:
-        # per routed pair: the gathered token, both projections' outputs, the activation, the weighted row
-        e, din, inner, h = self.widths(op)
-        return int(self.routed_pairs(op, box) * (2 * h + din + inner + h)) * DTYPE_BYTES[op.outputs[0].dtype]
+        # per routed pair: the gathered token, the projections' outputs, the activation, the output row
+        i0, i1 = box[2]
+        h = self.widths(op)[2]
+        projections = 3 if "w_gate" in op.params else 2
+        return int(self.routed_pairs(op, box) * (2 * h + projections * (i1 - i0))) * DTYPE_BYTES[op.outputs[0].dtype]
 
 
 class _Recurrent(OpDef):

@@ -205,26 +205,32 @@ def test_mixtral_captures_its_router_and_experts_as_splittable_ops():
     experts = [op for op in graph if op.kind == "experts"]
     assert len(experts) == 2 and not [op for op in graph if op.kind == "opaque"]
     for op in experts:
-        assert set(op.params) == {"w_in", "w_out"} and op.params["w_in"].fqn.endswith("experts.gate_up_proj")
-        assert op.attrs["act"] == "silu" and op.attrs["gated"] and not op.attrs["transposed"]
+        assert set(op.params) == {"w_gate", "w_up", "w_out"} and op.params["w_out"].fqn.endswith("experts.down_proj")
+        # the gate and up halves: blocks of the stacked gate_up_proj [E, 2I, H]
+        e, inner, hidden = op.params["w_up"].shape
+        assert {op.params[n].fqn.rsplit(".", 1)[-1] for n in ("w_gate", "w_up")} == {"gate_up_proj"}
+        assert op.params["w_gate"].box == ((0, e), (0, inner), (0, hidden))
+        assert op.params["w_up"].box == ((0, e), (inner, 2 * inner), (0, hidden))
+        assert op.attrs == {"act": "silu", "transposed": False, "input_shapes": op.attrs["input_shapes"]}
         assert graph[op.inputs[1].op].kind == "topk" and op.inputs[1].index == 1 and op.inputs[2].index == 0
-        tokens, hidden = op.outputs[0].shape
-        e, din, _ = op.params["w_in"].shape
+        tokens, _ = op.outputs[0].shape
         pairs = tokens * 2  # top-2 routing
-        assert op.fwd_flops >= pairs * (2 * din * hidden + 2 * (din // 2) * hidden)
-        assert {d.name: d.splittable for d in dims_of(op)} == {"sample": True, "experts": True}
+        assert op.fwd_flops >= pairs * 2 * 3 * inner * hidden
+        assert {d.name: d.splittable for d in dims_of(op)} == {"sample": True, "experts": True, "inner": True}
 
 
 def test_mixtral_trains_split_by_expert_and_by_token_as_one_process():
     """On 2 processes: data parallel, every experts op split over its experts (each process holds half of
-    the experts and runs the tokens routed to them), the expert-parallel baseline, a strategy drawn from
-    the search's space and a random valid one, each verified against one process."""
+    the experts and runs the tokens routed to them), tensor parallelism (every expert's inner units split),
+    the expert-parallel baseline, a strategy drawn from the search's space and a random valid one, each
+    verified against one process."""
     graph = hf_graph("mixtral")
     build = functools.partial(hf_build, "mixtral")
     dp = {op.name: _data_parallel(op) for op in graph}
     by_expert = dp | {op.name: ParallelConfig(degrees={"experts": 2}, devices=(1, 0))
                       for op in graph if op.kind == "experts"}
     strategies = {"dp": Strategy(dp), "experts": Strategy(by_expert),
+                  "tp": parse_baseline("tp")(graph, load_topology("cpu-2")),
                   "hybrid:tp=1,ep=2": parse_baseline("hybrid:tp=1,ep=2")(graph, load_topology("cpu-2")),
                   "space": rc.space_strategy(graph, 2, random.Random(0)),
                   "random": rc.random_strategy(graph, 2, random.Random(1))}
@@ -243,7 +249,8 @@ def test_expert_parallel_baseline_splits_every_experts_op_over_experts_and_token
     for op in graph:
         if op.kind == "experts":
             assert dict(with_ep[op.name].degrees) == {"sample": 2, "experts": 4}
-            assert with_ep[op.name].devices == tuple(range(8)) and "experts" not in plain[op.name].degrees
+            assert with_ep[op.name].devices == tuple(range(8))
+            assert dict(plain[op.name].degrees) == {"sample": 4, "inner": 2}  # (tp: expert tensor parallelism)
         else:
             assert with_ep[op.name] == plain[op.name]
     for spec, refusal in (("hybrid:tp=2,ep=3", "ep=3 does not divide the 8 devices"),

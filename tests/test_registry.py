@@ -94,18 +94,18 @@ def _routed(tokens: int, experts: int, k: int) -> torch.Tensor:
     return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
 
 
-def _dense_experts(x, index, weights, w_in, w_out, b_in=None, b_out=None, *, act, gated, transposed):
+def _dense_experts(x, index, weights, w_gate, w_up, w_out, b_gate=None, b_up=None, b_out=None, *, act,
+                   transposed):
     """A mixture of experts the plain way: every expert on every token, then each token's routed ones
     picked and weighted (the reference for the `experts` kind, which runs only the routed pairs)."""
+    def product(h, w, b):
+        return h @ (w if transposed else w.T) + (0 if b is None else b)
+
     outs = []
-    for e in range(w_in.shape[0]):
-        h = x @ (w_in[e] if transposed else w_in[e].T) + (0 if b_in is None else b_in[e])
-        if gated:
-            half = h.shape[-1] // 2
-            h = act(h[:, :half]) * h[:, half:]
-        else:
-            h = act(h)
-        outs.append(h @ (w_out[e] if transposed else w_out[e].T) + (0 if b_out is None else b_out[e]))
+    for e in range(w_up.shape[0]):
+        up = product(x, w_up[e], None if b_up is None else b_up[e])
+        h = act(up) if w_gate is None else act(product(x, w_gate[e], None if b_gate is None else b_gate[e])) * up
+        outs.append(product(h, w_out[e], None if b_out is None else b_out[e]))
     every = torch.stack(outs)  # [E, T, H]
     rows = torch.arange(x.shape[0])
     return sum(weights[:, j, None] * every[index[:, j], rows] for j in range(index.shape[1]))
@@ -412,22 +412,30 @@ def _cases() -> list[Case]:
         Case(id="topk-smallest-axis1", kind="topk", inputs=(_rand(6, 8, 4),),
              attrs={"k": 2, "axis": 1, "largest": False},
              reference=lambda x: torch.topk(x, 2, dim=1, largest=False)),
-        # Mixtral's experts: 4 experts, each token routed to 2, gate and up projections stacked
+        # Mixtral's experts: 4 experts, each token routed to 2, gated
         Case(id="experts-gated", kind="experts",
              inputs=(_rand(8, 6), _routed(8, 4, 2), _rand(8, 2, seed=3).softmax(-1)),
-             params={"w_in": _rand(4, 10, 6, seed=4), "w_out": _rand(4, 6, 5, seed=5)},
-             attrs={"act": "silu", "gated": True, "transposed": False},
-             reference=lambda x, i, w, w_in, w_out: _dense_experts(x, i, w, w_in, w_out, act=F.silu, gated=True,
-                                                                   transposed=False)),
+             params={"w_gate": _rand(4, 4, 6, seed=4), "w_up": _rand(4, 4, 6, seed=8), "w_out": _rand(4, 6, 4, seed=5)},
+             attrs={"act": "silu", "transposed": False},
+             reference=lambda x, i, w, w_gate, w_up, w_out: _dense_experts(x, i, w, w_gate, w_up, w_out, act=F.silu,
+                                                                          transposed=False)),
         # weights stored [E, in, out], with biases, no gate (GPT-style experts), top-1 of 2
         Case(id="experts-transposed-biased", kind="experts",
              inputs=(_rand(6, 4), _routed(6, 2, 1), _rand(6, 1, seed=3)),
-             params={"w_in": _rand(2, 4, 5, seed=4), "w_out": _rand(2, 5, 4, seed=5), "b_in": _rand(2, 5, seed=6),
+             params={"w_up": _rand(2, 4, 6, seed=4), "w_out": _rand(2, 6, 4, seed=5), "b_up": _rand(2, 6, seed=6),
                      "b_out": _rand(2, 4, seed=7)},
-             attrs={"act": "gelu_tanh", "gated": False, "transposed": True},
-             reference=lambda x, i, w, w_in, w_out, b_in, b_out: _dense_experts(
-                 x, i, w, w_in, w_out, b_in, b_out, act=lambda v: F.gelu(v, approximate="tanh"), gated=False,
+             attrs={"act": "gelu_tanh", "transposed": True},
+             reference=lambda x, i, w, w_up, w_out, b_up, b_out: _dense_experts(
+                 x, i, w, None, w_up, w_out, None, b_up, b_out, act=lambda v: F.gelu(v, approximate="tanh"),
                  transposed=True)),
+        # gated, transposed, every bias
+        Case(id="experts-gated-transposed-biased", kind="experts",
+             inputs=(_rand(4, 4), _routed(4, 2, 2), _rand(4, 2, seed=3)),
+             params={"w_gate": _rand(2, 4, 2, seed=4), "w_up": _rand(2, 4, 2, seed=8), "w_out": _rand(2, 2, 4, seed=5),
+                     "b_gate": _rand(2, 2, seed=9), "b_up": _rand(2, 2, seed=6), "b_out": _rand(2, 4, seed=7)},
+             attrs={"act": "relu", "transposed": True},
+             reference=lambda x, i, w, w_gate, w_up, w_out, b_gate, b_up, b_out: _dense_experts(
+                 x, i, w, w_gate, w_up, w_out, b_gate, b_up, b_out, act=F.relu, transposed=True)),
         Case(id="loss-cross_entropy", kind="loss", inputs=(_rand(8, 5), _ints(5, 8)),
              attrs={"fn": "cross_entropy", "reduction": "mean"}, reference=F.cross_entropy),
         Case(id="loss-cross_entropy-nd", kind="loss", inputs=(_rand(4, 5, 6), _ints(5, 4, 6)),

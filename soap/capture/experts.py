@@ -12,11 +12,12 @@ activation of the first half of ``gate_up_proj``'s output times its second half,
 optional biases, either weight layout, no expert parallelism of Hugging Face's own, no post-expert norm,
 an activation among `_ACTIVATIONS`) computes through one custom op, ``soapflow::experts``, instead. Its
 schema names the tokens [T, H], the routed experts [T, k] and their weights [T, k], and the stacked
-weights; capture maps it to the ``experts`` kind, which splits by token and by expert
-(soap/registry.py). The op's own computation (`mixture`, also the runtime's kernel) is what Hugging
-Face's computes: each routed (token, slot) pair through its expert, scaled by its weight, in the weight's
-dtype, summed over the k slots in slot order and cast back to the tokens' dtype. A module that does not
-fit keeps its own forward.
+weights, ``gate_up_proj`` passed as its gate and up halves (two blocks of the one parameter, so that
+an inner range of both is a box of each); capture maps it to the ``experts`` kind, which splits by
+token, by expert and by inner unit (soap/registry.py). The op's own computation (`mixture`, also the
+runtime's kernel) is what Hugging Face's computes: each routed (token, slot) pair through its expert,
+scaled by its weight, in the weight's dtype, summed over the k slots in slot order and cast back to the
+tokens' dtype. A module that does not fit keeps its own forward.
 
 Imports torch only.
 """
@@ -45,49 +46,52 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
         raise ValueError(f"unknown experts activation {name!r}; known: {', '.join(_ACTIVATIONS)}") from None
 
 
-def mixture(x: Tensor, index: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor, b_in: Tensor | None,
-            b_out: Tensor | None, *, act: str, gated: bool, transposed: bool, first: int = 0) -> Tensor:
+def mixture(x: Tensor, index: Tensor, weights: Tensor, w_gate: Tensor | None, w_up: Tensor, w_out: Tensor,
+            b_gate: Tensor | None = None, b_up: Tensor | None = None, b_out: Tensor | None = None, *, act: str,
+            transposed: bool, first: int = 0) -> Tensor:
     """sum over slots j of weights[t, j] * expert_{index[t, j]}(x[t]), for the experts the stacked weights
     hold: experts first, first + 1, ... (`first` > 0 or fewer experts than the routing knows: a part
     holding some experts, whose sum over the parts is the whole). Slots routed to other experts add 0.
 
-    An expert e: h = x @ w_in[e]^T (+ b_in[e]) (w_in[e] stored [Din, H]; [H, Din] `transposed`); with
-    `gated`, act(first half of h) * second half, else act(h); then the same product with w_out. Every held
-    expert runs, on no rows where none is routed to it, so that each gets a gradient (zero) as in torch.
+    An expert e: act(x @ w_gate[e]^T + b_gate[e]) * (x @ w_up[e]^T + b_up[e]) with a gate (`w_gate` not
+    None), else act(x @ w_up[e]^T + b_up[e]); then @ w_out[e]^T + b_out[e] (each bias optional; the
+    weights stored [E, I, H] and [E, H, I], or [E, H, I] and [E, I, H] `transposed`). Weights holding a
+    range of the inner width give partial sums of the output as well. Every held expert runs, on no rows
+    where none is routed to it, so that each gets a gradient (zero) as in torch.
     """
     fn = activation(act)
     tokens, k = index.shape
     slots = index.reshape(-1)
     scale = weights.reshape(-1)
-    dtype = torch.promote_types(w_in.dtype, scale.dtype)
+    dtype = torch.promote_types(w_up.dtype, scale.dtype)
     out = torch.zeros(tokens * k, x.shape[-1], dtype=dtype, device=x.device)
-    for j in range(w_in.shape[0]):
+
+    def product(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        h = h @ (w if transposed else w.T)
+        return h if b is None else h + b
+
+    for j in range(w_up.shape[0]):
         rows = (slots == first + j).nonzero().squeeze(1)
-        h = x[rows // k].to(w_in.dtype)
-        h = h @ (w_in[j] if transposed else w_in[j].T)
-        if b_in is not None:
-            h = h + b_in[j]
-        if gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = fn(gate) * up
+        h = x[rows // k].to(w_up.dtype)
+        up = product(h, w_up[j], None if b_up is None else b_up[j])
+        if w_gate is not None:
+            h = fn(product(h, w_gate[j], None if b_gate is None else b_gate[j])) * up
         else:
-            h = fn(h)
-        h = h @ (w_out[j] if transposed else w_out[j].T)
-        if b_out is not None:
-            h = h + b_out[j]
+            h = fn(up)
+        h = product(h, w_out[j], None if b_out is None else b_out[j])
         out = out.index_put((rows,), h * scale[rows, None])
     return out.view(tokens, k, -1).sum(dim=1).to(x.dtype)
 
 
 @torch.library.custom_op("soapflow::experts", mutates_args=())
-def _experts_op(x: Tensor, index: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor, b_in: Tensor | None,
-                b_out: Tensor | None, act: str, gated: bool, transposed: bool) -> Tensor:
-    return mixture(x, index, weights, w_in, w_out, b_in, b_out, act=act, gated=gated, transposed=transposed)
+def _experts_op(x: Tensor, index: Tensor, weights: Tensor, w_gate: Tensor | None, w_up: Tensor, w_out: Tensor,
+                b_gate: Tensor | None, b_up: Tensor | None, b_out: Tensor | None, act: str, transposed: bool) -> Tensor:
+    return mixture(x, index, weights, w_gate, w_up, w_out, b_gate, b_up, b_out, act=act, transposed=transposed)
 
 
 @_experts_op.register_fake
-def _(x: Tensor, index: Tensor, weights: Tensor, w_in: Tensor, w_out: Tensor, b_in: Tensor | None,
-      b_out: Tensor | None, act: str, gated: bool, transposed: bool) -> Tensor:
+def _(x: Tensor, index: Tensor, weights: Tensor, w_gate: Tensor | None, w_up: Tensor, w_out: Tensor,
+      b_gate: Tensor | None, b_up: Tensor | None, b_out: Tensor | None, act: str, transposed: bool) -> Tensor:
     return x.new_empty(x.shape)
 
 
@@ -124,21 +128,24 @@ def _fits(module: nn.Module) -> dict[str, Any] | None:
     w_in = "gate_up_proj" if module.has_gate else "up_proj"
     if not isinstance(getattr(module, w_in, None), nn.Parameter):
         return None
-    return {"act": act, "gated": bool(module.has_gate), "transposed": bool(module.is_transposed), "w_in": w_in,
+    return {"act": act, "gated": bool(module.has_gate), "transposed": bool(module.is_transposed),
             "bias": bool(module.has_bias)}
 
 
 def _one_call(module: nn.Module, how: dict[str, Any], traced: bool) -> Callable[..., Tensor]:
-    w_in = how["w_in"]
-
     def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        b_in = getattr(module, f"{w_in}_bias") if how["bias"] else None
+        # the gate and up halves of a stacked input projection: blocks of the one parameter
+        w_gate, w_up, b_gate, b_up = None, module.up_proj if not how["gated"] else None, None, None
+        if how["gated"]:
+            w_gate, w_up = module.gate_up_proj.chunk(2, dim=2 if how["transposed"] else 1)
+        if how["bias"]:
+            b_gate, b_up = module.gate_up_proj_bias.chunk(2, dim=1) if how["gated"] else (None, module.up_proj_bias)
         b_out = module.down_proj_bias if how["bias"] else None
         if traced:
-            return _experts_op(hidden_states, top_k_index, top_k_weights, getattr(module, w_in), module.down_proj,
-                               b_in, b_out, how["act"], how["gated"], how["transposed"])
-        return mixture(hidden_states, top_k_index, top_k_weights, getattr(module, w_in), module.down_proj, b_in,
-                       b_out, act=how["act"], gated=how["gated"], transposed=how["transposed"])
+            return _experts_op(hidden_states, top_k_index, top_k_weights, w_gate, w_up, module.down_proj, b_gate,
+                               b_up, b_out, how["act"], how["transposed"])
+        return mixture(hidden_states, top_k_index, top_k_weights, w_gate, w_up, module.down_proj, b_gate, b_up,
+                       b_out, act=how["act"], transposed=how["transposed"])
 
     return forward
 

@@ -799,11 +799,12 @@ def _experts(b: _Context, call: _Call, a: dict[str, Any]) -> _Draft | None:
     x, index, weights = a["x"], a["index"], a["weights"]
     if not all(b.is_act(v) for v in (x, index, weights)) or len(_shape(x)) != 2:
         return None
-    params = _weights(b, w_in=a["w_in"], w_out=a["w_out"], b_in=a["b_in"], b_out=a["b_out"])
+    params = _weights(b, w_gate=a["w_gate"], w_up=a["w_up"], w_out=a["w_out"], b_gate=a["b_gate"], b_up=a["b_up"],
+                      b_out=a["b_out"])
     if params is None:
         return None
     return _Draft(kind="experts", inputs=[x, index, weights], params=params,
-                  attrs={"act": a["act"], "gated": bool(a["gated"]), "transposed": bool(a["transposed"])})
+                  attrs={"act": a["act"], "transposed": bool(a["transposed"])})
 
 
 @_maps("dropout", "feature_dropout")
