@@ -171,6 +171,32 @@ def mixtral(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     return _example(_causal_lm(config), batch_size, seq)
 
 
+class LogitsAndRouterLoss(nn.Module):
+    """A Hugging Face mixture of experts called on token ids, returning its logits and its load-balancing
+    loss (``output_router_logits``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(input_ids=ids, output_router_logits=True)
+        return out.logits, out.aux_loss
+
+
+def lm_and_router_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    """The language-model loss plus the load-balancing loss at Mixtral's coefficient, 0.02."""
+    logits, router_loss = output
+    return lm_cross_entropy(logits, target) + 0.02 * router_loss
+
+
+def mixtral_balanced(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
+    """Mixtral (as `mixtral`) trained with its load-balancing loss: the router's probabilities and picks over
+    the whole batch (how many tokens each expert gets) enter the loss."""
+    module, example, _ = mixtral(batch_size, seq=seq)
+    return LogitsAndRouterLoss(module.model), example, lm_and_router_loss
+
+
 def qwen2_moe(batch_size: int = 4, *, seq: int = SEQ) -> tuple:
     """Qwen2-MoE: 2 layers, width 64, 4 query heads over 2 kv heads, 4 experts routed top-2 beside a shared
     expert scaled by a sigmoid gate."""
@@ -292,5 +318,5 @@ def mobilenet_v2(batch_size: int = 4, *, image: int = 32) -> tuple:
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom,
           "mistral": mistral, "qwen2": qwen2, "phi": phi, "gemma": gemma, "roberta": roberta, "bart": bart,
-          "vit": vit, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3, "falcon": falcon,
-          "swin": swin, "mobilenet_v2": mobilenet_v2, "t5": t5}
+          "vit": vit, "mixtral": mixtral, "mixtral_balanced": mixtral_balanced, "qwen2_moe": qwen2_moe,
+          "deepseek_v3": deepseek_v3, "falcon": falcon, "swin": swin, "mobilenet_v2": mobilenet_v2, "t5": t5}

@@ -1,8 +1,8 @@
 """Hugging Face models (GPT-2, Llama, BERT from tiny random configs, tests/hf_models.py) capture into real,
 splittable op kinds and train under soapflow's strategies exactly as in one process; the wider corpus (GPT-NeoX,
-OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART, T5, ViT, Swin, MobileNetV2, Mixtral, Qwen2-MoE,
-DeepSeek-V3, Falcon) captures with no opaque op carrying FLOPs or parameters beyond the documented
-`OPAQUE_ALLOWANCE`, and optimizes and verifies on cpu-2.
+OPT, BLOOM, Mistral, Qwen2, Phi, Gemma, RoBERTa, BART, T5, ViT, Swin, MobileNetV2, Mixtral (also with its
+load-balancing loss), Qwen2-MoE, DeepSeek-V3, Falcon) captures with no opaque op carrying FLOPs or parameters
+beyond the documented `OPAQUE_ALLOWANCE`, and optimizes and verifies on cpu-2.
 
 Needs the optional extra `hf` (`pip install 'soapflow[hf]'`); the tests skip without it. The multi-process
 ones are marked slow.
@@ -222,8 +222,9 @@ def test_mixtral_captures_its_router_and_experts_as_splittable_ops():
 def test_mixtral_trains_split_by_expert_and_by_token_as_one_process():
     """On 2 processes: data parallel, every experts op split over its experts (each process holds half of
     the experts and runs the tokens routed to them), tensor parallelism (every expert's inner units split),
-    the expert-parallel baseline, a strategy drawn from the search's space and a random valid one, each
-    verified against one process."""
+    the expert-parallel baseline, a strategy drawn from the search's space and a random valid one, and the
+    expert-parallel baseline of Mixtral trained with its load-balancing loss, each verified against one
+    process."""
     graph = hf_graph("mixtral")
     build = functools.partial(hf_build, "mixtral")
     dp = {op.name: _data_parallel(op) for op in graph}
@@ -236,6 +237,11 @@ def test_mixtral_trains_split_by_expert_and_by_token_as_one_process():
                   "random": rc.random_strategy(graph, 2, random.Random(1))}
     cases = [{"label": f"mixtral/{label}", "kind": "train", "build": build, "graph": graph.to_dict(),
               "strategy": rc.configs(s), "options": rc.DEFAULT_OPTIONS} for label, s in strategies.items()]
+    balanced = hf_graph("mixtral_balanced")  # (with the load-balancing loss over the whole batch's routing)
+    cases.append({"label": "mixtral_balanced/hybrid:tp=1,ep=2", "kind": "train",
+                  "build": functools.partial(hf_build, "mixtral_balanced"), "graph": balanced.to_dict(),
+                  "strategy": rc.configs(parse_baseline("hybrid:tp=1,ep=2")(balanced, load_topology("cpu-2"))),
+                  "options": rc.DEFAULT_OPTIONS})
     results = launch(rc.run_cases, 2, kwargs={"cases": cases}, timeout_s=120, wall_timeout_s=600, num_threads=1)
     bad = rc.failures(results[0], cases=cases, num_devices=2)
     assert not bad, "\n".join(bad)
