@@ -92,13 +92,14 @@ def _frozen(table: Mapping[str, Mapping[str, float]]) -> Mapping[str, Mapping[st
 
 
 # Fraction of the datasheet peak FLOP/s a part sustains, by device kind then op kind ('*' = any). Starting
-# figures in the range cuDNN/cuBLAS reach on large shapes (convolutions ~50-60%, GEMMs ~70%, recurrent
-# cells ~35%); calibration fits them per machine. Memory-bound kinds are limited by the bandwidth term.
+# figures in the range cuDNN/cuBLAS reach on large shapes (convolutions ~50-60%, GEMMs ~70%, a mixture of
+# experts' grouped GEMMs as GEMMs, recurrent cells ~35%); calibration fits them per machine. Memory-bound
+# kinds are limited by the bandwidth term.
 DEFAULT_EFFICIENCY: Mapping[str, Mapping[str, float]] = _frozen({
-    "*": {"*": 0.5, "conv2d": 0.55, "conv1d": 0.55, "linear": 0.7, "matmul": 0.7, "lstm": 0.35, "gru": 0.35,
-          "rnn": 0.35, "attention": 0.45},
-    "cpu": {"*": 0.6, "conv2d": 0.5, "conv1d": 0.5, "linear": 0.8, "matmul": 0.8, "lstm": 0.5, "gru": 0.5, "rnn": 0.5,
-            "attention": 0.5},
+    "*": {"*": 0.5, "conv2d": 0.55, "conv1d": 0.55, "linear": 0.7, "matmul": 0.7, "experts": 0.7, "lstm": 0.35,
+          "gru": 0.35, "rnn": 0.35, "attention": 0.45},
+    "cpu": {"*": 0.6, "conv2d": 0.5, "conv1d": 0.5, "linear": 0.8, "matmul": 0.8, "experts": 0.8, "lstm": 0.5,
+            "gru": 0.5, "rnn": 0.5, "attention": 0.5},
 })
 # Fraction of the datasheet memory bandwidth a streaming kernel reaches (STREAM-like), by device kind.
 DEFAULT_BANDWIDTH_EFFICIENCY: Mapping[str, float] = MappingProxyType({"*": 0.8, "cpu": 0.7})
@@ -150,8 +151,8 @@ class AnalyticalCostModel:
 
     On a GPU kind with a row in `kernel_fits` (default `simulator.kernel_efficiency.KERNEL_FITS`: p100,
     v100, k80, h100; a row keyed ``kind:dtype`` holds that kind's fit for another dtype, h100's bfloat16)
-    and ops of the fitted dtype, the efficiency depends on the kernel: the parts of linear,
-    matmul, conv2d (conv1d), recurrent (lstm, gru, rnn) and attention ops are priced by the GEMMs they run
+    and ops of the fitted dtype, the efficiency depends on the kernel: the parts of linear, matmul, conv2d
+    (conv1d), recurrent (lstm, gru, rnn), attention and experts ops are priced by the GEMMs they run
     (forward; data and weight gradients in backward), by waves of tiles over the SMs at the sustained
     clock, one launch per GEMM (per time step of a recurrence); other ops by the roofline at the sustained
     peak times the kind's fitted `eff_max`, or by bandwidth. A device kind named in `efficiency` keeps the

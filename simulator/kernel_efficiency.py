@@ -234,6 +234,15 @@ def op_gemms(op: Operator, box: Box, grads: Sequence[bool] | None = None
             if layer > 0 or _input_grad(op, grads, 0):
                 bwd.append(Gemm(b * t, i, g))
         return fwd, bwd
+    if op.kind == "experts":  # per held expert: its routed rows through the up (and gate) and down products
+        (t0, t1), (e0, e1), (i0, i1) = box
+        w_up = op.params["w_up"].shape
+        experts, hidden = w_up[0], w_up[1] if op.attrs.get("transposed", False) else w_up[2]
+        rows = max(1, math.ceil((t1 - t0) * input_shape(op, 1)[1] / experts))  # even routing (the registry's)
+        e, i, ins = e1 - e0, i1 - i0, 2 if "w_gate" in op.params else 1
+        fwd = [Gemm(rows, i, hidden, e)] * ins + [Gemm(rows, hidden, i, e)]
+        bwd = [Gemm(rows, i, hidden, e)] + [Gemm(rows, hidden, i, e)] * (ins if _input_grad(op, grads, 0) else 0)
+        return fwd, bwd + [Gemm(i, hidden, rows, e)] * ins + [Gemm(hidden, i, rows, e)]
     if op.kind == "attention":
         n, heads, tq = (_span(r) for r in box[:3])
         tk, d, dv = input_shape(op, 1)[2], input_shape(op, 0)[3], input_shape(op, 2)[3]

@@ -186,3 +186,25 @@ def test_recurrent_cells_are_priced_by_their_gate_gemms():
         half = ((box[0]), (0, box[1][1] // 2), box[2])  # the first half of the time steps
         assert sum(g.flops for g in op_gemms(op, half)[0]) == pytest.approx(forward[op.kind] / 2)
     assert forward["lstm"] / 4 == pytest.approx(forward["gru"] / 3) == pytest.approx(forward["rnn"])
+
+
+def test_a_mixture_of_experts_runs_the_routed_pairs_products():
+    """An experts op's GEMMs, per held expert its share of the routed (token, slot) pairs through the gate,
+    up and down products, count the registry's product FLOPs, and a part holding half the experts and half
+    their inner units a quarter of them."""
+    from simulator.kernel_efficiency import op_gemms
+
+    op = Operator(name="moe", kind="experts", inputs=(TensorRef(op="x"), TensorRef(op="i"), TensorRef(op="w")),
+                  outputs=(TensorSpec(shape=(64, 16)),),
+                  params={"w_gate": ParamSpec(shape=(8, 32, 16), fqn="m.g"),
+                          "w_up": ParamSpec(shape=(8, 32, 16), fqn="m.u"),
+                          "w_out": ParamSpec(shape=(8, 16, 32), fqn="m.o")},
+                  attrs={"act": "silu", "transposed": False, "input_shapes": [[64, 16], [64, 2], [64, 2]]})
+    box = whole(op)
+    fwd, bwd = op_gemms(op, box, grads=[True, False, True])
+    products = 64 * 2 * 2 * 3 * 32 * 16  # the pairs, 2 FLOPs a multiply-add, three products of 32 x 16
+    assert sum(g.flops for g in fwd) == pytest.approx(products)
+    assert products < op_def("experts").flops(op) < 1.1 * products
+    assert sum(g.flops for g in bwd) == pytest.approx(2 * products)  # the data and the weight gradients
+    quarter = (box[0], (0, 4), (0, 16))
+    assert sum(g.flops for g in op_gemms(op, quarter)[0]) == pytest.approx(products / 4)
