@@ -475,6 +475,8 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
                                     "(a device runs one part of a sharded op)")
     if ep > 1 and (pp > 1 or microbatches > 1):
         raise BaselineNotApplicable("hybrid: ep with pipeline stages or micro-batches is not built yet")
+    if ep > 1 and not any(op.kind == "experts" for op in graph):
+        raise BaselineNotApplicable("hybrid: ep needs a mixture of experts (an experts op); the model has none")
     for op in graph:
         if op.kind == "input":
             sample = _sample(op)
@@ -506,8 +508,6 @@ def hybrid(graph: OperatorGraph, topology: DeviceTopology, *, tp_size: int, shar
         if ep > 1 and op.kind == "experts":
             cfg = _expert_parallel(op, ep, n)
         configs[op.name] = _sharded(op, cfg, shard, shared)
-    if ep > 1 and not any(op.kind == "experts" for op in graph):
-        raise BaselineNotApplicable("hybrid: ep needs a mixture of experts (an experts op); the model has none")
     strategy = Strategy(configs)
     return recompute_full(graph, strategy) if recompute == "full" else strategy
 

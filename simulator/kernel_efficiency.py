@@ -49,6 +49,7 @@ from types import MappingProxyType
 
 from soap.graph import DTYPE_BYTES, Operator
 from soap.opdef import Box, input_shape
+from soap.registry import op_def
 
 # Candidate thread-block tiles (tm, tn): the shapes cuBLAS's SGEMM kernels use, large to skinny.
 TILES = ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32), (32, 128), (64, 32), (32, 64), (32, 32),
@@ -235,11 +236,10 @@ def op_gemms(op: Operator, box: Box, grads: Sequence[bool] | None = None
                 bwd.append(Gemm(b * t, i, g))
         return fwd, bwd
     if op.kind == "experts":  # per held expert: its routed rows through the up (and gate) and down products
-        (t0, t1), (e0, e1), (i0, i1) = box
-        w_up = op.params["w_up"].shape
-        experts, hidden = w_up[0], w_up[1] if op.attrs.get("transposed", False) else w_up[2]
-        rows = max(1, math.ceil((t1 - t0) * input_shape(op, 1)[1] / experts))  # even routing (the registry's)
-        e, i, ins = e1 - e0, i1 - i0, 2 if "w_gate" in op.params else 1
+        entry = op_def(op.kind)
+        hidden = entry.widths(op)[2]
+        e, i, ins = _span(box[1]), _span(box[2]), entry.products(op) - 1
+        rows = max(1, math.ceil(entry.routed_pairs(op, box) / e))  # even routing (the registry's)
         fwd = [Gemm(rows, i, hidden, e)] * ins + [Gemm(rows, hidden, i, e)]
         bwd = [Gemm(rows, i, hidden, e)] + [Gemm(rows, hidden, i, e)] * (ins if _input_grad(op, grads, 0) else 0)
         return fwd, bwd + [Gemm(i, hidden, rows, e)] * ins + [Gemm(hidden, i, rows, e)]

@@ -606,6 +606,10 @@ class Experts(OpDef):
             regions["b_out"] = (experts, (0, h))
         return regions
 
+    def products(self, op: Operator) -> int:
+        """The products each expert runs: gate, up and down (3), or up and down without a gate (2)."""
+        return 3 if "w_gate" in op.params else 2
+
     def routed_pairs(self, op: Operator, box: Box) -> float:
         """The (token, slot) pairs part `box` runs on average: its tokens' pairs, its share of the experts."""
         (t0, t1), (e0, e1), _ = box
@@ -613,7 +617,7 @@ class Experts(OpDef):
 
     def flops(self, op: Operator) -> float:
         _, inner, h = self.widths(op)
-        projections = 3 if "w_gate" in op.params else 2
+        projections = self.products(op)
         pairs = self.routed_pairs(op, full_box(self.dims(op)))
         # the products, the activation (and the gate's product), the weighting, the sum over slots
         return pairs * (2.0 * projections * inner * h + (projections - 1) * inner + 2.0 * h)
@@ -622,8 +626,8 @@ class Experts(OpDef):
         # per routed pair: the gathered token, the projections' outputs, the activation, the output row
         i0, i1 = box[2]
         h = self.widths(op)[2]
-        projections = 3 if "w_gate" in op.params else 2
-        return int(self.routed_pairs(op, box) * (2 * h + projections * (i1 - i0))) * DTYPE_BYTES[op.outputs[0].dtype]
+        per_pair = 2 * h + self.products(op) * (i1 - i0)
+        return int(self.routed_pairs(op, box) * per_pair) * DTYPE_BYTES[op.outputs[0].dtype]
 
 
 class _Recurrent(OpDef):

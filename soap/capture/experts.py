@@ -135,11 +135,12 @@ def _fits(module: nn.Module) -> dict[str, Any] | None:
 def _one_call(module: nn.Module, how: dict[str, Any], traced: bool) -> Callable[..., Tensor]:
     def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         # the gate and up halves of a stacked input projection: blocks of the one parameter
-        w_gate, w_up, b_gate, b_up = None, module.up_proj if not how["gated"] else None, None, None
         if how["gated"]:
             w_gate, w_up = module.gate_up_proj.chunk(2, dim=2 if how["transposed"] else 1)
-        if how["bias"]:
-            b_gate, b_up = module.gate_up_proj_bias.chunk(2, dim=1) if how["gated"] else (None, module.up_proj_bias)
+            b_gate, b_up = module.gate_up_proj_bias.chunk(2, dim=1) if how["bias"] else (None, None)
+        else:
+            w_gate, w_up = None, module.up_proj
+            b_gate, b_up = None, module.up_proj_bias if how["bias"] else None
         b_out = module.down_proj_bias if how["bias"] else None
         if traced:
             return _experts_op(hidden_states, top_k_index, top_k_weights, w_gate, w_up, module.down_proj, b_gate,

@@ -533,8 +533,6 @@ class _Appender:
         return self.cursor
 
 
-
-
 def _recurrences_apart(graph: fx.Graph) -> None:
     """Give the calling module, in place, every node a recurrent module's call makes besides its
     recurrences, their outputs and the zero states they start from: the dropouts between the layers and
